@@ -1,0 +1,46 @@
+# pallas_norm: the two README commands are `make demo` and `make test`.
+# Each sets up its own virtualenv (.venv) from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench gpu-check clean venv
+
+$(VENV)/.stamp-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+$(VENV)/.stamp-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+venv: $(VENV)/.stamp-test
+
+# CPU test suite: Pallas interpret mode + the Triton interpreter + the notebooks.
+test: $(VENV)/.stamp-test
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The main job: a jax.jit training loop of a Flax model on real text (CPU by default).
+demo: $(VENV)/.stamp-demo
+	$(PY) -m pallas_norm.demo $(DEMO_ARGS)
+
+# GPU machine only (no network): its own python3 with preinstalled jax/flax/torch,
+# plus the wheels that ../shared/tools/device-wheels.sh put in .whl/.
+GPU_SITE ?= /tmp/pallas_norm_site
+define gpu_env
+if ls .whl/*.whl >/dev/null 2>&1; then \
+  $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl; fi; \
+export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
+endef
+
+gpu-check:
+	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider -m "not cpu_only" --gpu $(PYTEST_ARGS) tests
+
+bench:
+	$(gpu_env) XLA_FLAGS="$$XLA_FLAGS --xla_gpu_enable_command_buffer=" $(PYTHON) -m pallas_norm.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,60 @@
+"""Pure-jnp reference for RMSNorm and LayerNorm (fp32 math, two-pass variance).
+
+This is the oracle the tests, the benchmark and ``backend="xla"`` all use: nobody
+re-derives it. It matches ``torch.nn.functional.rms_norm`` / ``layer_norm``:
+statistics in float32, output cast back to x's dtype.
+
+    mean = sum(x) / N                       (LayerNorm only; 0 for RMSNorm)
+    var  = sum((x - mean)**2) / N            (LayerNorm: biased, two-pass)
+    ms   = sum(x**2) / N                     (RMSNorm)
+    rstd = 1 / sqrt(var_or_ms + eps)
+    y    = (x - mean) * rstd * (scale_offset + scale) + bias
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["norm"]
+
+
+def norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    eps: float,
+    scale_offset: float = 0.0,
+    subtract_mean: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Reference RMSNorm (``subtract_mean=False``) or LayerNorm (``True``).
+
+  Args:
+    x: [..., N] float array.
+    scale: [N] or None.
+    bias: [N] or None.
+    eps: added to the variance (or mean square) before the square root.
+    scale_offset: y = x_hat * (scale_offset + scale).
+    subtract_mean: True for LayerNorm, False for RMSNorm.
+
+  Returns:
+    (y, mean, rstd): y is [..., N] in x's dtype; mean and rstd are [...] float32
+    (mean is zeros for RMSNorm).
+  """
+  xf = x.astype(jnp.float32)  # [..., N] f32
+  if subtract_mean:
+    mean = jnp.mean(xf, axis=-1)  # [...] f32
+    xc = xf - mean[..., None]
+    var = jnp.mean(xc * xc, axis=-1)
+  else:
+    mean = jnp.zeros(xf.shape[:-1], jnp.float32)
+    xc = xf
+    var = jnp.mean(xf * xf, axis=-1)
+  rstd = jax.lax.rsqrt(var + jnp.float32(eps))  # [...] f32
+  y = xc * rstd[..., None]
+  if scale is not None:
+    y = y * (jnp.float32(scale_offset) + scale.astype(jnp.float32))
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(x.dtype), mean, rstd
