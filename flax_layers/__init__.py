@@ -1,0 +1,204 @@
+"""Flax NNX layers backed by the fused ``pallas_norm`` ops.
+
+``RMSNorm`` and ``LayerNorm`` take the same constructor arguments, create the same
+parameters (``scale``, ``bias``: names, shapes, dtypes, initialisers and rng draws) and
+promote dtypes the same way as ``flax.nnx.RMSNorm`` / ``flax.nnx.LayerNorm``, so they
+drop into a model built for flax's layers. They add ``scale_offset``, ``mode`` and
+``backend``, which pass through to ``pallas_norm.rms_norm`` / ``layer_norm``.
+The Linen twins live in ``flax_layers.linen``.
+
+Differences from flax: the normalised axis is always the last one (flax's
+``reduction_axes=-1`` / ``feature_axes=-1`` defaults); there is no ``mask``,
+``axis_name`` or ``promote_dtype`` argument; LayerNorm always uses the two-pass
+variance (flax's ``use_fast_variance=False``), which is at least as accurate.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes as _dtypes
+
+from flax_layers import linen
+from pallas_norm import ops as _ops
+
+__all__ = ["RMSNorm", "LayerNorm", "linen"]
+
+
+class RMSNorm(nnx.Module):
+  """RMS layer normalization (https://arxiv.org/abs/1910.07467), fused.
+
+  A drop-in for ``flax.nnx.RMSNorm`` that calls ``pallas_norm.rms_norm``: it
+  normalises the last axis by its root mean square, with statistics in float32, and
+  multiplies by ``scale_offset + scale``.
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax
+    >>> import pallas_norm
+
+    >>> x = jax.random.normal(jax.random.key(0), (5, 6))
+    >>> layer = pallas_norm.RMSNorm(num_features=6, rngs=nnx.Rngs(0))
+
+    >>> nnx.state(layer)
+    State({
+      'scale': Param( # 6 (24 B)
+        value=Array([1., 1., 1., 1., 1., 1.], dtype=float32)
+      )
+    })
+
+    >>> y = layer(x)
+
+  Args:
+    num_features: the number of input features (the size of the last axis).
+    epsilon: a small float added to the mean square to avoid dividing by zero
+      (default: 1e-6, flax's).
+    dtype: the dtype of the result (default: None, the result type of the input
+      and the parameters, as in flax).
+    param_dtype: the dtype passed to parameter initializers (default: float32).
+    use_scale: if True (default), multiply by ``scale_offset + scale``.
+    scale_init: initializer for scale (default: ones).
+    scale_offset: y = x_hat * (scale_offset + scale) (default: 0.0); use 1.0 with
+      ``scale_init=nnx.initializers.zeros`` for Gemma's zero-centred gamma.
+    mode: the kernel mode, passed to ``pallas_norm.rms_norm`` (default: None, the
+      heuristic picks).
+    backend: "pallas" (default), "triton" or "xla", passed to
+      ``pallas_norm.rms_norm``.
+    rngs: rng key.
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      epsilon: float = 1e-6,
+      dtype: tp.Any | None = None,
+      param_dtype: tp.Any = jnp.float32,
+      use_scale: bool = True,
+      scale_init: nnx.Initializer = nnx.initializers.ones,
+      scale_offset: float = 0.0,
+      mode: str | None = None,
+      backend: str = "pallas",
+      rngs: nnx.Rngs,
+  ):
+    feature_shape = (num_features,)
+    self.scale: nnx.Param[jax.Array] | None
+    if use_scale:
+      self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype))
+    else:
+      self.scale = nnx.data(None)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_scale = use_scale
+    self.scale_offset = scale_offset
+    self.mode = mode
+    self.backend = backend
+
+  def __call__(self, x):
+    """Normalises ``x: [..., num_features]``; returns the same shape."""
+    scale = None if self.scale is None else self.scale[...]
+    x, scale = _dtypes.promote_dtype((x, scale), dtype=self.dtype)
+    return _ops.rms_norm(x, scale, eps=float(self.epsilon),
+                         scale_offset=float(self.scale_offset), mode=self.mode,
+                         backend=self.backend)
+
+
+class LayerNorm(nnx.Module):
+  """Layer normalization (https://arxiv.org/abs/1607.06450), fused.
+
+  A drop-in for ``flax.nnx.LayerNorm`` that calls ``pallas_norm.layer_norm``: it
+  subtracts the mean of the last axis, divides by its standard deviation (float32
+  statistics), multiplies by ``scale_offset + scale`` and adds ``bias``.
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax
+    >>> import pallas_norm
+
+    >>> x = jax.random.normal(jax.random.key(0), (3, 4, 5, 6))
+    >>> layer = pallas_norm.LayerNorm(num_features=6, rngs=nnx.Rngs(0))
+
+    >>> nnx.state(layer)
+    State({
+      'bias': Param( # 6 (24 B)
+        value=Array([0., 0., 0., 0., 0., 0.], dtype=float32)
+      ),
+      'scale': Param( # 6 (24 B)
+        value=Array([1., 1., 1., 1., 1., 1.], dtype=float32)
+      )
+    })
+
+    >>> y = layer(x)
+
+  Args:
+    num_features: the number of input features (the size of the last axis).
+    epsilon: a small float added to the variance to avoid dividing by zero
+      (default: 1e-6, flax's).
+    dtype: the dtype of the result (default: None, the result type of the input
+      and the parameters, as in flax).
+    param_dtype: the dtype passed to parameter initializers (default: float32).
+    use_bias: if True (default), add ``bias`` (beta).
+    use_scale: if True (default), multiply by ``scale_offset + scale`` (gamma).
+    bias_init: initializer for bias (default: zeros).
+    scale_init: initializer for scale (default: ones).
+    scale_offset: y = x_hat * (scale_offset + scale) + bias (default: 0.0).
+    mode: the kernel mode, passed to ``pallas_norm.layer_norm`` (default: None, the
+      heuristic picks).
+    backend: "pallas" (default), "triton" or "xla", passed to
+      ``pallas_norm.layer_norm``.
+    rngs: rng key.
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      epsilon: float = 1e-6,
+      dtype: tp.Any | None = None,
+      param_dtype: tp.Any = jnp.float32,
+      use_bias: bool = True,
+      use_scale: bool = True,
+      bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
+      scale_init: nnx.Initializer = nnx.initializers.ones_init(),
+      scale_offset: float = 0.0,
+      mode: str | None = None,
+      backend: str = "pallas",
+      rngs: nnx.Rngs,
+  ):
+    feature_shape = (num_features,)
+    self.scale: nnx.Param[jax.Array] | None
+    if use_scale:
+      self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype))
+    else:
+      self.scale = nnx.data(None)
+    self.bias: nnx.Param[jax.Array] | None
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype))
+    else:
+      self.bias = nnx.data(None)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_bias = use_bias
+    self.use_scale = use_scale
+    self.scale_offset = scale_offset
+    self.mode = mode
+    self.backend = backend
+
+  def __call__(self, x):
+    """Normalises ``x: [..., num_features]``; returns the same shape."""
+    scale = None if self.scale is None else self.scale[...]
+    bias = None if self.bias is None else self.bias[...]
+    x, scale, bias = _dtypes.promote_dtype((x, scale, bias), dtype=self.dtype)
+    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
+                           scale_offset=float(self.scale_offset), mode=self.mode,
+                           backend=self.backend)
+

@@ -1,0 +1,136 @@
+"""Flax Linen layers backed by the fused ``pallas_norm`` ops.
+
+``RMSNorm`` and ``LayerNorm`` take the same attributes and create the same ``params``
+collection (``scale``, ``bias``: names, shapes, dtypes and initialisers) as
+``flax.linen.RMSNorm`` / ``flax.linen.LayerNorm``. The result dtype follows flax:
+``dtype`` if given, otherwise the result type of the input and the parameters. They
+add ``scale_offset``, ``mode`` and ``backend``, which pass through to
+``pallas_norm.rms_norm`` / ``layer_norm``. The normalised axis is always the last one.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import dtypes as _dtypes
+from flax.linen import initializers
+
+from pallas_norm import ops as _ops
+
+__all__ = ["RMSNorm", "LayerNorm"]
+
+
+def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses):
+  """Creates the [N] params named ``names`` and casts x to the result dtype."""
+  feature_shape = (jnp.shape(x)[-1],)
+  params = [mdl.param(name, init, feature_shape, mdl.param_dtype) if use else None
+            for name, init, use in zip(names, inits, uses)]
+  dtype = _dtypes.canonicalize_dtype(x, *params, dtype=mdl.dtype)
+  return jnp.asarray(x, dtype), params
+
+
+class RMSNorm(nn.Module):
+  """RMS layer normalization (https://arxiv.org/abs/1910.07467), fused.
+
+  A drop-in for ``flax.linen.RMSNorm`` that calls ``pallas_norm.rms_norm``.
+
+  Example usage::
+
+    >>> import jax
+    >>> from flax_layers import linen
+
+    >>> x = jax.random.normal(jax.random.key(0), (5, 6))
+    >>> layer = linen.RMSNorm()
+    >>> variables = layer.init(jax.random.key(1), x)
+    >>> variables
+    {'params': {'scale': Array([1., 1., 1., 1., 1., 1.], dtype=float32)}}
+    >>> y = layer.apply(variables, x)
+
+  Args:
+    epsilon: a small float added to the mean square to avoid dividing by zero
+      (default: 1e-6, flax's).
+    dtype: the dtype of the result (default: None, the result type of the input
+      and the parameters, as in flax).
+    param_dtype: the dtype passed to parameter initializers (default: float32).
+    use_scale: if True (default), multiply by ``scale_offset + scale``.
+    scale_init: initializer for scale (default: ones).
+    scale_offset: y = x_hat * (scale_offset + scale) (default: 0.0).
+    mode: the kernel mode, passed to ``pallas_norm.rms_norm`` (default: None, the
+      heuristic picks).
+    backend: "pallas" (default), "triton" or "xla".
+  """
+
+  epsilon: float = 1e-6
+  dtype: tp.Any | None = None
+  param_dtype: tp.Any = jnp.float32
+  use_scale: bool = True
+  scale_init: initializers.Initializer = initializers.ones
+  scale_offset: float = 0.0
+  mode: str | None = None
+  backend: str = "pallas"
+
+  @nn.compact
+  def __call__(self, x):
+    """Normalises ``x: [..., N]``; returns the same shape."""
+    x, (scale,) = _params_and_input(self, x, ("scale",), (self.scale_init,),
+                                    (self.use_scale,))
+    return _ops.rms_norm(x, scale, eps=float(self.epsilon),
+                         scale_offset=float(self.scale_offset), mode=self.mode,
+                         backend=self.backend)
+
+
+class LayerNorm(nn.Module):
+  """Layer normalization (https://arxiv.org/abs/1607.06450), fused.
+
+  A drop-in for ``flax.linen.LayerNorm`` that calls ``pallas_norm.layer_norm``.
+
+  Example usage::
+
+    >>> import jax
+    >>> from flax_layers import linen
+
+    >>> x = jax.random.normal(jax.random.key(0), (3, 4, 5, 6))
+    >>> layer = linen.LayerNorm()
+    >>> variables = layer.init(jax.random.key(1), x)
+    >>> variables
+    {'params': {'scale': Array([1., 1., 1., 1., 1., 1.], dtype=float32), 'bias': Array([0., 0., 0., 0., 0., 0.], dtype=float32)}}
+    >>> y = layer.apply(variables, x)
+
+  Args:
+    epsilon: a small float added to the variance to avoid dividing by zero
+      (default: 1e-6, flax's).
+    dtype: the dtype of the result (default: None, the result type of the input
+      and the parameters, as in flax).
+    param_dtype: the dtype passed to parameter initializers (default: float32).
+    use_bias: if True (default), add ``bias`` (beta).
+    use_scale: if True (default), multiply by ``scale_offset + scale`` (gamma).
+    bias_init: initializer for bias (default: zeros).
+    scale_init: initializer for scale (default: ones).
+    scale_offset: y = x_hat * (scale_offset + scale) + bias (default: 0.0).
+    mode: the kernel mode, passed to ``pallas_norm.layer_norm`` (default: None, the
+      heuristic picks).
+    backend: "pallas" (default), "triton" or "xla".
+  """
+
+  epsilon: float = 1e-6
+  dtype: tp.Any | None = None
+  param_dtype: tp.Any = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: initializers.Initializer = initializers.zeros
+  scale_init: initializers.Initializer = initializers.ones
+  scale_offset: float = 0.0
+  mode: str | None = None
+  backend: str = "pallas"
+
+  @nn.compact
+  def __call__(self, x):
+    """Normalises ``x: [..., N]``; returns the same shape."""
+    x, (scale, bias) = _params_and_input(self, x, ("scale", "bias"),
+                                         (self.scale_init, self.bias_init),
+                                         (self.use_scale, self.use_bias))
+    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
+                           scale_offset=float(self.scale_offset), mode=self.mode,
+                           backend=self.backend)
