@@ -1,0 +1,314 @@
+"""pallas_norm.rms_norm / layer_norm against PyTorch, forward and backward, every mode.
+
+Oracle: torch.nn.functional.rms_norm / layer_norm on the same (rounded) inputs, in the
+same dtype for parity and in float64 for the error bound. Tolerances scale with sqrt(N)
+for y and dx and with sqrt(M) for dscale and dbias. On CPU the kernels run in Pallas
+interpret mode; ``make gpu-check`` runs this file with interpret=False.
+"""
+
+import math
+
+import hypothesis
+import hypothesis.strategies as hst
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import pallas_norm
+from pallas_norm import config as pn_config
+
+MODES = pn_config.MODES
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+# M in {1, 7, 199, 1024} x N in {1, 3, 64, 760, 1000, 4096}, each value at least twice.
+SHAPES = [(1, 1), (7, 3), (199, 64), (1024, 760), (7, 1000), (199, 4096), (1, 4096),
+          (1024, 3), (199, 1), (1, 760), (7, 64), (1024, 1000)]
+# Relative error allowed on top of torch's own error, per dtype: about one output ulp.
+ULP = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-10}
+
+
+def _inputs(m, n, dtype, *, layer, seed=0, mean=0.0):
+  rng = np.random.default_rng(seed + 7919 * m + n)
+  x = (rng.standard_normal((m, n)) * 2.0 + mean).astype(np.float32)
+  scale = (1.0 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+  bias = rng.standard_normal(n).astype(np.float32) if layer else None
+  dy = rng.standard_normal((m, n)).astype(np.float32)
+  cast = lambda a: None if a is None else jnp.asarray(a, DTYPES[dtype])
+  return cast(x), cast(scale), cast(bias), cast(dy)
+
+
+def _torch(x, scale, bias, dy, *, layer, eps, dtype):
+  """torch forward + backward on the same values; returns numpy float64 arrays."""
+  t = lambda a: None if a is None else torch.tensor(
+      np.asarray(jnp.asarray(a, jnp.float32)), dtype=dtype, requires_grad=True)
+  xt, st, bt, dyt = t(x), t(scale), t(bias), t(dy)
+  n = xt.shape[-1]
+  if layer:
+    y = torch.nn.functional.layer_norm(xt, (n,), st, bt, eps)
+  else:
+    y = torch.nn.functional.rms_norm(xt, (n,), st, eps)
+  y.backward(dyt.detach())
+  out = [y, xt.grad, st.grad if st is not None else None, bt.grad if bt is not None else None]
+  return [None if a is None else a.detach().double().numpy() for a in out]
+
+
+def _ours(x, scale, bias, dy, *, layer, eps, mode):
+  if layer:
+    f = lambda x, s, b: pallas_norm.layer_norm(x, s, b, eps=eps, mode=mode)
+  else:
+    f = lambda x, s, b: pallas_norm.rms_norm(x, s, eps=eps, mode=mode)
+  y, vjp = jax.vjp(f, x, scale, bias)
+  return [y, *vjp(dy)]
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _check(name, ours, ref64, ref_same, *, dtype, scale_len):
+  """|ours - ref64| <= 2 max|torch_same - ref64| + 4 ulp sqrt(len) (1 + |ref64|)."""
+  assert ours is not None, name
+  got = _f64(ours)
+  assert got.shape == ref64.shape, (name, got.shape, ref64.shape)
+  err = np.abs(got - ref64)
+  torch_err = np.abs(ref_same - ref64)
+  tol = 2 * torch_err.max() + 4 * ULP[dtype] * math.sqrt(scale_len) * (1 + np.abs(ref64))
+  bad = ~(err <= tol)
+  assert not bad.any(), (f"{name}: {bad.sum()} of {bad.size} out of tolerance; max err "
+                         f"{err.max():.3e}, torch's {torch_err.max():.3e}")
+
+
+def _compare(m, n, dtype, mode, *, layer, eps=1e-5, mean=0.0, shape=None):
+  x, scale, bias, dy = _inputs(m, n, dtype, layer=layer, mean=mean)
+  if shape is not None:
+    x, dy = x.reshape(shape), dy.reshape(shape)
+  y, dx, dscale, dbias = _ours(x, scale, bias, dy, layer=layer, eps=eps, mode=mode)
+  assert y.dtype == x.dtype and y.shape == x.shape
+  assert dx.dtype == x.dtype and dx.shape == x.shape
+  assert dscale.dtype == scale.dtype and dscale.shape == (n,)
+  ref64 = _torch(x, scale, bias, dy, layer=layer, eps=eps, dtype=torch.float64)
+  same = _torch(x, scale, bias, dy, layer=layer, eps=eps, dtype=TORCH_DTYPES[dtype])
+  _check("y", y, ref64[0], same[0], dtype=dtype, scale_len=n)
+  _check("dx", dx, ref64[1], same[1], dtype=dtype, scale_len=n)
+  _check("dscale", dscale, ref64[2], same[2], dtype=dtype, scale_len=m)
+  if layer:
+    assert dbias.dtype == bias.dtype
+    _check("dbias", dbias, ref64[3], same[3], dtype=dtype, scale_len=m)
+  else:
+    assert dbias is None
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_matches_torch(m, n, dtype, mode, layer):
+  _compare(m, n, dtype, mode, layer=layer)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("mode", ["multi_wave_reload", "static_persistent"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_n(dtype, mode, layer):
+  _compare(3, 65536 + 3, dtype, mode, layer=layer)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_norm_large_mean(mode):
+  """x = 1000 + noise: E[x^2] - E[x]^2 would lose every digit in float32."""
+  _compare(7, 1000, "float32", mode, layer=True, mean=1000.0)
+  x = jnp.asarray(1000.0 + np.random.default_rng(0).standard_normal((4, 3000)) * 1e-2,
+                  jnp.float32)
+  y = _f64(pallas_norm.layer_norm(x, mode=mode))
+  xt = torch.tensor(np.asarray(x))
+  ref64 = torch.nn.functional.layer_norm(xt.double(), (3000,)).numpy()
+  ref32 = torch.nn.functional.layer_norm(xt, (3000,)).double().numpy()
+  # The f32 input itself is quantised at ulp(1000) = 6e-5, 0.6% of its spread: no
+  # float32 implementation is exact here. Be no worse than torch's float32 kernel.
+  assert np.abs(y - ref64).max() <= 1.25 * np.abs(ref32 - ref64).max()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 64), (2, 1, 3, 760)])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_rank_3_and_4(shape, layer):
+  m = math.prod(shape[:-1])
+  _compare(m, shape[-1], "float32", None, layer=layer, shape=shape)
+
+
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
+@hypothesis.given(m=hst.integers(1, 40), n=hst.integers(1, 2100),
+                  mode=hst.sampled_from(MODES + (None,)), layer=hst.booleans(),
+                  dtype=hst.sampled_from(list(DTYPES)))
+def test_property_random_shapes(m, n, mode, layer, dtype):
+  _compare(m, n, dtype, mode, layer=layer)
+
+
+def test_heuristic_modes():
+  dev = pn_config.DeviceInfo("gpu", "test", 132)
+  assert pn_config.choose_mode(32768, 128, jnp.bfloat16, dev) == "static_persistent"
+  assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "multi_wave_reload"
+  for m, n in [(1, 1), (4096, 4096), (32768, 128), (1024, 262144), (7, 760)]:
+    cfg = pn_config.forward_config(m, n, jnp.bfloat16, device=dev)
+    assert cfg.mode in MODES
+    if cfg.mode == "multi_wave_cached":
+      assert cfg.block_n >= n
+
+
+def test_caller_config_wins():
+  x, scale, _, _ = _inputs(9, 300, "float32", layer=False)
+  from pallas_norm.kernels import forward
+  cfg = pn_config.ForwardConfig("static_persistent", block_m=2, block_n=64, num_warps=4,
+                                num_programs=3)
+  y, _, rstd = forward.norm_forward(x, scale, None, eps=1e-6, scale_offset=0.0,
+                                    subtract_mean=False, config=cfg,
+                                    interpret=jax.default_backend() != "gpu")
+  ref = pallas_norm.rms_norm(x, scale, eps=1e-6, backend="xla")
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_eps_none_is_float32_eps():
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 64)) * 1e-4, jnp.float32)
+  y = pallas_norm.rms_norm(x)
+  ref = torch.nn.functional.rms_norm(torch.tensor(np.asarray(x)), (64,))  # eps=None
+  np.testing.assert_allclose(np.asarray(y), ref.numpy(), rtol=1e-5)
+  y_big = pallas_norm.rms_norm(x, eps=1e-6)  # a different eps matters at this scale
+  assert not np.allclose(np.asarray(y_big), ref.numpy(), rtol=1e-3)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_no_scale_and_scale_offset(layer):
+  x, scale, bias, _ = _inputs(7, 100, "float32", layer=layer)
+  f = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  y0 = f(x)
+  ref0 = f(x, backend="xla")
+  np.testing.assert_allclose(np.asarray(y0), np.asarray(ref0), rtol=1e-5, atol=1e-6)
+  y1 = f(x, scale, scale_offset=1.0)
+  ref1 = f(x, 1.0 + scale, backend="xla")
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(ref1), rtol=1e-5, atol=1e-5)
+  g = jax.grad(lambda s: jnp.sum(f(x, s, scale_offset=1.0) ** 2))(scale)
+  g_ref = jax.grad(lambda s: jnp.sum(f(x, 1.0 + s, backend="xla") ** 2))(scale)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_param_dtype():
+  x, _, _, _ = _inputs(7, 64, "bfloat16", layer=False)
+  scale = jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32)
+  y, vjp = jax.vjp(lambda x, s: pallas_norm.rms_norm(x, s), x, scale)
+  dx, ds = vjp(jnp.ones_like(y))
+  assert y.dtype == jnp.bfloat16 and dx.dtype == jnp.bfloat16 and ds.dtype == jnp.float32
+
+
+def test_nan_inf_propagate_like_torch():
+  x = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
+  x[1, 3] = np.nan
+  x[2, 5] = np.inf
+  for layer in (False, True):
+    f = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+    tf = torch.nn.functional.layer_norm if layer else torch.nn.functional.rms_norm
+    for mode in MODES:
+      y = np.asarray(f(jnp.asarray(x), mode=mode, eps=1e-5))
+      ref = tf(torch.tensor(x), (32,), eps=1e-5).numpy()
+      np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+      np.testing.assert_array_equal(np.isinf(y), np.isinf(ref))
+      np.testing.assert_allclose(y[[0, 3]], ref[[0, 3]], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_rows():
+  x = jnp.zeros((0, 16), jnp.float32)
+  assert pallas_norm.rms_norm(x).shape == (0, 16)
+  assert pallas_norm.layer_norm(jnp.zeros((2, 0, 8), jnp.bfloat16)).dtype == jnp.bfloat16
+  g = jax.grad(lambda s: jnp.sum(pallas_norm.rms_norm(x, s)))(jnp.ones(16))
+  np.testing.assert_array_equal(np.asarray(g), np.zeros(16))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: pallas_norm.rms_norm(jnp.float32(1.0)), ValueError, "rank"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 0))), ValueError, "N=0"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(5)), ValueError, "scale.shape"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), jnp.ones(4), jnp.ones((4, 1))),
+     ValueError, "bias.shape"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), eps=-1.0), ValueError, "eps"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4), jnp.int32)), TypeError, "dtype"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4), jnp.complex64)), TypeError, "dtype"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4, jnp.int32)), TypeError,
+     "scale"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), mode="fast"), ValueError,
+     "multi_wave_reload"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), backend="cuda"), ValueError, "xla"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((1, 40000)), mode="multi_wave_cached"),
+     NotImplementedError, "multi_wave_reload"),
+])
+def test_errors_before_any_kernel(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def test_jit_vmap_grad_checkpoint():
+  x, scale, bias, dy = _inputs(24, 96, "float32", layer=True)
+  xb = x.reshape(3, 8, 96)
+
+  def loss(x, s, b):
+    return jnp.sum(pallas_norm.layer_norm(x, s, b) * dy.reshape(x.shape))
+
+  def loss_ref(x, s, b):
+    return jnp.sum(pallas_norm.layer_norm(x, s, b, backend="xla") * dy.reshape(x.shape))
+
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xb, scale, bias)
+  g_ref = jax.grad(loss_ref, argnums=(0, 1, 2))(xb, scale, bias)
+  for a, r in zip(g, g_ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+  # vmap over a leading axis, scale shared, and with a batched scale.
+  yv = jax.vmap(lambda x: pallas_norm.rms_norm(x, scale))(xb)
+  np.testing.assert_allclose(np.asarray(yv), np.asarray(pallas_norm.rms_norm(xb, scale)),
+                             rtol=1e-6, atol=1e-6)
+  scales = jnp.stack([scale, 2 * scale, scale + 1])
+  yv2 = jax.jit(jax.vmap(lambda x, s: pallas_norm.rms_norm(x, s)))(xb, scales)
+  for i in range(3):
+    np.testing.assert_allclose(np.asarray(yv2[i]),
+                               np.asarray(pallas_norm.rms_norm(xb[i], scales[i])),
+                               rtol=1e-6, atol=1e-6)
+  gv = jax.vmap(jax.grad(lambda x, s: jnp.sum(pallas_norm.rms_norm(x, s) ** 2),
+                         argnums=(0, 1)), in_axes=(0, None))(xb, scale)
+  gv_ref = jax.vmap(jax.grad(lambda x, s: jnp.sum(pallas_norm.rms_norm(x, s,
+                                                                       backend="xla") ** 2),
+                             argnums=(0, 1)), in_axes=(0, None))(xb, scale)
+  for a, r in zip(gv, gv_ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+  # jax.checkpoint (remat) around the op.
+  gc = jax.grad(jax.checkpoint(loss), argnums=1)(xb, scale, bias)
+  np.testing.assert_allclose(np.asarray(gc), np.asarray(g_ref[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_deterministic():
+  x, scale, bias, dy = _inputs(1024, 760, "bfloat16", layer=True)
+  f = jax.jit(lambda x, s, b: jax.vjp(pallas_norm.layer_norm, x, s, b)[1](dy))
+  first = [np.asarray(a) for a in f(x, scale, bias)]
+  for _ in range(2):
+    again = [np.asarray(a) for a in f(x, scale, bias)]
+    for a, b in zip(first, again):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_saves_only_row_statistics():
+  """The forward residuals are x, the params and [M] f32 stats: no M x N temporary."""
+  x, scale, bias, _ = _inputs(64, 256, "bfloat16", layer=True)
+  _, res = jax.vjp(pallas_norm.layer_norm, x, scale, bias)
+  leaves = [a for a in jax.tree_util.tree_leaves(res) if hasattr(a, "shape")]
+  big = [a for a in leaves if a.size >= x.size]
+  assert len(big) == 1 and big[0].dtype == x.dtype  # x itself
+  stats = [a for a in leaves if a.shape == (64,)]
+  assert len(stats) == 2 and all(a.dtype == jnp.float32 for a in stats)
