@@ -1,0 +1,509 @@
+"""Plain Triton kernels for ``backend="triton"`` (called through jax-triton).
+
+The same algorithms as the Pallas kernels (``forward.py``, ``backward.py``), written as
+``@triton.jit`` kernels. RMSNorm and LayerNorm share every kernel through the
+``SUBTRACT_MEAN`` constexpr. Statistics are float32.
+
+Forward, per row (N = row length, eps added before the square root):
+
+    LayerNorm: mean = sum(x) / N;  var = sum((x - mean)**2) / N   (two-pass, or a chunked
+               Welford/Chan combine of exact per-chunk mean and M2; never E[x^2] - E[x]^2)
+    RMSNorm:   mean = 0;           var = sum(x**2) / N
+    rstd = rsqrt(var + eps);  y = (x - mean) * rstd * (scale_offset + scale) + bias
+
+Backward, per row (x_hat = (x - mean) * rstd, w = scale_offset + scale, g = dy * w, or
+g = dy without a scale):
+
+    c1 = sum(x_hat * g) / N
+    c2 = sum(g) / N                      (LayerNorm; 0 for RMSNorm)
+    dx = (g - (x_hat * c1 + c2)) * rstd
+    dscale = sum_rows(dy * x_hat)        dbias = sum_rows(dy)
+
+Stage 1 (``norm_bwd_kernel``) is persistent: program ``pid`` walks row blocks
+``pid, pid + G, ...`` and keeps one fp32 partial row of dscale / dbias, written to a
+``[G, N]`` buffer. Stage 2 (``partial_reduce_kernel``) sums ``[G, N] -> [N]`` in a fixed
+order and casts to the parameter dtype: no atomics, bitwise deterministic.
+
+Modes, as launch plans of the two forward code paths (``CHUNKED`` and ``PERSISTENT``):
+
+    multi_wave_cached   grid cdiv(M, block_m); one [block_m, block_n >= N] tile per program.
+    multi_wave_reload   grid cdiv(M, block_m); pass 1 over block_n chunks for the stats,
+                        pass 2 reloads x to normalise. Serves any N.
+    static_persistent   grid G = config.num_programs; grid-stride loop over row blocks.
+                        Single tile (scale/bias loaded once, before the loop) when
+                        block_n >= N, else the reload passes per row block.
+
+Batch axis: every kernel has a second grid axis of size ``batch`` (1 outside ``vmap``):
+the input is ``[batch, M, N]`` and scale/bias are ``[batch, N]`` rows at
+``param_stride`` (0 when shared). ``jax_triton.py`` uses it for ``vmap`` with a batched
+scale and for per-example dscale / dbias. With a batch, the G persistent programs are
+split over it (``cdiv(G, batch)`` per entry), so the partials stay about ``[G, N]``.
+
+Every launch parameter comes from ``forward_plan`` / ``backward_plan`` / ``reduce_plan``:
+the jax-triton glue and the torch test launcher both use them.
+
+Triton notes: pass 1 of the reload path loads x with ``evict_last`` (keep it in L2 for
+pass 2), pass 2 with ``evict_first``. Row offsets are int64 only when the plan sees a
+flat offset that could pass 2**31 - 1 (``USE_INT64``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from pallas_norm import config as _config
+
+__all__ = [
+    "LaunchPlan",
+    "forward_plan",
+    "backward_plan",
+    "reduce_plan",
+    "norm_fwd_kernel",
+    "norm_bwd_kernel",
+    "partial_reduce_kernel",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _row_ids(b, rb, M, BLOCK_M: tl.constexpr, USE_INT64: tl.constexpr):
+  """Rows of row block ``rb`` of batch entry ``b``.
+
+  Returns (rows [BLOCK_M] flat row ids, i64 when USE_INT64, row_mask [BLOCK_M]).
+  """
+  r = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] i32, row within the batch entry
+  rows = b * M + r
+  if USE_INT64:
+    rows = rows.to(tl.int64)
+  return rows, r < M
+
+
+@triton.jit
+def _load_param(ptr, offs, mask, OFFSET: tl.constexpr, HAS: tl.constexpr):
+  """OFFSET + p[offs] as f32 ([BLOCK_N]), or 0.0 (unused) when the param is absent."""
+  if HAS:
+    p = OFFSET + tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  else:
+    p = 0.0
+  return p
+
+
+@triton.jit
+def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+  """x_hat [BLOCK_M, BLOCK_N] f32 * w[None] + bias[None]."""
+  y = x_hat
+  if HAS_SCALE:
+    y = y * w[None, :]
+  if HAS_BIAS:
+    y = y + bias[None, :]
+  return y
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
+              EPS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              USE_INT64: tl.constexpr):
+  """One row block held in registers as a single [BLOCK_M, BLOCK_N >= N] tile."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  cols = tl.arange(0, BLOCK_N)
+  mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+  offs = rows[:, None] * N + cols[None, :]
+  x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+  if SUBTRACT_MEAN:
+    mean = tl.sum(x, axis=1) / N  # [BLOCK_M] f32
+    xc = tl.where(mask, x - mean[:, None], 0.0)  # two-pass variance, in registers
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+  else:
+    xc = x
+  rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + EPS)  # [BLOCK_M] f32
+  tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+  y = _affine(xc * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
+  tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
+                 param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+                 SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 USE_INT64: tl.constexpr):
+  """One row block walked in BLOCK_N chunks: stats pass, then a normalising reload."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  row_offs = rows[:, None] * N  # [BLOCK_M, 1]
+  cols0 = tl.arange(0, BLOCK_N)
+  mean = tl.zeros([BLOCK_M], tl.float32)
+  acc = tl.zeros([BLOCK_M], tl.float32)  # LayerNorm: M2; RMSNorm: sum of squares
+  # Pass 1: statistics. evict_last keeps x in L2 for the reload in pass 2.
+  for off in tl.range(0, N, BLOCK_N):
+    cols = off + cols0
+    mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_last").to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+    if SUBTRACT_MEAN:
+      # Chan et al. combine of (count, mean, M2) with this chunk's exact two-pass stats.
+      cnt = tl.minimum(N - off, BLOCK_N)
+      n_b = cnt.to(tl.float32)
+      n_ab = (off + cnt).to(tl.float32)
+      n_a = n_ab - n_b
+      mean_b = tl.sum(x, axis=1) / n_b  # [BLOCK_M] f32
+      d = tl.where(mask, x - mean_b[:, None], 0.0)
+      delta = mean_b - mean
+      mean = mean + delta * (n_b / n_ab)
+      acc = acc + tl.sum(d * d, axis=1) + delta * delta * (n_a * n_b / n_ab)
+    else:
+      acc += tl.sum(x * x, axis=1)
+  rstd = tl.rsqrt(acc / N + EPS)  # [BLOCK_M] f32
+  tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+  if SUBTRACT_MEAN:
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+  # Pass 2: reload x (evict_first: last use) and normalise.
+  for off in tl.range(0, N, BLOCK_N):
+    cols = off + cols0
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    if SUBTRACT_MEAN:
+      x = x - mean[:, None]
+    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    bias = _load_param(bias_ptr, b * param_stride + cols, col_mask, 0.0, HAS_BIAS)
+    y = _affine(x * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
+    tl.store(y_ptr + row_offs + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_fwd_kernel(
+    # inputs
+    x_ptr, scale_ptr, bias_ptr, M, N, param_stride,
+    # outputs
+    y_ptr, mean_ptr, rstd_ptr,
+    # statics
+    EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, PERSISTENT: tl.constexpr,
+    USE_INT64: tl.constexpr):
+  """Forward of every mode. Grid (programs, batch).
+
+  x: [batch, M, N]; scale, bias: [batch, N] rows at ``param_stride`` (unused when absent:
+  any pointer); y: [batch, M, N] x.dtype; mean (LayerNorm only), rstd: [batch, M] f32.
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  n_rb = tl.cdiv(M, BLOCK_M)
+  if CHUNKED:
+    if PERSISTENT:
+      for rb in tl.range(pid, n_rb, tl.num_programs(0)):
+        _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
+                     param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                     BLOCK_M, BLOCK_N, USE_INT64)
+    else:
+      _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, pid, M, N,
+                   param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                   BLOCK_M, BLOCK_N, USE_INT64)
+  else:
+    # Single tile: scale/bias are loaded once per program, before the row-block loop.
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    bias = _load_param(bias_ptr, b * param_stride + cols, col_mask, 0.0, HAS_BIAS)
+    if PERSISTENT:
+      for rb in tl.range(pid, n_rb, tl.num_programs(0)):
+        _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N, EPS,
+                  SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
+    else:
+      _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, pid, M, N, EPS,
+                SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN: tl.constexpr,
+              HAS_SCALE: tl.constexpr):
+  """-> (dy, x_hat, g), each [BLOCK_M, BLOCK_N] f32, zero in masked columns."""
+  dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  if SUBTRACT_MEAN:
+    x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+  else:
+    x_hat = x * rstd[:, None]
+  if HAS_SCALE:
+    g = dy * w[None, :]
+  else:
+    g = dy
+  return dy, x_hat, g
+
+
+@triton.jit
+def _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN: tl.constexpr):
+  """dx = (g - (x_hat * c1 + c2)) * rstd, [BLOCK_M, BLOCK_N] f32."""
+  if SUBTRACT_MEAN:
+    dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+  else:
+    dx = (g - x_hat * c1[:, None]) * rstd[:, None]
+  return dx
+
+
+@triton.jit
+def _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.constexpr):
+  """-> (mean, rstd) [BLOCK_M] f32 saved by the forward (mean = 0.0 for RMSNorm)."""
+  rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+  if SUBTRACT_MEAN:
+    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+  else:
+    mean = 0.0
+  return mean, rstd
+
+
+@triton.jit
+def _bwd_tile(dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w, b, rb, M, N,
+              SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+  """dx of one single-tile row block; returns its (dscale, dbias) rows, [BLOCK_N] f32."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  cols = tl.arange(0, BLOCK_N)
+  mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+  offs = rows[:, None] * N + cols[None, :]
+  mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+  dy, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN,
+                           HAS_SCALE)
+  c1 = tl.sum(x_hat * g, axis=1) / N  # [BLOCK_M] f32
+  c2 = tl.sum(g, axis=1) / N
+  dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
+  tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+  return tl.sum(dy * x_hat, axis=0), tl.sum(dy, axis=0)
+
+
+@triton.jit
+def _bwd_chunked(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_part_ptr,
+                 dbias_part_ptr, part_offs, b, rb, M, N, param_stride,
+                 SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+  """One row block in BLOCK_N chunks: pass 1 for c1/c2, pass 2 for dx and the partials.
+
+  The program's own partial row (at ``part_offs``) is read-modified-written: no other
+  program touches it, so no atomics.
+  """
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  row_offs = rows[:, None] * N  # [BLOCK_M, 1]
+  cols0 = tl.arange(0, BLOCK_N)
+  mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+  c1 = tl.zeros([BLOCK_M], tl.float32)
+  c2 = tl.zeros([BLOCK_M], tl.float32)
+  for off in tl.range(0, N, BLOCK_N):
+    cols = off + cols0
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
+    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    _, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, row_offs + cols[None, :], mask,
+                            SUBTRACT_MEAN, HAS_SCALE)
+    c1 += tl.sum(x_hat * g, axis=1)
+    c2 += tl.sum(g, axis=1)
+  c1 = c1 / N
+  c2 = c2 / N
+  # The previous row block's partial-row stores came from other warps: a CTA barrier
+  # makes them visible before this row block reads the row back.
+  tl.debug_barrier()
+  for off in tl.range(0, N, BLOCK_N):
+    cols = off + cols0
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = row_offs + cols[None, :]
+    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    dy, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN,
+                             HAS_SCALE)
+    dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HAS_SCALE:
+      p = dscale_part_ptr + part_offs + cols  # [BLOCK_N] of this program's partial row
+      tl.store(p, tl.load(p, mask=col_mask) + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+    if HAS_BIAS:
+      p = dbias_part_ptr + part_offs + cols
+      tl.store(p, tl.load(p, mask=col_mask) + tl.sum(dy, axis=0), mask=col_mask)
+
+
+@triton.jit
+def norm_bwd_kernel(
+    # inputs
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, M, N, param_stride,
+    # outputs
+    dx_ptr, dscale_part_ptr, dbias_part_ptr,
+    # statics
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr, USE_INT64: tl.constexpr):
+  """Backward stage 1, persistent. Grid (G, batch).
+
+  dy, x: [batch, M, N]; scale: [batch, N] rows at ``param_stride``; mean (LayerNorm
+  only), rstd: [batch, M] f32; dx: [batch, M, N] x.dtype; dscale_part, dbias_part:
+  [batch * G, N] f32, row ``b * G + pid`` written by program (pid, b) alone (each only
+  when the param exists).
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  num_programs = tl.num_programs(0)
+  n_rb = tl.cdiv(M, BLOCK_M)
+  part_row = b * num_programs + pid
+  if USE_INT64:
+    part_row = part_row.to(tl.int64)
+  part_offs = part_row * N
+  if CHUNKED:
+    # Zero this program's partial rows, then read-modify-write them chunk by chunk.
+    for off in tl.range(0, N, BLOCK_N):
+      cols = off + tl.arange(0, BLOCK_N)
+      zero = tl.zeros([BLOCK_N], tl.float32)
+      if HAS_SCALE:
+        tl.store(dscale_part_ptr + part_offs + cols, zero, mask=cols < N)
+      if HAS_BIAS:
+        tl.store(dbias_part_ptr + part_offs + cols, zero, mask=cols < N)
+    for rb in tl.range(pid, n_rb, num_programs):
+      _bwd_chunked(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_part_ptr,
+                   dbias_part_ptr, part_offs, b, rb, M, N, param_stride, SCALE_OFFSET,
+                   SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
+  else:
+    # Single tile: scale loaded once; the partials live in registers until the end.
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    dscale = tl.zeros([BLOCK_N], tl.float32)
+    dbias = tl.zeros([BLOCK_N], tl.float32)
+    for rb in tl.range(pid, n_rb, num_programs):
+      ds, db = _bwd_tile(dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w, b, rb, M, N,
+                         SUBTRACT_MEAN, HAS_SCALE, BLOCK_M, BLOCK_N, USE_INT64)
+      dscale += ds
+      dbias += db
+    if HAS_SCALE:
+      tl.store(dscale_part_ptr + part_offs + cols, dscale, mask=col_mask)
+    if HAS_BIAS:
+      tl.store(dbias_part_ptr + part_offs + cols, dbias, mask=col_mask)
+
+
+@triton.jit
+def partial_reduce_kernel(
+    # inputs
+    part_ptr, G, N,
+    # outputs
+    out_ptr,
+    # statics
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+  """Backward stage 2. Grid (cdiv(N, BLOCK_N), batch).
+
+  part: [batch * G, N] f32; out: [batch, N] in the parameter dtype, out[b] = the sum of
+  part rows b*G .. b*G + G - 1 in a fixed order.
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+  col_mask = cols < N
+  acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+  for g0 in tl.range(0, G, BLOCK_G):
+    g = g0 + tl.arange(0, BLOCK_G)
+    rows = b * G + g
+    if USE_INT64:
+      rows = rows.to(tl.int64)
+    mask = (g < G)[:, None] & col_mask[None, :]  # [BLOCK_G, BLOCK_N]
+    acc += tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+  out = tl.sum(acc, axis=0)  # [BLOCK_N] f32
+  out_row = b * N
+  if USE_INT64:
+    out_row = out_row.to(tl.int64)
+  tl.store(out_ptr + out_row + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# --------------------------------------------------------------------------- launch plans
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+  """Everything a launch needs besides the arrays.
+
+  Attributes:
+    grid: (programs, batch).
+    num_warps: warps per program.
+    constexprs: the kernel's ``tl.constexpr`` arguments, as (name, value) pairs.
+  """
+
+  grid: tuple[int, int]
+  num_warps: int
+  constexprs: tuple[tuple[str, Any], ...]
+
+  @property
+  def kwargs(self) -> dict[str, Any]:
+    return dict(self.constexprs)
+
+
+def _needs_int64(rows: int, n: int, block_m: int, block_n: int) -> bool:
+  # The largest flat offset a (masked) lane can form: padded rows times N plus a padded
+  # column.
+  return (rows + block_m) * n + _config.cdiv(n, block_n) * block_n > _INT32_MAX
+
+
+def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, eps: float,
+                 scale_offset: float, subtract_mean: bool, has_scale: bool,
+                 has_bias: bool) -> LaunchPlan:
+  """Launch plan of ``norm_fwd_kernel`` for x: [batch, m, n].
+
+  Raises:
+    ValueError: multi_wave_cached with ``config.block_n < n``, or static_persistent
+      with ``config.num_programs < 1``.
+  """
+  if config.mode == "multi_wave_cached" and config.block_n < n:
+    raise ValueError(f"multi_wave_cached holds the row in one tile: {config.block_n=} "
+                     f"must be >= N={n}")
+  persistent = config.mode == "static_persistent"
+  if persistent:
+    if config.num_programs < 1:
+      raise ValueError(f"static_persistent needs {config.num_programs=} >= 1")
+    programs = _config.cdiv(config.num_programs, batch)
+  else:
+    programs = _config.cdiv(m, config.block_m)
+  chunked = config.mode == "multi_wave_reload" or config.block_n < n
+  constexprs = (
+      ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
+      ("SUBTRACT_MEAN", bool(subtract_mean)), ("HAS_SCALE", bool(has_scale)),
+      ("HAS_BIAS", bool(has_bias)), ("BLOCK_M", config.block_m),
+      ("BLOCK_N", config.block_n), ("CHUNKED", chunked), ("PERSISTENT", persistent),
+      ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)))
+  return LaunchPlan((programs, batch), config.num_warps, constexprs)
+
+
+def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
+                  scale_offset: float, subtract_mean: bool, has_scale: bool,
+                  has_bias: bool) -> LaunchPlan:
+  """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
+
+  The partial buffers are ``[batch * grid[0], n]`` f32.
+  """
+  programs = _config.cdiv(config.num_programs, batch)
+  constexprs = (
+      ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
+      ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
+      ("CHUNKED", config.block_n < n),
+      ("USE_INT64", _needs_int64(max(batch * m, batch * programs), n, config.block_m,
+                                 config.block_n)))
+  return LaunchPlan((programs, batch), config.num_warps, constexprs)
+
+
+def reduce_plan(config: _config.BackwardConfig, *, batch: int, groups: int,
+                n: int) -> LaunchPlan:
+  """Launch plan of ``partial_reduce_kernel`` for partials: [batch * groups, n]."""
+  constexprs = (("BLOCK_G", config.reduce_block_g), ("BLOCK_N", config.reduce_block_n),
+                ("USE_INT64", _needs_int64(batch * groups, n, config.reduce_block_g,
+                                           config.reduce_block_n)))
+  return LaunchPlan((_config.cdiv(n, config.reduce_block_n), batch),
+                    config.reduce_num_warps, constexprs)
