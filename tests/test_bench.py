@@ -1,0 +1,190 @@
+"""CPU tests of pallas_norm.bench: the plan, the bytes model, the output files and the
+refusal to time without a GPU. The timing itself runs only on the GPU machine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pallas_norm import bench
+
+pytestmark = pytest.mark.cpu_only
+
+
+def _args(*argv):
+  return bench._parser().parse_args(list(argv))
+
+
+def test_bytes_model():
+  assert bench.bytes_model(4096, 1024, 2, "fwd") == 2 * 4096 * 1024 * 2
+  assert bench.bytes_model(4096, 1024, 2, "fwdbwd") == 5 * 4096 * 1024 * 2
+  assert bench.bytes_model(3, 5, 4, "fwd") == 120
+  with pytest.raises(ValueError, match="pass_"):
+    bench.bytes_model(1, 1, 2, "bwd")
+
+
+def test_rotations_cover_four_l2():
+  l2 = 60 * 10**6
+  for m, n in bench.BENCH_SHAPES:
+    r = bench.rotations(m, n, 2, l2)
+    assert r >= 1
+    assert r * m * n * 2 >= 4 * l2 or r == 64
+  assert bench.rotations(16384, 16384, 2, l2) == 1
+  assert bench.rotations(4096, 1024, 2, l2) == 29
+
+
+def test_rotating_step_cycles_and_is_not_rejitted():
+  import jax
+  import jax.numpy as jnp
+  step = jax.jit(lambda x, dy: (x * 2, (dy + 1, x[:1])))
+  sets = [(jnp.full((4,), float(i)), jnp.zeros((4,))) for i in range(3)]
+  rot = bench._rotating_step(step, sets)
+  assert isinstance(rot, jax.stages.Wrapped)  # profiler.measure calls it as it is
+  firsts = [float(rot()[0]) for _ in range(4)]
+  assert firsts == [0.0, 1.0, 2.0, 0.0]  # the smallest output, from copy i % R
+
+
+def test_parse_shapes():
+  assert bench.parse_shapes("4096x1024,8192x4096") == ((4096, 1024), (8192, 4096))
+  assert bench.parse_shapes(" 7X3 , 7x3,") == ((7, 3),)
+  for bad in ("4096", "4096x", "ax2", "0x5", "1x2x3", ","):
+    with pytest.raises(ValueError):
+      bench.parse_shapes(bad)
+
+
+def test_default_plan():
+  plan = bench.build_plan(_args())
+  shapes = list(dict.fromkeys((c.m, c.n) for c in plan))
+  assert shapes[:8] == list(bench.BENCH_SHAPES)
+  assert {(8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192)} <= set(shapes)
+  assert len(shapes) == len(set(shapes)) == 11
+  impls = {c.impl for c in plan}
+  assert {"pallas", "triton", "xla", "flax", "tokamax", "torch", "liger"} <= impls
+  assert {f"{b}:{m}" for b in ("pallas", "triton")
+          for m in ("reload", "cached", "persistent")} <= impls
+  assert {c.op for c in plan} == {"rms", "layer"} and {c.pass_ for c in plan} == {"fwd", "fwdbwd"}
+  # The heuristic and the peers of every shape run before the per-mode sweep.
+  phases = [c.phase for c in plan]
+  assert phases == sorted(phases)
+  assert len(plan) == len(set(plan))
+
+
+def test_plan_filters():
+  plan = bench.build_plan(_args("--shapes", "64x128", "--ops", "rms", "--passes", "fwd",
+                                "--impls", "pallas:*,xla"))
+  assert [(c.impl, c.op, c.pass_, c.m, c.n) for c in plan] == [
+      ("xla", "rms", "fwd", 64, 128),
+      ("pallas:reload", "rms", "fwd", 64, 128),
+      ("pallas:cached", "rms", "fwd", 64, 128),
+      ("pallas:persistent", "rms", "fwd", 64, 128)]
+  quick = bench.build_plan(_args("--quick"))
+  assert not any(c.phase for c in quick)
+  assert len({(c.m, c.n) for c in quick}) == 4
+  for argv in (("--impls", "nope"), ("--ops", "rms,group"), ("--passes", "bwd")):
+    with pytest.raises(ValueError):
+      bench.build_plan(_args(*argv))
+
+
+def _run_cli(*argv, cwd=None):
+  return subprocess.run([sys.executable, "-m", "pallas_norm.bench", *argv],
+                        capture_output=True, text=True, timeout=300, cwd=cwd,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_help_dry_run_and_gpu_refusal(tmp_path):
+  assert _run_cli("--help").returncode == 0
+  dry = _run_cli("--dry-run", "--shapes", "4096x1024")
+  assert dry.returncode == 0, dry.stderr
+  assert "phase 0 4096x1024" in dry.stdout and "R=32" in dry.stdout
+  no_gpu = _run_cli("--shapes", "64x128", "--out", str(tmp_path / "r.json"))
+  assert no_gpu.returncode == 2
+  assert "needs a GPU" in no_gpu.stderr
+  assert not (tmp_path / "r.json").exists()
+  assert _run_cli("--shapes", "64").returncode == 2  # argparse error
+
+
+def _synthetic_doc():
+  rows = []
+  for impl, family, scale in (("pallas", "pallas_norm", 1.1), ("xla", "peer", 1.0),
+                              ("tokamax", "peer", 0.9)):
+    for n in (128, 1024, 4096):
+      gbs = 1000.0 * scale * (1 + n / 4096)
+      rows.append({"op": "rms", "pass": "fwd", "m": 4096, "n": n, "dtype": "bf16",
+                   "impl": impl, "family": family, "status": "ok", "gbs": gbs,
+                   "us": 2 * 4096 * n * 2 / gbs / 1e3, "pct_copy": 100 * gbs / 3000})
+  rows.append({"op": "rms", "pass": "fwd", "m": 4096, "n": 128, "dtype": "bf16",
+               "impl": "pallas:cached", "family": "pallas_norm", "status": "skipped",
+               "reason": "NotImplementedError: too long"})
+  meta = {"device": "NVIDIA H200", "dtype": "bf16", "date": "2026-11-21T00:00:00+00:00",
+          "copy_gbs": 3000.0, "git_commit": "abc"}
+  return {"meta": meta, "rows": rows}
+
+
+def test_plot_only_redraws_png_and_table(tmp_path):
+  src = tmp_path / "h200.json"
+  src.write_text(json.dumps(_synthetic_doc()))
+  proc = _run_cli("--plot-only", str(src))
+  assert proc.returncode == 0, proc.stderr
+  png = tmp_path / "h200.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  last = proc.stdout.strip().splitlines()
+  assert last[-1].startswith("pal=pallas")  # the table is printed last
+  row = next(line for line in last if line.startswith("rms   fwd    4096x4096"))
+  assert row.split()[-1] == "1.10" and "xla" in row  # pallas / best peer (xla)
+  assert "skip" in next(line for line in last if line.startswith("rms   fwd    4096x128 "))
+
+
+def test_plot_only_merges_into_out(tmp_path):
+  a, b = _synthetic_doc(), _synthetic_doc()
+  b["rows"] = [dict(r, gbs=r["gbs"] * 2) for r in b["rows"] if r["impl"] == "xla"]
+  (tmp_path / "a.json").write_text(json.dumps(a))
+  (tmp_path / "b.json").write_text(json.dumps(b))
+  out = tmp_path / "merged" / "m.json"
+  proc = _run_cli("--plot-only", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                  "--out", str(out))
+  assert proc.returncode == 0, proc.stderr
+  doc = json.loads(out.read_text())
+  assert len(doc["rows"]) == len(a["rows"])
+  xla = [r for r in doc["rows"] if r["impl"] == "xla"]
+  assert all(r["gbs"] > 2000 for r in xla)
+  assert out.with_suffix(".csv").read_text().startswith("op,pass,m,n,")
+  assert out.with_suffix(".png").exists()
+  assert all(s["best_peer"] == "xla" for s in doc["summary"])
+
+
+def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
+  """The run loop end to end on CPU: CUPTI is missing there, so timings are n/a with the
+  reason (never a number), --check still compares with the reference, torch rows are
+  unavailable, and the files are written."""
+  monkeypatch.setattr(bench, "_COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench, "_MAX_ROTATIONS", 2)
+  out = tmp_path / "cpu.json"
+  args = _args("--shapes", "16x256", "--impls", "xla,flax,torch", "--iters", "2", "--check",
+               "--out", str(out))
+  rc = bench._run(args, bench.build_plan(args))
+  assert rc == 0
+  doc = json.loads(out.read_text())
+  assert doc["meta"]["copy_gbs"] is None and "CUPTI" in doc["meta"]["copy_reason"]
+  assert doc["meta"]["bytes_model"] == {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize"}
+  by = {(r["impl"], r["op"], r["pass"]): r for r in doc["rows"]}
+  assert len(by) == 12
+  for (impl, op, p), r in by.items():
+    if impl == "torch":
+      assert r["status"] == "unavailable"
+      continue
+    assert r["status"] == "n/a" and "CUPTI" in r["reason"] and "us" not in r
+    assert r["check"] == "ok", r["check_detail"]
+    assert r["bytes"] == bench.bytes_model(16, 256, 2, p)
+  assert "dbias" in by[("flax", "layer", "fwdbwd")]["check_detail"]
+  assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
+  assert capsys.readouterr().out.strip().splitlines()[-1].startswith("xla=xla")
+
+
+def test_check_flags_a_wrong_output():
+  import jax.numpy as jnp
+  ref = jnp.linspace(-3, 3, 512, dtype=jnp.float32).reshape(2, 256)
+  assert bench._compare(ref.astype(jnp.bfloat16), ref, "bf16")["check"] == "ok"
+  assert bench._compare(ref * 1.1, ref, "bf16")["check"] == "FAIL"
+  assert bench._compare(ref.at[0, 0].set(jnp.nan), ref, "bf16")["check"] == "FAIL"
