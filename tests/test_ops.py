@@ -23,9 +23,9 @@ MODES = pn_config.MODES
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
-# M in {1, 7, 199, 1024} x N in {1, 3, 64, 760, 1000, 4096}, each value at least twice.
+# Every M in {1, 7, 199, 1024} and every N in {1, 3, 64, 760, 1000, 4096}.
 SHAPES = [(1, 1), (7, 3), (199, 64), (1024, 760), (7, 1000), (199, 4096), (1, 4096),
-          (1024, 3), (199, 1), (1, 760), (7, 64), (1024, 1000)]
+          (1024, 3)]
 # Relative error allowed on top of torch's own error, per dtype: about one output ulp.
 ULP = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-10}
 
