@@ -81,6 +81,7 @@ class ForwardConfig:
       ``block_n >= N``; the other modes chunk the row when ``block_n < N``.
     num_warps: warps per program.
     num_programs: grid size for ``static_persistent`` (ignored by the others).
+    num_stages: software-pipelining depth of the kernel's loops (Triton's num_stages).
   """
 
   mode: str
@@ -88,6 +89,7 @@ class ForwardConfig:
   block_n: int
   num_warps: int
   num_programs: int = 0
+  num_stages: int = 1
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -113,6 +115,7 @@ class BackwardConfig:
     reduce_block_n: columns per stage-2 program (power of 2).
     reduce_block_g: partial rows summed per stage-2 step (power of 2).
     reduce_num_warps: warps per stage-2 program.
+    num_stages: software-pipelining depth of the stage-1 loops.
   """
 
   block_m: int
@@ -122,6 +125,7 @@ class BackwardConfig:
   reduce_block_n: int = 128
   reduce_block_g: int = 32
   reduce_num_warps: int = 4
+  num_stages: int = 1
 
   def __post_init__(self):
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):

@@ -208,7 +208,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
                         block_m=cfg.block_m, block_n=cfg.block_n, num_programs=g),
       out_shape=out_shape,
       grid=(g,),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
       interpret=interpret,
       name="pallas_norm_bwd_persistent",
   )(*inputs)

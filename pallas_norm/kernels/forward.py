@@ -241,7 +241,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       functools.partial(kernel, **statics),
       out_shape=out_shape,
       grid=(grid,),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
       interpret=interpret,
       name=name,
   )(*inputs)

@@ -1,0 +1,166 @@
+"""Launch-config sweep for the Pallas kernels (GPU): the measurements behind config.py.
+
+For each shape it times candidate ForwardConfigs (every mode) and BackwardConfigs by
+calling the launchers directly, prints the best per (shape, kernel) with GB/s on the
+bytes model (forward 2*M*N*itemsize; backward 3*M*N*itemsize: read x, dy, write dx),
+and writes every row to a JSON file. Method as in pallas_norm.bench: CUPTI kernel time
+(summed over the kernels of one call), inputs rotated over >= 4x L2, median of --iters.
+
+  python benchmarks/sweep.py --shapes 4096x4096,32768x128 --out /tmp/sweep.json
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_gpu_enable_command_buffer=")
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_norm import bench  # noqa: E402
+from pallas_norm import config as C  # noqa: E402
+from pallas_norm import reference  # noqa: E402
+from pallas_norm.kernels import backward, forward  # noqa: E402
+
+_L2_BYTES = 64 << 20
+
+
+def _time(fn, inputs, iters):
+  """Median CUPTI time (us) of fn over rotated inputs, or None if no kernel was seen."""
+  jax.block_until_ready(fn(*inputs[0]))
+  return bench._cupti_time(fn, inputs, iters).get("us")
+
+
+def _tiles(m, bn, sizes):
+  """Row-block sizes block_m giving tiles of ``sizes`` elements (block_m <= M)."""
+  return sorted({max(1, t // bn) for t in sizes if max(1, t // bn) <= C.next_power_of_2(m)})
+
+
+def _warps(tile):
+  return sorted({max(1, min(32, tile // d)) for d in (512, 256)})  # 8 or 16 elems/thread
+
+
+def _fwd_candidates(m, n, num_sms):
+  bn_full = C.next_power_of_2(n)
+  out = []
+  if bn_full <= 32768:
+    for bm in _tiles(m, bn_full, (4096, 8192, 16384, 32768)):
+      for nw in _warps(bm * bn_full):
+        out.append(C.ForwardConfig("multi_wave_cached", bm, bn_full, nw))
+        if bn_full <= 4096:
+          for g in (2 * num_sms, 4 * num_sms):
+            out.append(C.ForwardConfig("static_persistent", bm, bn_full, nw, g))
+  for bn in (4096, 8192):
+    if bn >= bn_full:
+      continue
+    for nw, st in itertools.product((8, 16), (1, 3)):
+      out.append(C.ForwardConfig("multi_wave_reload", 1, bn, nw, 0, st))
+    if bn_full >= 65536:
+      for g, st in itertools.product((num_sms // 4, num_sms // 2, num_sms), (1, 3)):
+        out.append(C.ForwardConfig("static_persistent", 1, bn, 16, g, st))
+  return out
+
+
+def _bwd_candidates(m, n, num_sms):
+  bn_full = C.next_power_of_2(n)
+
+  def cfg(bm, bn, nw, g, st):
+    return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
+                            num_stages=st, reduce_block_n=min(128, bn_full),
+                            reduce_block_g=min(32, C.next_power_of_2(g)))
+
+  out = []
+  if bn_full <= 16384:
+    for bm in _tiles(m, bn_full, (2048, 4096, 8192, 16384)):
+      for nw, g, st in itertools.product(_warps(bm * bn_full), (num_sms, 2 * num_sms),
+                                         (1, 2)):
+        out.append(cfg(bm, bn_full, nw, g, st))
+  for bn in (4096, 8192):
+    if bn >= bn_full:
+      continue
+    gs = (num_sms // 4, num_sms // 2, num_sms, 2 * num_sms) if bn_full >= 65536 else (
+        num_sms, 2 * num_sms)
+    for bm, g in itertools.product((1, 2), gs):
+      out.append(cfg(bm, bn, 16, g, 1))
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default="4096x1024,4096x4096,4096x8192,8192x5120,32768x128,"
+                 "16384x16384,4096x65536,1024x262144")
+  p.add_argument("--ops", default="rms")
+  p.add_argument("--kernels", default="fwd,bwd")
+  p.add_argument("--iters", type=int, default=15)
+  p.add_argument("--budget-s", type=float, default=500)
+  p.add_argument("--out", default="sweep.json")
+  args = p.parse_args()
+  dev = C.device_info()
+  print(f"device={jax.devices()[0].device_kind} sms={dev.num_sms} jax={jax.__version__}")
+  t_start = time.time()
+  rows = []
+  for shape in args.shapes.split(","):
+    m, n = map(int, shape.split("x"))
+    nbytes = m * n * 2
+    reps = max(2, -(-4 * _L2_BYTES // nbytes))
+    key = jax.random.PRNGKey(0)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (m, n), jnp.bfloat16)
+          for i in range(reps)]
+    dys = [jax.random.normal(jax.random.fold_in(key, 99 + i), (m, n), jnp.bfloat16)
+           for i in range(reps)]
+    scale = jnp.ones((n,), jnp.bfloat16) * 1.25
+    bias = jnp.full((n,), 0.5, jnp.bfloat16)
+    for op in args.ops.split(","):
+      sm = op == "layer"
+      b = bias if sm else None
+      stats = [reference.norm(x, scale, b, eps=1e-5, subtract_mean=sm) for x in xs]
+      y_ref = stats[0][0].astype(jnp.float32)
+      for kern in args.kernels.split(","):
+        cands = (_fwd_candidates if kern == "fwd" else _bwd_candidates)(m, n, dev.num_sms)
+        best = []
+        for cfg in cands:
+          if time.time() - t_start > args.budget_s:
+            print("budget exhausted", flush=True)
+            break
+          try:
+            if kern == "fwd":
+              fn = jax.jit(lambda x, cfg=cfg: forward.norm_forward(
+                  x, scale, b, eps=1e-5, scale_offset=0.0, subtract_mean=sm, config=cfg,
+                  interpret=False)[0])
+              y = fn(xs[0])
+              err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - y_ref)))
+              t = _time(fn, [(x,) for x in xs], args.iters)
+              gbs = 2 * nbytes / t / 1e3 if t else None
+            else:
+              fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
+                  dy, x, scale, mean if sm else None, rstd, has_bias=sm, scale_offset=0.0,
+                  subtract_mean=sm, config=cfg, interpret=False, scale_dtype=scale.dtype,
+                  bias_dtype=bias.dtype))
+              err = 0.0
+              t = _time(fn, [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)],
+                        args.iters)
+              gbs = 3 * nbytes / t / 1e3 if t else None
+          except Exception as e:  # a config the compiler rejects is a data point
+            print(f"  {op} {shape} {kern} {cfg} ERROR {type(e).__name__}: {str(e)[:200]}",
+                  flush=True)
+            continue
+          row = dict(op=op, shape=shape, kernel=kern, us=t, gbs=gbs, max_err=err,
+                     config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
+          rows.append(row)
+          best.append(row)
+        best.sort(key=lambda r: r["us"] or 1e30)
+        for r in best[:4]:
+          print(f"{op} {shape} {kern} {r['us']:8.1f}us {r['gbs']:6.0f}GB/s err={r['max_err']:.2g} "
+                f"{r['config']}", flush=True)
+      with open(args.out, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f)
+
+
+if __name__ == "__main__":
+  main()
