@@ -33,6 +33,7 @@ __all__ = [
     "forward_config",
     "backward_config",
     "cached_max_block_n",
+    "reduce_config",
 ]
 
 MODES = ("multi_wave_reload", "multi_wave_cached", "static_persistent")
@@ -214,6 +215,19 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> 
   num_warps = _num_warps_for(block_m * block_n)
   num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
-                        num_programs=num_programs,
-                        reduce_block_n=min(128, bn_full),
-                        reduce_block_g=min(32, next_power_of_2(num_programs)))
+                        num_programs=num_programs, **reduce_config(n, num_programs))
+
+
+# Stage 2 reads all G partial rows of a column strip in one tile of at most this many
+# f32 elements, so that it is one load deep: a loop over G in [32, 128] tiles cost
+# ~8 us at N = 1024 on the H200 (2026-11-21, benchmarks/sweep.py), as long as the
+# stage-1 kernel itself.
+_REDUCE_TILE = 8192
+
+
+def reduce_config(n: int, num_programs: int) -> dict:
+  """Stage-2 knobs for [num_programs, n] partials."""
+  block_g = min(next_power_of_2(num_programs), 1024)
+  block_n = max(8, min(next_power_of_2(n), _REDUCE_TILE // block_g))
+  return dict(reduce_block_n=block_n, reduce_block_g=block_g,
+              reduce_num_warps=_num_warps_for(block_g * block_n // 2))

@@ -155,12 +155,16 @@ def _reduce_kernel(part_ref, out_ref, *, block_g, block_n):
   cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
   col_mask = cols < n
 
-  def body(j, acc):
+  def load(j):
     rows = j * block_g + jnp.arange(block_g, dtype=jnp.int32)
     mask = (rows < g_total)[:, None] & col_mask[None, :]
-    return acc + plgpu.load(part_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
+    return plgpu.load(part_ref.at[rows[:, None], cols[None, :]], mask=mask,
+                      other=0.0)  # [block_g, block_n] f32
 
-  acc = lax.fori_loop(0, cdiv(g_total, block_g), body, jnp.zeros((block_g, block_n), _F32))
+  if block_g >= g_total:  # one tile holds every partial row: a single load
+    acc = load(0)
+  else:
+    acc = lax.fori_loop(1, cdiv(g_total, block_g), lambda j, acc: acc + load(j), load(0))
   plgpu.store(out_ref.at[cols], jnp.sum(acc, axis=0).astype(out_ref.dtype), mask=col_mask)
 
 
