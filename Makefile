@@ -21,7 +21,8 @@ venv: $(VENV)/.stamp-test
 
 # CPU test suite: Pallas interpret mode + the Triton interpreter + the notebooks.
 test: $(VENV)/.stamp-test
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
 
 # The main job: a jax.jit training loop of a Flax model on real text (CPU by default).
 demo: $(VENV)/.stamp-demo
