@@ -52,7 +52,7 @@ _SAMPLE_PROMPTS = 3
 class DemoConfig:
   """Everything one demo run depends on (the CLI flags)."""
 
-  steps: int = 200
+  steps: int = 1000
   batch: int = 16
   seq: int = 64
   d_model: int = 64
@@ -242,7 +242,7 @@ def _loss(model, x, y):
 
 
 def _make_steps(graphdef):
-  """jit-compiled (train_step, eval_loss) over the flat (model, optimizer) state."""
+  """jit-compiled (train_step, eval_losses) over the flat (model, optimizer) state."""
 
   @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state, x, y):
@@ -252,19 +252,25 @@ def _make_steps(graphdef):
     return nnx.state((model, opt)), loss
 
   @jax.jit
-  def eval_loss(state, xs, ys):  # xs, ys: [K, B, T]
+  def eval_losses(state, xs, ys):  # xs, ys: [S, K, B, T] -> [S] mean loss of each set
     model, _ = nnx.merge(graphdef, state)
-    return jax.lax.map(lambda xy: _loss(model, *xy), (xs, ys)).mean()
+    losses = jax.lax.map(lambda xy: _loss(model, *xy), (xs.reshape(-1, *xs.shape[2:]),
+                                                        ys.reshape(-1, *ys.shape[2:])))
+    return losses.reshape(xs.shape[:2]).mean(axis=1)
 
-  return train_step, eval_loss
+  return train_step, eval_losses
 
 
 def _run(name: str, model, cfg: DemoConfig, batches, evals, *, progress: bool):
-  """Trains ``model`` on ``batches`` ([steps, 2, B, T]); returns (RunResult, state)."""
+  """Trains ``model`` on ``batches`` (steps x (x, y), each [B, T]).
+
+  ``evals`` is (xs, ys), each [2, K, B, T]: K fixed train batches, then K held-out ones.
+  Returns (RunResult, (graphdef, state)).
+  """
   opt = nnx.Optimizer(model, optax.adamw(cfg.learning_rate, weight_decay=0.01),
                       wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
-  train_step, eval_loss = _make_steps(graphdef)
+  train_step, eval_losses = _make_steps(graphdef)
   losses = []
   from tqdm.auto import tqdm
   bar = tqdm(total=cfg.steps, desc=f"{name:>20}", disable=not progress, leave=True,
@@ -285,8 +291,7 @@ def _run(name: str, model, cfg: DemoConfig, batches, evals, *, progress: bool):
   bar.close()
   rest = cfg.steps - 1
   steps_per_s = rest / (t_end - t_first) if rest else float("nan")
-  train_loss = float(eval_loss(state, *evals["train"]))
-  heldout_loss = float(eval_loss(state, *evals["heldout"]))
+  train_loss, heldout_loss = (float(v) for v in eval_losses(state, *evals))
   return RunResult(name, losses, train_loss, heldout_loss, steps_per_s, t_first - t0), (
       graphdef, state)
 
@@ -335,19 +340,19 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   starts = rng.integers(0, len(train_data) - cfg.seq - 1, size=(cfg.steps, cfg.batch))
   batches = [_windows(train_data, s, cfg.seq) for s in starts]
   eval_shape = (cfg.eval_batches, cfg.batch)
-  evals = {
-      "train": _windows(train_data, rng.integers(0, len(train_data) - cfg.seq - 1,
-                                                 size=eval_shape), cfg.seq),
-      "heldout": _windows(heldout_data, rng.integers(0, len(heldout_data) - cfg.seq - 1,
-                                                     size=eval_shape), cfg.seq),
-  }
+  eval_sets = [_windows(d, rng.integers(0, len(d) - cfg.seq - 1, size=eval_shape), cfg.seq)
+               for d in (train_data, heldout_data)]
+  evals = tuple(np.stack(a) for a in zip(*eval_sets))  # (xs, ys), each [2, K, B, T]
 
   def build(norm):
     return CharTransformer(len(chars), cfg.d_model, cfg.layers, cfg.heads, norm,
                            rngs=nnx.Rngs(cfg.seed))
 
   ours = build(functools.partial(pallas_norm.RMSNorm, mode=cfg.mode, backend=cfg.backend))
-  theirs = build(nnx.RMSNorm)
+  # The flax.nnx.RMSNorm twin gets a copy of the same initial state: the param trees
+  # are identical, so one model's state loads into the other's graph.
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: build(nnx.RMSNorm)))
+  theirs = nnx.merge(graphdef, jax.tree.map(jnp.copy, nnx.state(ours)))
   num_params = sum(p.size for p in jax.tree.leaves(nnx.state(ours, nnx.Param)))
 
   pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals,
@@ -355,8 +360,12 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals,
                      progress=cfg.progress)
 
-  prompt_starts = rng.integers(0, len(heldout_data) - cfg.seq, size=_SAMPLE_PROMPTS)
-  prompts = heldout_data[prompt_starts[:, None] + np.arange(cfg.seq)]  # [P, T]
+  # Prompts end at held-out line breaks, so each sample starts a fresh line.
+  ends = np.flatnonzero(heldout_data[cfg.seq:] == lut.get("\n", -1)) + cfg.seq + 1
+  if len(ends) < _SAMPLE_PROMPTS:
+    ends = np.arange(cfg.seq, len(heldout_data) + 1)
+  prompt_ends = rng.choice(ends, size=_SAMPLE_PROMPTS, replace=False)
+  prompts = heldout_data[prompt_ends[:, None] - cfg.seq + np.arange(cfg.seq)]  # [P, T]
   generated = _sample(graphdef, state, prompts, cfg.sample_chars, cfg.seed)
   samples = ["".join(chars[i] for i in row) for row in generated]
   return DemoResults(pallas_run, flax_run, samples, int(num_params), len(chars), len(text))
@@ -365,7 +374,7 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
 # --------------------------------------------------------------------------- CLI
 
 
-def _plot(results: DemoResults, path: str) -> None:
+def _plot(results: DemoResults, title: str, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -376,7 +385,7 @@ def _plot(results: DemoResults, path: str) -> None:
     ax.plot(np.arange(1, len(run.losses) + 1), run.losses, style, lw=1.2,
             label=f"{run.norm} (held-out {run.heldout_loss:.3f})")
   ax.set_ylabel("train loss (nats/char)")
-  ax.set_title("char-level Llama-style transformer on pydoc text")
+  ax.set_title(title)
   ax.legend()
   ax.grid(alpha=0.3)
   diff = np.abs(results.pallas.losses - results.flax.losses)
@@ -438,10 +447,14 @@ def main(argv: list[str] | None = None) -> int:
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}: backend {jax.default_backend()}, device {dev.device_kind} "
         f"({len(jax.devices())} device(s))")
-  print(f"pallas_norm {pallas_norm.__version__}: backend={cfg.backend!r}, "
-        f"mode={cfg.mode or 'heuristic'}, "
-        f"kernels {'in Pallas INTERPRET mode (no GPU)' if interpret else 'compiled'}"
-        + (" [backend='xla' runs no kernels]" if cfg.backend == "xla" else ""))
+  if cfg.backend == "xla":
+    how = "the jnp reference, no kernels"
+  else:
+    m, n = cfg.batch * cfg.seq, cfg.d_model
+    mode = cfg.mode or _config.choose_mode(m, n, jnp.float32, _config.device_info())
+    how = (f"mode={mode} ({'forced' if cfg.mode else 'heuristic'}, for [{m}, {n}] rows), "
+           f"kernels {'in Pallas INTERPRET mode (no GPU)' if interpret else 'compiled'}")
+  print(f"pallas_norm {pallas_norm.__version__}: backend={cfg.backend!r}, {how}")
   print(f"text: {cfg.text or 'pydoc_data.topics'} ({len(text):,} chars); "
         f"model d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
         f"batch={cfg.batch} steps={cfg.steps}")
@@ -452,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
   os.makedirs(cfg.out, exist_ok=True)
   png = os.path.join(cfg.out, "loss_curve.png")
-  _plot(r, png)
+  _plot(r, f"char-level Llama-style transformer on {os.path.basename(cfg.text or 'pydoc_data.topics')}", png)
 
   print(f"\nparams: {r.num_params:,}  vocab: {r.vocab_size} chars")
   print(f"{'norm':<22}{'train loss':>11}{'held-out':>10}{'steps/s':>9}{'compile s':>11}")
@@ -462,10 +475,10 @@ def main(argv: list[str] | None = None) -> int:
   diff = np.abs(r.pallas.losses - r.flax.losses)
   print(f"loss curves: max |Δ| = {diff.max():.2e} over {len(diff)} steps "
         f"(first loss {r.pallas.losses[0]:.4f}, last {r.pallas.losses[-1]:.4f})")
-  print("\nsamples from the pallas_norm model (temperature 0.8, held-out prompts):")
+  print("\nsamples from the pallas_norm model (temperature 0.8, after held-out prompts):")
   for s in r.samples:
-    line = s.strip().splitlines()[0] if s.strip() else ""
-    print(f"  | {line}")
+    lines = [ln.rstrip() for ln in s.splitlines() if ln.strip()][:2]
+    print("\n".join(f"  | {ln}" for ln in lines))
   print(f"\nloss curve: {png}   total wall time: {wall:.1f} s")
   return 0
 

@@ -1,0 +1,74 @@
+"""pallas_norm.demo: a few-step training run and the CLI's error paths."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pallas_norm import demo
+
+_TINY = ["--steps", "8", "--batch", "4", "--seq", "16", "--d-model", "16", "--layers", "1",
+         "--heads", "2", "--no-progress"]
+
+
+def test_cli_trains_and_tracks_flax(tmp_path, capsys, monkeypatch):
+  """One short run through main(): the pallas_norm model (Pallas kernels, interpret
+  mode on CPU) learns, its loss curve tracks the flax.nnx.RMSNorm twin's, and the
+  report and the PNG are written."""
+  runs, real_train = [], demo.train
+
+  def spy(cfg, text=None):
+    runs.append(real_train(dataclasses.replace(cfg, eval_batches=1, sample_chars=8), text))
+    return runs[-1]
+
+  monkeypatch.setattr(demo, "train", spy)
+  out = tmp_path / "out"
+  assert demo.main(_TINY + ["--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  (r,) = runs
+  for run in (r.pallas, r.flax):
+    assert run.losses.shape == (8,) and np.all(np.isfinite(run.losses))
+    assert run.steps_per_s > 0
+  # Same init, same batches: the curves agree to float32 round-off.
+  np.testing.assert_allclose(r.pallas.losses, r.flax.losses, rtol=1e-4, atol=1e-4)
+  assert r.pallas.losses[-3:].mean() < r.pallas.losses[:3].mean() - 0.2
+  assert abs(r.pallas.heldout_loss - r.flax.heldout_loss) < 1e-3
+  assert len(r.samples) == 3 and all(len(s) == 8 for s in r.samples)
+  assert (out / "loss_curve.png").stat().st_size > 0
+  for needle in ("backend cpu", "INTERPRET mode", "pallas_norm.RMSNorm", "flax.nnx.RMSNorm",
+                 "steps/s", "held-out", "samples from", "loss_curve.png"):
+    assert needle in printed, needle
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps=0 must be a positive integer"),
+    (["--batch", "-1"], "--batch=-1 must be a positive integer"),
+    (["--d-model", "0"], "--d-model=0 must be a positive integer"),
+    (["--d-model", "20", "--heads", "4"], "multiple of 2 * --heads"),
+    (["--seq", "5000000"], "needs at least"),
+    (["--mode", "fastest"], "invalid choice: 'fastest'"),
+    (["--backend", "cuda"], "invalid choice: 'cuda'"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--text", "/nonexistent/file.txt"], "No such file"),
+    (["--lr", "0"], "--lr=0.0 must be positive"),
+])
+def test_cli_bad_input_exits_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    demo.main(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_cli_empty_or_short_text_exits_2(tmp_path, capsys):
+  empty = tmp_path / "empty.txt"
+  empty.write_text(" \n")
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--text", str(empty)])
+  assert e.value.code == 2
+  assert "is empty" in capsys.readouterr().err
+  short = tmp_path / "short.txt"
+  short.write_text("abc" * 10)
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--text", str(short)])
+  assert e.value.code == 2
+  assert "the text has 30 characters" in capsys.readouterr().err
