@@ -80,13 +80,13 @@ def _bwd_candidates(m, n, num_sms):
       for nw, g, st in itertools.product(_warps(bm * bn_full), (num_sms, 2 * num_sms),
                                          (1, 2)):
         out.append(cfg(bm, bn_full, nw, g, st))
-  for bn in (4096, 8192):
+  for bn in (2048, 4096, 8192):
     if bn >= bn_full:
       continue
-    gs = (num_sms // 4, num_sms // 2, num_sms, 2 * num_sms) if bn_full >= 65536 else (
-        num_sms, 2 * num_sms)
-    for bm, g in itertools.product((1, 2), gs):
-      out.append(cfg(bm, bn, 16, g, 1))
+    k = C.cdiv(n, bn)
+    for bm, g in itertools.product((1, 2), sorted({max(1, c * num_sms // k)
+                                                   for c in (1, 2, 4)})):
+      out.append(cfg(bm, bn, bn * bm // 256, g, 1))
   return out
 
 

@@ -382,6 +382,9 @@ def _jax_fn(impl: _Impl, op: str):
     return lambda x, s, b: reference.norm(x, s, b, eps=eps, subtract_mean=layer)[0]
   if impl.name == "tokamax":
     import tokamax
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags: not our argv
+      flags.FLAGS(sys.argv[:1])
     return lambda x, s, b: tokamax.layer_norm(x, s, b, epsilon=eps, subtract_mean=layer,
                                               implementation="triton")
   if impl.name == "flax":
@@ -620,6 +623,15 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
   return row
 
 
+def _warm_up(seconds: float = 3.0) -> None:
+  """Keep the GPU busy for a few seconds so that its clocks have ramped before timing."""
+  a = jnp.ones((1 << 28,), jnp.float32)
+  f = jax.jit(lambda v: v * 2)
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    jax.block_until_ready(f(a))
+
+
 def _measure_copy(dtype, iters: int) -> dict:
   """GB/s of a 1 GiB read+write (``-a`` under jit): 2 * bytes / median CUPTI time."""
   itemsize = jnp.dtype(dtype).itemsize
@@ -701,6 +713,7 @@ def _run(args, plan: list[Case]) -> int:
     if reason:
       unavailable[impl.name] = reason
       print(f"skip {impl.name}: {reason}", flush=True)
+  _warm_up()
   copy = _measure_copy(dtype, args.iters)
   if torch_ok[0]:
     copy["copy_gbs_torch"] = _torch_copy_gbs(args.iters)

@@ -151,6 +151,10 @@ _TILE_ELEMS = 8192
 _CHUNK_N = 4096
 # Rows below which multi_wave launches leave SMs idle and the persistent grid wins.
 _NARROW_N = 512
+# Backward: rows up to this (padded) length are one register tile.
+_BWD_SINGLE_TILE_MAX = 8192
+_BWD_TILE_ELEMS = 4096
+_BWD_CHUNK_N = 4096
 # Persistent grid = SMs x this (two programs per SM hide each other's reductions).
 _PERSISTENT_OCCUPANCY = 2
 
@@ -210,11 +214,18 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> 
   """Default backward launch config for an [m, n] input of ``dtype``."""
   device = device or device_info()
   bn_full = next_power_of_2(n)
-  block_n = min(bn_full, 8192)
-  block_m = max(1, min(_TILE_ELEMS // block_n // 2, next_power_of_2(m)))
-  num_warps = _num_warps_for(block_m * block_n)
-  num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
-  return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
+  if bn_full <= _BWD_SINGLE_TILE_MAX:
+    block_n = bn_full
+    block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
+    num_programs = device.num_sms * _PERSISTENT_OCCUPANCY
+  else:  # row statistics kernel + column-tiled persistent kernel
+    block_n, block_m = _BWD_CHUNK_N, 1
+    num_programs = max(1, device.num_sms * _PERSISTENT_OCCUPANCY // cdiv(n, block_n))
+  if device.platform == "cpu":
+    block_m = max(block_m, min(64, next_power_of_2(m)))
+  num_programs = max(1, min(num_programs, cdiv(m, block_m)))
+  return BackwardConfig(block_m=block_m, block_n=block_n,
+                        num_warps=_num_warps_for(block_m * block_n),
                         num_programs=num_programs, **reduce_config(n, num_programs))
 
 

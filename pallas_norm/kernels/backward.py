@@ -9,13 +9,17 @@ row length; RMSNorm has mean = 0 and c2 = 0):
     dscale = sum over rows of dy * x_hat
     dbias  = sum over rows of dy
 
-Stage 1 (``pallas_norm_bwd_persistent``): G = ``num_programs`` programs, each looping
-over row blocks with a grid stride (TileGym's persistent backward). It writes dx and
-accumulates fp32 dscale/dbias partials, one row per program: [G, N], never [M, N].
-  - single tile (block_n >= N): the partials stay in registers across row blocks and
-    scale is loaded once per program;
-  - chunked (block_n < N): pass 1 computes c1/c2 over chunks, pass 2 writes dx and adds
-    into the program's own partial row in memory (each row has one owner: no atomics).
+Stage 1 writes dx and fp32 dscale/dbias partials, one partial row per program, [G, N],
+never [M, N]:
+  - single tile (block_n >= N), ``pallas_norm_bwd_persistent``: G programs (about the
+    SM count) each loop over row blocks with a grid stride (TileGym's persistent
+    backward), prefetching the next row block; scale is loaded once and the partials
+    stay in registers across row blocks;
+  - chunked (block_n < N, long rows): ``pallas_norm_bwd_row_stats`` first computes
+    c1 and c2 per row ([M] f32 each); then ``pallas_norm_bwd_columns`` runs a
+    persistent [G, N / block_n] grid: program (r, k) owns column chunk k for row
+    blocks r, r + G, ..., so its partials again stay in registers. x and dy are read
+    twice, and there is no read-modify-write of partials.
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
 the parameter's dtype. Without atomics the gradients are bitwise deterministic.
 """
@@ -31,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv
-from pallas_norm.kernels.forward import _load_params, _load_tile, _tile_index
+from pallas_norm.kernels.forward import _load_params, _tile_index
 
 __all__ = ["norm_backward"]
 
@@ -46,16 +50,6 @@ def _row_stats(mean_ref, rstd_ref, rows, row_mask):
   return mean, rstd
 
 
-def _x_hat_g(x_ref, dy_ref, rows, cols, mask, mean, rstd, w):
-  x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32
-  dy = _load_tile(dy_ref, rows, cols, mask)
-  if mean is not None:
-    x = x - mean[:, None]
-  x_hat = jnp.where(mask, x * rstd[:, None], 0.0)
-  g = dy if w is None else dy * w[None, :]
-  return x_hat, dy, g
-
-
 def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd):
   dx = g - x_hat * c1[:, None]
   if c2 is not None:
@@ -64,89 +58,130 @@ def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd):
   plgpu.store(dx_ref.at[rows[:, None], cols[None, :]], dx.astype(dx_ref.dtype), mask=mask)
 
 
-def _split_refs(refs, has_scale, has_bias, subtract_mean):
-  """(dy, x, scale, mean, rstd) inputs then (dx, dscale_part, dbias_part) outputs."""
+def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0):
+  """(dy, x, scale, mean, rstd, *extra) inputs then (dx, dscale_part, dbias_part)."""
   refs = list(refs)
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref, dx_ref = refs.pop(0), refs.pop(0)
+  rstd_ref = refs.pop(0)
+  extra = [refs.pop(0) for _ in range(n_extra_in)]
+  dx_ref = refs.pop(0)
   dw_ref = refs.pop(0) if has_scale else None
   db_ref = refs.pop(0) if has_bias else None
-  return dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref
+  return dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, extra, dx_ref, dw_ref, db_ref
+
+
+def _load_xdy(x_ref, dy_ref, rows, cols, mask):
+  """Raw x and dy tiles (their own dtype); masked elements do not touch memory."""
+  idx = (rows[:, None], cols[None, :])
+  return (plgpu.load(x_ref.at[idx], mask=mask, other=0.0),
+          plgpu.load(dy_ref.at[idx], mask=mask, other=0.0))
+
+
+def _x_hat_g(x, dy, mask, mean, rstd, w):
+  x = x.astype(_F32)  # [block_m, block_n] f32
+  dy = dy.astype(_F32)
+  if mean is not None:
+    x = x - mean[:, None]
+  x_hat = jnp.where(mask, x * rstd[:, None], 0.0)
+  g = dy if w is None else dy * w[None, :]
+  return x_hat, dy, g
+
+
+def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
+  if dw_ref is not None:
+    plgpu.store(dw_ref.at[r, cols], dw_acc, mask=col_mask)
+  if db_ref is not None:
+    plgpu.store(db_ref.at[r, cols], db_acc, mask=col_mask)
+
+
+def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
+                        num_programs):
+  """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
+
+  ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
+  [M] f32 (c1, c2) refs from the row-statistics kernel.
+  """
+  dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
+  m = x_ref.shape[0]
+  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
+  _, cols, _, col_mask, _ = tile(0, k)
+  w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
+
+  def load(rb):
+    rows, _, _, _, mask = tile(rb, k)
+    return _load_xdy(x_ref, dy_ref, rows, cols, mask)
+
+  def body(i, carry):
+    dw_acc, db_acc, x, dy = carry  # [block_n] f32 partials in registers; this block
+    rb = r + i * num_programs
+    # Prefetch the next row block (fully masked past the end) before this one's math.
+    x_next, dy_next = load(rb + num_programs)
+    rows, _, row_mask, _, mask = tile(rb, k)
+    mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
+    if c_refs is None:
+      c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
+      c2 = jnp.sum(g, axis=1) / n if mean_ref is not None else None
+    else:
+      c1 = plgpu.load(c_refs[0].at[rows], mask=row_mask, other=0.0)
+      c2 = None
+      if mean_ref is not None:
+        c2 = plgpu.load(c_refs[1].at[rows], mask=row_mask, other=0.0)
+    _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
+    return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0),
+            x_next, dy_next)
+
+  num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+  zeros = jnp.zeros((block_n,), _F32)
+  dw_acc, db_acc, _, _ = lax.fori_loop(0, num_steps, body, (zeros, zeros, *load(r)))
+  _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
 
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            block_m, block_n, num_programs):
-  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref,
+  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean)
+  _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
+                      None, pl.program_id(0), 0, n=n, scale_offset=scale_offset,
+                      block_m=block_m, block_n=block_n, num_programs=num_programs)
+
+
+def _bwd_columns_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
+                        block_m, block_n, num_programs):
+  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, c_refs,
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 2)
+  _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
+                      c_refs, pl.program_id(0), pl.program_id(1), n=n,
+                      scale_offset=scale_offset, block_m=block_m, block_n=block_n,
+                      num_programs=num_programs)
+
+
+def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
+                          block_n):
+  """c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row, walking the row in chunks."""
+  refs = list(refs)
+  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref, c1_ref, c2_ref = refs
   m = x_ref.shape[0]
-  pid = pl.program_id(0)
-  num_row_blocks = cdiv(m, block_m)
-  # Row blocks of this program: pid, pid + G, ... (at least one, since G <= row blocks).
-  num_steps = (num_row_blocks - 1 - pid) // num_programs + 1
-  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
+  rb = pl.program_id(0)
+  rows, _, row_mask, _, _ = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n)
+  mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
 
-  if block_n >= n:
-    cols = jnp.arange(block_n, dtype=jnp.int32)
-    col_mask = cols < n
-    w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
+  def body(k, carry):
+    c1, c2 = carry  # [block_m] f32 running sums
+    _, cols, _, col_mask, mask = _tile_index(rb, k, m, n, block_m=block_m, block_n=block_n)
+    w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
+    x_hat, _, g = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd, w)
+    return c1 + jnp.sum(x_hat * g, axis=1), c2 + jnp.sum(g, axis=1)
 
-    def body(i, acc):
-      dw_acc, db_acc = acc  # [block_n] f32 partials, in registers
-      rows, _, row_mask, _, mask = tile(pid + i * num_programs, 0)
-      mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
-      x_hat, dy, g = _x_hat_g(x_ref, dy_ref, rows, cols, mask, mean, rstd, w)
-      c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
-      c2 = jnp.sum(g, axis=1) / n if subtract_mean else None
-      _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-      return dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0)
-
-    zeros = jnp.zeros((block_n,), _F32)
-    dw_acc, db_acc = lax.fori_loop(0, num_steps, body, (zeros, zeros))
-    if dw_ref is not None:
-      plgpu.store(dw_ref.at[pid, cols], dw_acc, mask=col_mask)
-    if db_ref is not None:
-      plgpu.store(db_ref.at[pid, cols], db_acc, mask=col_mask)
-    return
-
-  num_chunks = cdiv(n, block_n)
-  part_refs = [r for r in (dw_ref, db_ref) if r is not None]
-
-  @pl.loop(0, num_chunks)
-  def _zero_partials(k):
-    cols = k * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    for r in part_refs:
-      plgpu.store(r.at[pid, cols], jnp.zeros((block_n,), _F32), mask=cols < n)
-
-  @pl.loop(0, num_steps)
-  def _row_block(i):
-    rb = pid + i * num_programs
-    rows, _, row_mask, _, _ = tile(rb, 0)
-    mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
-
-    def c_body(k, carry):
-      c1, c2 = carry  # [block_m] f32 running sums
-      _, cols, _, col_mask, mask = tile(rb, k)
-      w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
-      x_hat, _, g = _x_hat_g(x_ref, dy_ref, rows, cols, mask, mean, rstd, w)
-      return c1 + jnp.sum(x_hat * g, axis=1), c2 + jnp.sum(g, axis=1)
-
-    zeros = jnp.zeros((block_m,), _F32)
-    c1, c2 = lax.fori_loop(0, num_chunks, c_body, (zeros, zeros))
-    c1 = c1 / n
-    c2 = c2 / n if subtract_mean else None
-
-    @pl.loop(0, num_chunks)
-    def _dx_chunk(k):
-      _, cols, _, col_mask, mask = tile(rb, k)
-      w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
-      x_hat, dy, g = _x_hat_g(x_ref, dy_ref, rows, cols, mask, mean, rstd, w)
-      _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-      for r, d in ((dw_ref, dy * x_hat), (db_ref, dy)):
-        if r is not None:
-          part = plgpu.load(r.at[pid, cols], mask=col_mask, other=0.0)
-          plgpu.store(r.at[pid, cols], part + jnp.sum(d, axis=0), mask=col_mask)
+  zeros = jnp.zeros((block_m,), _F32)
+  c1, c2 = lax.fori_loop(0, cdiv(n, block_n), body, (zeros, zeros))
+  plgpu.store(c1_ref.at[rows], c1 / n, mask=row_mask)
+  plgpu.store(c2_ref.at[rows], c2 / n, mask=row_mask)
 
 
 def _reduce_kernel(part_ref, out_ref, *, block_g, block_n):
@@ -193,6 +228,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     has_bias: whether to produce dbias.
     scale_offset, subtract_mean: as in the forward.
     config: BackwardConfig (block_m, block_n, num_warps, num_programs = G, stage 2 knobs).
+      ``block_n >= N`` selects the single-tile kernel, else the chunked pair.
     interpret: run in Pallas interpret mode.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
 
@@ -202,20 +238,35 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   m, n = x.shape
   cfg = config
   has_scale = scale is not None
-  g = max(1, min(cfg.num_programs, cdiv(m, cfg.block_m)))
+  num_row_blocks = cdiv(m, cfg.block_m)
+  g = max(1, min(cfg.num_programs, num_row_blocks))
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  statics = dict(n=n, scale_offset=float(scale_offset), subtract_mean=subtract_mean,
+                 has_scale=has_scale, block_m=cfg.block_m, block_n=cfg.block_n)
+  inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
-  inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
+  if cfg.block_n >= n:
+    kernel, grid, name = _bwd_persistent_kernel, (g,), "pallas_norm_bwd_persistent"
+  else:
+    c1, c2 = pl.pallas_call(
+        functools.partial(_bwd_row_stats_kernel, **statics),
+        out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * 2,
+        grid=(num_row_blocks,),
+        compiler_params=params,
+        interpret=interpret,
+        name="pallas_norm_bwd_row_stats",
+    )(*inputs)
+    inputs += [c1, c2]
+    kernel, grid, name = (_bwd_columns_kernel, (g, cdiv(n, cfg.block_n)),
+                          "pallas_norm_bwd_columns")
   outs = pl.pallas_call(
-      functools.partial(_bwd_persistent_kernel, n=n, scale_offset=float(scale_offset),
-                        subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias,
-                        block_m=cfg.block_m, block_n=cfg.block_n, num_programs=g),
+      functools.partial(kernel, has_bias=has_bias, num_programs=g, **statics),
       out_shape=out_shape,
-      grid=(g,),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                           num_stages=cfg.num_stages),
+      grid=grid,
+      compiler_params=params,
       interpret=interpret,
-      name="pallas_norm_bwd_persistent",
+      name=name,
   )(*inputs)
   dx, parts = outs[0], list(outs[1:])
   dscale = _reduce_partials(parts.pop(0), scale_dtype, cfg, interpret) if has_scale else None

@@ -82,12 +82,24 @@ def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
 
 
-def _single_tile(rb, refs, w, b, *, n, eps, subtract_mean, block_m, block_n):
-  """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile."""
+def _load_row_block(x_ref, rb, *, n, block_m, block_n):
+  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
+  rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
+                                       block_n=block_n)
+  return plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
+
+
+def _single_tile(rb, refs, w, b, *, n, eps, subtract_mean, block_m, block_n, x=None):
+  """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile.
+
+  ``x`` is the tile when the caller already loaded it (a prefetch); else it is loaded.
+  """
   x_ref, y_ref, mean_ref, rstd_ref = refs
   m = x_ref.shape[0]
   rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n)
-  x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32, 0 outside
+  if x is None:
+    x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
+  x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
   if subtract_mean:
     mean = jnp.sum(x, axis=1) / n  # [block_m]
     x = jnp.where(mask, x - mean[:, None], 0.0)
@@ -129,8 +141,10 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   rstd = lax.rsqrt(acc / n + _F32(eps))  # [block_m]
 
   @pl.loop(0, num_chunks)
-  def _normalise(k):
-    rows, cols, _, col_mask, mask = tile(k)
+  def _normalise(j):
+    # Walk the chunks backwards: the last ones read by pass 1 are the likeliest to
+    # still be in L2.
+    rows, cols, _, col_mask, mask = tile(num_chunks - 1 - j)
     x = _load_tile(x_ref, rows, cols, mask, eviction_policy="evict_first")
     if subtract_mean:
       x = x - mean[:, None]
@@ -183,10 +197,20 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     cols = jnp.arange(block_n, dtype=jnp.int32)
     w, b = _load_params(scale_ref, bias_ref, cols, cols < n, scale_offset)
 
-    @pl.loop(pl.program_id(0), num_row_blocks, step=num_programs)
-    def _row_block(rb):
+    pid = pl.program_id(0)
+    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
+
+    def body(i, x):
+      rb = pid + i * num_programs
+      # Prefetch the next row block before working on this one: its loads are in
+      # flight during this block's reductions. Past the last block it is fully masked.
+      x_next = load(rb + num_programs)
       _single_tile(rb, io, w, b, n=n, eps=eps, subtract_mean=subtract_mean,
-                   block_m=block_m, block_n=block_n)
+                   block_m=block_m, block_n=block_n, x=x)
+      return x_next
+
+    num_steps = (num_row_blocks - 1 - pid) // num_programs + 1
+    lax.fori_loop(0, num_steps, body, load(pid))
   else:
     @pl.loop(pl.program_id(0), num_row_blocks, step=num_programs)
     def _row_block(rb):
