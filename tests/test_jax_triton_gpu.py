@@ -1,0 +1,175 @@
+"""backend="triton" (plain Triton through jax-triton) against backend="pallas", on GPU.
+
+Both backends run the same algorithms with the same launch configs, so y and dx must
+agree within one ulp of the output dtype (plus an f32-rounding floor for dx, whose
+c1/c2 reductions may run in another order), and dscale / dbias within a tolerance that
+grows with sqrt(M). Also: vmap / grad / jit through the custom_vmap and custom_vjp glue,
+N = 262144 on the reload path, int64 offsets, and bitwise-deterministic gradients.
+
+GPU only (``make gpu-check``, which brings jax-triton from .whl/).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import config as pn_config
+from pallas_norm import reference
+
+pytestmark = pytest.mark.gpu
+
+MODES = pn_config.MODES
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SHAPES = [(1, 1), (7, 3), (199, 760), (1024, 1000), (4097, 128), (33, 4096), (5, 8192)]
+
+
+def _inputs(m, n, dtype, *, seed=0, layer=True):
+  k = jax.random.split(jax.random.key(seed + 7919 * m + n), 4)
+  x = (2.0 * jax.random.normal(k[0], (m, n), jnp.float32) + 0.5).astype(dtype)
+  scale = (1.0 + 0.5 * jax.random.normal(k[1], (n,), jnp.float32)).astype(dtype)
+  bias = jax.random.normal(k[2], (n,), jnp.float32).astype(dtype) if layer else None
+  dy = jax.random.normal(k[3], (m, n), jnp.float32).astype(dtype)
+  return x, scale, bias, dy
+
+
+def _op(layer, backend, mode, scale_offset=0.0):
+  if layer:
+    return lambda x, s, b: pallas_norm.layer_norm(x, s, b, mode=mode, backend=backend,
+                                                  scale_offset=scale_offset)
+  return lambda x, s, b: pallas_norm.rms_norm(x, s, mode=mode, backend=backend,
+                                              scale_offset=scale_offset)
+
+
+def _run(layer, backend, mode, x, s, b, dy, scale_offset=0.0):
+  y, vjp = jax.vjp(jax.jit(_op(layer, backend, mode, scale_offset)), x, s, b)
+  return (y, *vjp(dy))
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _assert_ulp_close(name, a, b, *, n, floor_ulps=0.0):
+  """|a - b| <= 1 ulp (of a's dtype, at max(|a|, |b|)) + floor_ulps f32 ulps * sqrt(n) *
+  mean|b| (a floor for values that cancel in f32)."""
+  fi = jnp.finfo(a.dtype)
+  a64, b64 = _f64(a), _f64(b)
+  mag = np.maximum(np.abs(a64), np.abs(b64))
+  ulp = np.exp2(np.floor(np.log2(np.maximum(mag, float(fi.tiny))))) * float(fi.eps)
+  tol = ulp + floor_ulps * 2.0**-23 * math.sqrt(n) * np.abs(b64).mean()
+  err = np.abs(a64 - b64)
+  bad = ~(err <= tol)
+  assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} differ by more than "
+                         f"1 ulp; max err {err.max():.3g}")
+
+
+def _assert_param_grad_close(name, a, b, *, m):
+  assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+  a64, b64 = _f64(a), _f64(b)
+  tol = 4 * float(jnp.finfo(a.dtype).eps) * math.sqrt(m) * (1 + np.abs(b64))
+  err = np.abs(a64 - b64)
+  assert (err <= tol).all(), f"{name}: max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_triton_matches_pallas(m, n, layer, mode, dtype):
+  x, s, b, dy = _inputs(m, n, DTYPES[dtype], layer=layer)
+  got = _run(layer, "triton", mode, x, s, b, dy, scale_offset=1.0)
+  want = _run(layer, "pallas", mode, x, s, b, dy, scale_offset=1.0)
+  assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+  _assert_ulp_close("y", got[0], want[0], n=n, floor_ulps=2.0)
+  _assert_ulp_close("dx", got[1], want[1], n=n, floor_ulps=4.0)
+  _assert_param_grad_close("dscale", got[2], want[2], m=m)
+  if layer:
+    _assert_param_grad_close("dbias", got[3], want[3], m=m)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_triton_no_affine(layer):
+  x, _, _, dy = _inputs(199, 760, jnp.bfloat16, layer=layer)
+  got = _run(layer, "triton", None, x, None, None, dy)
+  want = _run(layer, "pallas", None, x, None, None, dy)
+  _assert_ulp_close("y", got[0], want[0], n=760, floor_ulps=2.0)
+  _assert_ulp_close("dx", got[1], want[1], n=760, floor_ulps=4.0)
+  assert got[2] is None and got[3] is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_triton_vmap_grad_jit(layer, mode):
+  k = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(k[0], (4, 3, 65, 384), jnp.bfloat16)
+  s = (1 + 0.3 * jax.random.normal(k[1], (4, 384))).astype(jnp.float32)
+  b = jax.random.normal(k[2], (384,), jnp.bfloat16) if layer else None
+
+  def loss(backend):
+    f = _op(layer, backend, mode)
+    return lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b).astype(jnp.float32)))
+
+  cases = [
+      (lambda be: jax.vmap(_op(layer, be, mode), (0, None, None)), s[0]),  # folded
+      (lambda be: jax.vmap(_op(layer, be, mode), (0, 0, None)), s),  # batched scale
+      (lambda be: jax.vmap(jax.grad(loss(be), (0, 1, 2)), (0, None, None)), s[0]),  # per example
+      (lambda be: jax.grad(lambda x, s, b: jnp.sum(jax.vmap(loss(be), (0, 0, None))(x, s, b)),
+                           (0, 1, 2)), s),  # grad of vmap
+      (lambda be: jax.vmap(jax.vmap(_op(layer, be, mode), (0, None, None)), (0, 0, None)), s),
+  ]
+  for make, sv in cases:
+    got = jax.jit(make("triton"))(x, sv, b)
+    want = jax.jit(make("pallas"))(x, sv, b)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(_f64(g), _f64(w), rtol=2e-2,
+                                                         atol=2e-2), got, want)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_triton_large_n_reload(layer):
+  """N = 262144 on multi_wave_reload, against the fp32 reference."""
+  x, s, b, dy = _inputs(8, 262144, jnp.bfloat16, layer=layer)
+  got = _run(layer, "triton", "multi_wave_reload", x, s, b, dy)
+  want = _run(layer, "pallas", "multi_wave_reload", x, s, b, dy)
+  ref = reference.norm(x, s, b, eps=1e-5 if layer else float(jnp.finfo(jnp.float32).eps),
+                       subtract_mean=layer)[0]
+  np.testing.assert_allclose(_f64(got[0]), _f64(ref), rtol=2e-2, atol=2e-2)
+  _assert_ulp_close("y", got[0], want[0], n=262144, floor_ulps=2.0)
+  _assert_ulp_close("dx", got[1], want[1], n=262144, floor_ulps=4.0)
+  _assert_param_grad_close("dscale", got[2], want[2], m=8)
+
+
+def test_triton_int64_offsets():
+  """M * N > 2**31 - 1: the USE_INT64 path; checks rows at both ends against the
+  reference."""
+  m, n = 8193, 262144  # 2_147_745_792 elements
+  assert m * n > 2**31 - 1
+  x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
+  s = jnp.full((n,), 1.5, jnp.bfloat16)
+  y = jax.jit(lambda x, s: pallas_norm.rms_norm(x, s, backend="triton"))(x, s)
+  rows = np.array([0, 1, m // 2, m - 2, m - 1])
+  ref = reference.norm(x[rows], s, eps=float(jnp.finfo(jnp.float32).eps),
+                       subtract_mean=False)[0]
+  _assert_ulp_close("y", y[rows], ref, n=n)
+  del y
+  dx, ds = jax.jit(jax.grad(lambda x, s: jnp.sum(
+      pallas_norm.rms_norm(x, s, backend="triton").astype(jnp.float32)), (0, 1)))(x, s)
+  assert np.isfinite(_f64(dx[rows])).all() and np.isfinite(_f64(ds)).all()
+  # d/dx sum(y) for a constant scale: rstd * w * (1 - x_hat * mean(x_hat)).
+  xr = _f64(x[rows])
+  rstd = 1 / np.sqrt((xr * xr).mean(-1, keepdims=True) + float(jnp.finfo(jnp.float32).eps))
+  want = 1.5 * rstd * (1 - xr * rstd * (xr * rstd).mean(-1, keepdims=True))
+  np.testing.assert_allclose(_f64(dx[rows]), want, rtol=2e-2, atol=2e-2)
+
+
+def test_triton_backward_deterministic():
+  x, s, b, dy = _inputs(4097, 1000, jnp.bfloat16)
+  f = jax.jit(lambda x, s, b: jax.vjp(_op(True, "triton", "static_persistent"), x, s, b)[1](dy))
+  first = f(x, s, b)
+  for _ in range(3):
+    again = f(x, s, b)
+    for a, c in zip(first, again):
+      assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(c).view(np.uint16))

@@ -1,0 +1,435 @@
+"""The plain Triton kernels (backend="triton") on CPU, under the Triton interpreter.
+
+The kernels run with ``TRITON_INTERPRET=1`` on torch CPU tensors, launched from the same
+plans (``triton_kernels.forward_plan`` / ``backward_plan`` / ``reduce_plan``) that the
+jax-triton glue uses, and are compared, forward and backward, with
+``torch.nn.functional.rms_norm`` / ``layer_norm`` (autograd) in the same dtype and in
+float64, in every mode, including chunked paths forced by a small ``block_n``.
+
+jax-triton itself needs a GPU jaxlib. Here its ``triton_call`` is stood in for by a
+``jax.pure_callback`` that launches the same kernels in the interpreter: like
+jax-triton, a pure_callback has no vmap rule and no JVP, so the glue's custom_vmap and
+the custom_vjp are exercised for real (vmap, nested vmap, batched scale, grad, jit).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+import pallas_norm  # noqa: E402
+from pallas_norm import config as pn_config  # noqa: E402
+from pallas_norm.kernels import jax_triton as glue  # noqa: E402
+from pallas_norm.kernels import triton_kernels as tk  # noqa: E402
+
+
+def _patch_interpreter_index():
+  """triton 3.6's interpreter turns scalar tensors into ints with int(ndarray of shape
+  [1]), which NumPy >= 2.4 refuses ("only 0-dimensional arrays ..."): every
+  ``range(0, N, BLOCK_N)`` with a runtime N fails. Convert through the single element
+  instead; the interpreter restores the attribute when each launch ends."""
+  try:
+    int(np.ones(1, np.int32))
+    return
+  except TypeError:
+    pass
+  original = _interpreter._patch_lang_tensor
+
+  def patched(tensor, scope):
+    original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+  _interpreter._patch_lang_tensor = patched
+
+
+_patch_interpreter_index()
+
+_CPU = pn_config.DeviceInfo("cpu", "cpu", 4)
+MODES = pn_config.MODES
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+DTYPE_NAMES = tuple(TORCH_DTYPES)
+# Relative error allowed on top of torch's own error, per dtype: about one output ulp.
+ULP = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-10}
+# Every M in {1, 7, 199} with every N in {1, 3, 64, 760, 1000}.
+SHAPES = [(m, n) for m in (1, 7, 199) for n in (1, 3, 64, 760, 1000)]
+# (has_scale, has_bias, scale_offset); RMSNorm ignores has_bias.
+AFFINE = [(True, True, 0.0), (False, False, 0.0), (True, False, 1.0), (False, True, 0.0)]
+
+
+def _cases():
+  """mode x op x shape; the dtype and the affine variant (id suffix: index into AFFINE)
+  rotate over the shapes."""
+  out = []
+  for mode in MODES:
+    for layer in (False, True):
+      for i, (m, n) in enumerate(SHAPES):
+        out.append(pytest.param(mode, layer, m, n, DTYPE_NAMES[i % 3], AFFINE[(i // 3) % 4],
+                                id=f"{mode}-{'ln' if layer else 'rms'}-{m}x{n}-"
+                                   f"{DTYPE_NAMES[i % 3]}-{(i // 3) % 4}"))
+  return out
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer):
+  """Torch launch of norm_fwd_kernel. x3: [B, M, N]; scale, bias: [PB, N] or None."""
+  b, m, n = x3.shape
+  pb = max([p.shape[0] for p in (scale, bias) if p is not None], default=1)
+  plan = tk.forward_plan(cfg, batch=b, m=m, n=n, eps=eps, scale_offset=scale_offset,
+                         subtract_mean=layer, has_scale=scale is not None,
+                         has_bias=bias is not None)
+  y = torch.empty_like(x3)
+  mean = torch.full((b * m,), float("nan"))
+  rstd = torch.full((b * m,), float("nan"))
+  tk.norm_fwd_kernel[plan.grid](
+      x3, x3 if scale is None else scale, x3 if bias is None else bias, m, n,
+      0 if pb == 1 else n, y, mean, rstd, num_warps=plan.num_warps, **plan.kwargs)
+  return y, mean.reshape(b, m), rstd.reshape(b, m)
+
+
+def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scale_dtype,
+         bias_dtype):
+  """Torch launch of both backward stages. Returns dx [B, M, N], dscale / dbias [B, N]."""
+  b, m, n = x3.shape
+  plan = tk.backward_plan(cfg, batch=b, m=m, n=n, scale_offset=scale_offset,
+                          subtract_mean=layer, has_scale=scale is not None,
+                          has_bias=has_bias)
+  g = plan.grid[0]
+  dx = torch.empty_like(x3)
+  # NaN-filled: a partial row the kernel forgot to write poisons the result.
+  dscale_part = torch.full((b * g, n), float("nan"))
+  dbias_part = torch.full((b * g, n), float("nan"))
+  pb = 1 if scale is None else scale.shape[0]
+  tk.norm_bwd_kernel[plan.grid](
+      dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd, m, n,
+      0 if pb == 1 else n, dx, dscale_part, dbias_part, num_warps=plan.num_warps,
+      **plan.kwargs)
+  rplan = tk.reduce_plan(cfg, batch=b, groups=g, n=n)
+  out = []
+  for present, part, dtype in ((scale is not None, dscale_part, scale_dtype),
+                               (has_bias, dbias_part, bias_dtype)):
+    red = None
+    if present:
+      red = torch.empty((b, n), dtype=dtype)
+      tk.partial_reduce_kernel[rplan.grid](part, g, n, red, num_warps=rplan.num_warps,
+                                           **rplan.kwargs)
+    out.append(red)
+  return dx, out[0], out[1]
+
+
+# --------------------------------------------------------------------------- oracle
+
+
+def _inputs(m, n, dtype, *, seed=0, batch=1, mean=0.5):
+  g = torch.Generator().manual_seed(seed + 7919 * m + n)
+  x = (torch.randn(batch, m, n, generator=g) * 2.0 + mean).to(dtype)
+  scale = (1.0 + 0.5 * torch.randn(n, generator=g)).to(dtype)
+  bias = torch.randn(n, generator=g).to(dtype)
+  dy = torch.randn(batch, m, n, generator=g).to(dtype)
+  return x, scale, bias, dy
+
+
+def _torch_ref(x, scale, bias, dy, *, layer, eps, scale_offset, dtype):
+  """torch forward + backward in ``dtype``: (y, dx, dscale, dbias, mean, rstd) float64."""
+  t = lambda a: None if a is None else a.detach().to(dtype).requires_grad_(True)
+  xt, st, bt = t(x), t(scale), t(bias)
+  n = x.shape[-1]
+  w = None if st is None else st + scale_offset
+  if layer:
+    y = torch.nn.functional.layer_norm(xt, (n,), w, bt, eps)
+  else:
+    y = torch.nn.functional.rms_norm(xt, (n,), w, eps)
+  y.backward(dy.to(dtype))
+  xd = x.double()
+  if layer:
+    mu = xd.mean(-1)
+    var = ((xd - mu[..., None]) ** 2).mean(-1)
+  else:
+    mu = torch.zeros(xd.shape[:-1], dtype=torch.float64)
+    var = (xd * xd).mean(-1)
+  out = [y, xt.grad, None if st is None else st.grad, None if bt is None else bt.grad]
+  return [None if a is None else a.detach().double() for a in out] + [mu, 1 / (var + eps).sqrt()]
+
+
+def _check(name, got, ref64, ref_same, *, dtype, scale_len):
+  """|got - ref64| <= 2 max|torch_same - ref64| + 4 ulp sqrt(len) (1 + |ref64|)."""
+  assert got is not None, name
+  got = got.double()
+  assert got.shape == ref64.shape, (name, got.shape, ref64.shape)
+  err = (got - ref64).abs()
+  torch_err = (ref_same - ref64).abs().max() if ref_same is not None else 0.0
+  tol = 2 * torch_err + 4 * ULP[dtype] * math.sqrt(scale_len) * (1 + ref64.abs())
+  bad = ~(err <= tol)
+  assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.numel()} out of tolerance; "
+                         f"max err {float(err.max()):.3g}, max tol {float(tol.max()):.3g}")
+
+
+def _run_and_check(fcfg, bcfg, *, layer, m, n, dtype, has_scale, has_bias, scale_offset,
+                   batch=1, batched_params=False, eps=1e-5):
+  td = TORCH_DTYPES[dtype]
+  has_bias = has_bias and layer
+  x, scale, bias, dy = _inputs(m, n, td, batch=batch)
+  scale = scale if has_scale else None
+  bias = bias if has_bias else None
+  if batched_params:  # one scale / bias row per batch entry
+    rows = lambda p: None if p is None else torch.stack([p * (1 + 0.1 * i) for i in range(batch)])
+    scale, bias = rows(scale), rows(bias)
+  params = lambda p: None if p is None else (p if batched_params else p[None])
+  y, mean, rstd = _fwd(x, params(scale), params(bias), fcfg, eps=eps,
+                       scale_offset=scale_offset, layer=layer)
+  dx, dscale, dbias = _bwd(dy, x, params(scale), mean if layer else None, rstd, bcfg,
+                           has_bias=has_bias, scale_offset=scale_offset, layer=layer,
+                           scale_dtype=td, bias_dtype=td)
+  assert y.dtype == td and dx.dtype == td and y.shape == x.shape == dx.shape
+  for i in range(batch):
+    pick = lambda p: None if p is None else (p[i] if batched_params else p)
+    same = _torch_ref(x[i], pick(scale), pick(bias), dy[i], layer=layer, eps=eps,
+                      scale_offset=scale_offset, dtype=td)
+    ref = _torch_ref(x[i], pick(scale), pick(bias), dy[i], layer=layer, eps=eps,
+                     scale_offset=scale_offset, dtype=torch.float64)
+    _check("y", y[i], ref[0], same[0], dtype=dtype, scale_len=n)
+    _check("dx", dx[i], ref[1], same[1], dtype=dtype, scale_len=n)
+    _check("rstd", rstd[i], ref[5], None, dtype="float32", scale_len=n)
+    if layer:
+      _check("mean", mean[i], ref[4], None, dtype="float32", scale_len=n)
+    if has_scale:
+      assert dscale.dtype == td
+      _check("dscale", dscale[i], ref[2], same[2], dtype=dtype, scale_len=m)
+    if has_bias:
+      _check("dbias", dbias[i], ref[3], same[3], dtype=dtype, scale_len=m)
+
+
+# --------------------------------------------------------------------------- kernel tests
+
+
+@pytest.mark.parametrize("mode,layer,m,n,dtype,affine", _cases())
+def test_kernels_match_torch(mode, layer, m, n, dtype, affine):
+  td = TORCH_DTYPES[dtype]
+  fcfg = pn_config.forward_config(m, n, td, mode, _CPU)
+  bcfg = pn_config.backward_config(m, n, td, _CPU)
+  _run_and_check(fcfg, bcfg, layer=layer, m=m, n=n, dtype=dtype, has_scale=affine[0],
+                 has_bias=affine[1], scale_offset=affine[2])
+
+
+@pytest.mark.parametrize("mode", ["multi_wave_reload", "static_persistent"])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+@pytest.mark.parametrize("m,n,dtype,block_m,block_n", [
+    (7, 760, "float32", 4, 128), (199, 1000, "bfloat16", 32, 256), (1, 64, "float16", 1, 16),
+    (7, 3, "float32", 2, 2)])
+def test_chunked_paths(mode, layer, m, n, dtype, block_m, block_n):
+  """block_n < N (last chunk partial): reload passes in the forward, chunked
+  read-modify-write backward."""
+  fcfg = pn_config.ForwardConfig(mode, block_m=block_m, block_n=block_n, num_warps=4,
+                                 num_programs=3)
+  bcfg = pn_config.BackwardConfig(block_m=block_m, block_n=block_n, num_warps=4,
+                                  num_programs=3, reduce_block_n=64, reduce_block_g=2)
+  assert tk.forward_plan(fcfg, batch=1, m=m, n=n, eps=1e-5, scale_offset=0.0,
+                         subtract_mean=layer, has_scale=True,
+                         has_bias=layer).kwargs["CHUNKED"]
+  _run_and_check(fcfg, bcfg, layer=layer, m=m, n=n, dtype=dtype, has_scale=True,
+                 has_bias=True, scale_offset=0.0)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_large_n_chunked(layer):
+  """2 x 65536 in 4096-column chunks (the reload path that serves N >= 262144)."""
+  fcfg = pn_config.ForwardConfig("multi_wave_reload", block_m=2, block_n=4096, num_warps=8)
+  bcfg = pn_config.BackwardConfig(block_m=2, block_n=4096, num_warps=8, num_programs=2,
+                                  reduce_block_n=4096, reduce_block_g=2)
+  _run_and_check(fcfg, bcfg, layer=layer, m=2, n=65536, dtype="bfloat16", has_scale=True,
+                 has_bias=True, scale_offset=0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batched_params", [False, True], ids=["shared", "batched"])
+def test_batch_axis(mode, batched_params):
+  """Grid axis 1: [B, M, N] with shared or per-entry scale/bias; per-entry dscale."""
+  m, n = 7, 40
+  fcfg = pn_config.forward_config(m, n, torch.float32, mode, _CPU)
+  bcfg = dataclasses.replace(pn_config.backward_config(m, n, torch.float32, _CPU),
+                           num_programs=5)
+  _run_and_check(fcfg, bcfg, layer=True, m=m, n=n, dtype="float32", has_scale=True,
+                 has_bias=True, scale_offset=0.5, batch=3, batched_params=batched_params)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_int64_offsets(chunked, monkeypatch):
+  """The USE_INT64 code path (forced: no 2**31-element tensor on CPU)."""
+  monkeypatch.setattr(tk, "_needs_int64", lambda *a: True)
+  bn = 16 if chunked else 64
+  fcfg = pn_config.ForwardConfig("static_persistent", block_m=4, block_n=bn, num_warps=4,
+                                 num_programs=2)
+  bcfg = pn_config.BackwardConfig(block_m=4, block_n=bn, num_warps=4, num_programs=2,
+                                  reduce_block_n=16, reduce_block_g=2)
+  assert tk.forward_plan(fcfg, batch=1, m=7, n=40, eps=1e-5, scale_offset=0.0,
+                         subtract_mean=True, has_scale=True, has_bias=True).kwargs["USE_INT64"]
+  _run_and_check(fcfg, bcfg, layer=True, m=7, n=40, dtype="float32", has_scale=True,
+                 has_bias=True, scale_offset=0.0)
+
+
+def test_plans():
+  cfg = pn_config.ForwardConfig("static_persistent", 4, 1024, 4, num_programs=10)
+  kw = dict(eps=1e-6, scale_offset=1.0, subtract_mean=False, has_scale=True, has_bias=False)
+  plan = tk.forward_plan(cfg, batch=1, m=100, n=1000, **kw)
+  assert plan.grid == (10, 1) and plan.num_warps == 4
+  assert plan.kwargs == dict(EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
+                             HAS_BIAS=False, BLOCK_M=4, BLOCK_N=1024, CHUNKED=False,
+                             PERSISTENT=True, USE_INT64=False)
+  assert tk.forward_plan(cfg, batch=4, m=100, n=1000, **kw).grid == (3, 4)
+  wave = pn_config.ForwardConfig("multi_wave_reload", 4, 1024, 4)
+  assert tk.forward_plan(wave, batch=1, m=101, n=1000, **kw).grid == (26, 1)
+  assert tk.forward_plan(wave, batch=1, m=101, n=1000, **kw).kwargs["CHUNKED"]
+  big = tk.forward_plan(wave, batch=1, m=8192, n=262144, **kw)
+  assert big.kwargs["USE_INT64"] and big.kwargs["CHUNKED"]
+  assert not tk.forward_plan(wave, batch=1, m=4096, n=4096, **kw).kwargs["USE_INT64"]
+  with pytest.raises(ValueError, match="block_n"):
+    tk.forward_plan(pn_config.ForwardConfig("multi_wave_cached", 4, 512, 4), batch=1, m=8,
+                    n=1000, **kw)
+  with pytest.raises(ValueError, match="num_programs"):
+    tk.forward_plan(pn_config.ForwardConfig("static_persistent", 4, 512, 4), batch=1, m=8,
+                    n=100, **kw)
+  bcfg = pn_config.BackwardConfig(8, 128, 4, num_programs=6, reduce_block_n=32,
+                                  reduce_block_g=4, reduce_num_warps=2)
+  bplan = tk.backward_plan(bcfg, batch=1, m=100, n=1000, scale_offset=0.0,
+                           subtract_mean=True, has_scale=True, has_bias=True)
+  assert bplan.grid == (6, 1) and bplan.kwargs["CHUNKED"]
+  rplan = tk.reduce_plan(bcfg, batch=2, groups=6, n=1000)
+  assert rplan.grid == (32, 2) and rplan.num_warps == 2
+
+
+# --------------------------------------------------------------------------- jax glue
+
+
+def test_triton_backend_import_error_on_cpu():
+  """No GPU jaxlib here: backend="triton" names what to install, before any launch."""
+  assert jax.default_backend() != "gpu"
+  x = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(ImportError, match=r"jax-triton and a CUDA jaxlib.*pallas-norm\[triton"):
+    pallas_norm.rms_norm(x, backend="triton")
+  with pytest.raises(ImportError, match="jax-triton"):
+    jax.grad(lambda x: pallas_norm.layer_norm(x, backend="triton").sum())(x)
+
+
+def _to_torch(a):
+  a = np.asarray(a)
+  if a.dtype == ml_dtypes.bfloat16:
+    return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+  return torch.from_numpy(a.copy())
+
+
+def _to_numpy(t):
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+  return t.numpy()
+
+
+def _fake_jax_triton(version):
+  """A jax_triton stand-in: triton_call launches the kernel in the interpreter from a
+  pure_callback (no vmap rule, no JVP: the same limits as jax-triton)."""
+  out_kw = "out_type" if version >= (0, 4) else "out_shape"
+
+  def triton_call(*args, kernel, grid, num_warps, name, **kwargs):
+    assert name.startswith("pallas_norm_triton_"), name
+    outs = kwargs.pop(out_kw)
+    assert not {"out_type", "out_shape"} & kwargs.keys(), kwargs.keys()
+    arrays = [a for a in args if not isinstance(a, int)]
+
+    def host(*host_arrays):
+      it = iter(host_arrays)
+      targs = [a if isinstance(a, int) else _to_torch(next(it)) for a in args]
+      touts = [torch.from_numpy(np.full(o.shape, np.nan, np.float32)).to(
+          TORCH_DTYPES[jnp.dtype(o.dtype).name]) for o in outs]
+      kernel[grid](*targs, *touts, num_warps=num_warps, **kwargs)
+      return tuple(_to_numpy(t) for t in touts)
+
+    return jax.pure_callback(host, tuple(outs), *arrays)
+
+  return type("FakeJaxTriton", (), {"__version_info__": version,
+                                    "triton_call": staticmethod(triton_call)})
+
+
+@pytest.fixture(params=[(0, 3, 1), (0, 4, 1)], ids=["jt0.3", "jt0.4"])
+def fake_jt(request, monkeypatch):
+  monkeypatch.setattr(glue, "_jax_triton", lambda: _fake_jax_triton(request.param))
+
+
+def _loss(backend, mode, layer, scale_offset=0.0):
+  def f(x, s, b):
+    if layer:
+      y = pallas_norm.layer_norm(x, s, b, scale_offset=scale_offset, mode=mode,
+                                 backend=backend)
+    else:
+      y = pallas_norm.rms_norm(x, s, scale_offset=scale_offset, mode=mode, backend=backend)
+    return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
+  return f
+
+
+def _assert_tree_close(a, b, rtol=2e-5, atol=2e-5):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(
+      np.asarray(u, np.float64), np.asarray(v, np.float64), rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_glue_forward_grad_jit(fake_jt, mode, layer):
+  """jit(value_and_grad) of the public op through the glue vs backend="xla"."""
+  del fake_jt
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (2, 5, 48), jnp.float32)
+  s = 1 + 0.3 * jax.random.normal(k[1], (48,), jnp.bfloat16)
+  b = jax.random.normal(k[2], (48,), jnp.float32) if layer else None
+  got = jax.jit(jax.value_and_grad(_loss("triton", mode, layer, 1.0), (0, 1, 2)))(x, s, b)
+  want = jax.value_and_grad(_loss("xla", mode, layer, 1.0), (0, 1, 2))(x, s, b)
+  assert got[1][1].dtype == jnp.bfloat16
+  if layer:
+    assert got[1][2].dtype == jnp.float32
+  _assert_tree_close(got[0], want[0])
+  _assert_tree_close(got[1][0], want[1][0])
+  _assert_tree_close(got[1][1:], want[1][1:], rtol=1e-2, atol=1e-2)  # bf16 dscale
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_glue_vmap(fake_jt, layer):
+  """vmap: batched x with shared scale (folded), batched scale, nested, vmap of grad
+  (per-example dscale) and grad of vmap (dscale summed over the batch)."""
+  del fake_jt
+  mode = "static_persistent"
+  k = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(k[0], (3, 4, 2, 24), jnp.float32)
+  s = 1 + 0.3 * jax.random.normal(k[1], (3, 24), jnp.float32)
+  b = jax.random.normal(k[2], (24,), jnp.float32) if layer else None
+
+  def op(backend):
+    if layer:
+      return lambda x, s, b: pallas_norm.layer_norm(x, s, b, mode=mode, backend=backend)
+    return lambda x, s, b: pallas_norm.rms_norm(x, s, mode=mode, backend=backend)
+
+  for in_axes, sv in (((0, None, None), s[0]), ((0, 0, None), s), ((None, 0, None), s)):
+    xv = x if in_axes[0] == 0 else x[0]
+    _assert_tree_close(jax.jit(jax.vmap(op("triton"), in_axes))(xv, sv, b),
+                       jax.vmap(op("xla"), in_axes)(xv, sv, b))
+  nested = lambda be: jax.vmap(jax.vmap(op(be), (0, None, None)), (0, 0, None))
+  _assert_tree_close(nested("triton")(x, s, b), nested("xla")(x, s, b))
+  per_example = lambda be: jax.vmap(jax.grad(_loss(be, mode, layer), (0, 1, 2)),
+                                    (0, None, None))
+  _assert_tree_close(jax.jit(per_example("triton"))(x, s[0], b),
+                     per_example("xla")(x, s[0], b), rtol=1e-4, atol=1e-4)
+  of_vmap = lambda be: jax.grad(lambda x, s, b: jnp.sum(jnp.sin(
+      jax.vmap(op(be), (0, 0, None))(x, s, b))), (0, 1, 2))
+  _assert_tree_close(jax.jit(of_vmap("triton"))(x, s, b), of_vmap("xla")(x, s, b),
+                     rtol=1e-4, atol=1e-4)
+  remat = lambda be: jax.grad(jax.checkpoint(_loss(be, mode, layer)), (0, 1, 2))
+  _assert_tree_close(remat("triton")(x[0], s[0], b), remat("xla")(x[0], s[0], b),
+                     rtol=1e-4, atol=1e-4)
