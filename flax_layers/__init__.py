@@ -28,7 +28,43 @@ from pallas_norm import ops as _ops
 __all__ = ["RMSNorm", "LayerNorm", "linen"]
 
 
-class RMSNorm(nnx.Module):
+def _maybe_param(use: bool, init, rngs: nnx.Rngs, num_features: int, param_dtype):
+  """A [num_features] Param, drawing one ``rngs.params()`` key only when used (as flax)."""
+  if not use:
+    return nnx.data(None)
+  return nnx.Param(init(rngs.params(), (num_features,), param_dtype))
+
+
+class _Norm(nnx.Module):
+  """The scale and the attributes RMSNorm and LayerNorm share (RMSNorm's arguments)."""
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      epsilon: float = 1e-6,
+      dtype: tp.Any | None = None,
+      param_dtype: tp.Any = jnp.float32,
+      use_scale: bool = True,
+      scale_init: nnx.Initializer = nnx.initializers.ones,
+      scale_offset: float = 0.0,
+      mode: str | None = None,
+      backend: str = "pallas",
+      rngs: nnx.Rngs,
+  ):
+    self.scale: nnx.Param[jax.Array] | None = _maybe_param(use_scale, scale_init, rngs,
+                                                            num_features, param_dtype)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_scale = use_scale
+    self.scale_offset = scale_offset
+    self.mode = mode
+    self.backend = backend
+
+
+class RMSNorm(_Norm):
   """RMS layer normalization (https://arxiv.org/abs/1910.07467), fused.
 
   A drop-in for ``flax.nnx.RMSNorm`` that calls ``pallas_norm.rms_norm``: it
@@ -71,35 +107,6 @@ class RMSNorm(nnx.Module):
     rngs: rng key.
   """
 
-  def __init__(
-      self,
-      num_features: int,
-      *,
-      epsilon: float = 1e-6,
-      dtype: tp.Any | None = None,
-      param_dtype: tp.Any = jnp.float32,
-      use_scale: bool = True,
-      scale_init: nnx.Initializer = nnx.initializers.ones,
-      scale_offset: float = 0.0,
-      mode: str | None = None,
-      backend: str = "pallas",
-      rngs: nnx.Rngs,
-  ):
-    feature_shape = (num_features,)
-    self.scale: nnx.Param[jax.Array] | None
-    if use_scale:
-      self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype))
-    else:
-      self.scale = nnx.data(None)
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.use_scale = use_scale
-    self.scale_offset = scale_offset
-    self.mode = mode
-    self.backend = backend
-
   def __call__(self, x):
     """Normalises ``x: [..., num_features]``; returns the same shape."""
     scale = None if self.scale is None else self.scale[...]
@@ -109,7 +116,7 @@ class RMSNorm(nnx.Module):
                          backend=self.backend)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(_Norm):
   """Layer normalization (https://arxiv.org/abs/1607.06450), fused.
 
   A drop-in for ``flax.nnx.LayerNorm`` that calls ``pallas_norm.layer_norm``: it
@@ -172,26 +179,12 @@ class LayerNorm(nnx.Module):
       backend: str = "pallas",
       rngs: nnx.Rngs,
   ):
-    feature_shape = (num_features,)
-    self.scale: nnx.Param[jax.Array] | None
-    if use_scale:
-      self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype))
-    else:
-      self.scale = nnx.data(None)
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype))
-    else:
-      self.bias = nnx.data(None)
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
+    super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
+                     use_scale=use_scale, scale_init=scale_init, scale_offset=scale_offset,
+                     mode=mode, backend=backend, rngs=rngs)
+    self.bias: nnx.Param[jax.Array] | None = _maybe_param(use_bias, bias_init, rngs,
+                                                           num_features, param_dtype)
     self.use_bias = use_bias
-    self.use_scale = use_scale
-    self.scale_offset = scale_offset
-    self.mode = mode
-    self.backend = backend
 
   def __call__(self, x):
     """Normalises ``x: [..., num_features]``; returns the same shape."""

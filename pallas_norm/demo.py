@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 import pallas_norm
 from pallas_norm import config as _config
@@ -261,7 +262,7 @@ def _make_steps(graphdef):
   return train_step, eval_losses
 
 
-def _run(name: str, model, cfg: DemoConfig, batches, evals, *, progress: bool):
+def _run(name: str, model, cfg: DemoConfig, batches, evals):
   """Trains ``model`` on ``batches`` (steps x (x, y), each [B, T]).
 
   ``evals`` is (xs, ys), each [2, K, B, T]: K fixed train batches, then K held-out ones.
@@ -272,8 +273,7 @@ def _run(name: str, model, cfg: DemoConfig, batches, evals, *, progress: bool):
   graphdef, state = nnx.split((model, opt))
   train_step, eval_losses = _make_steps(graphdef)
   losses = []
-  from tqdm.auto import tqdm
-  bar = tqdm(total=cfg.steps, desc=f"{name:>20}", disable=not progress, leave=True,
+  bar = tqdm(total=cfg.steps, desc=f"{name:>20}", disable=not cfg.progress,
              dynamic_ncols=True, file=sys.stderr)
   t0 = time.perf_counter()
   t_first = None
@@ -355,10 +355,8 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   theirs = nnx.merge(graphdef, jax.tree.map(jnp.copy, nnx.state(ours)))
   num_params = sum(p.size for p in jax.tree.leaves(nnx.state(ours, nnx.Param)))
 
-  pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals,
-                                       progress=cfg.progress)
-  flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals,
-                     progress=cfg.progress)
+  pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals)
+  flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals)
 
   # Prompts end at held-out line breaks, so each sample starts a fresh line.
   ends = np.flatnonzero(heldout_data[cfg.seq:] == lut.get("\n", -1)) + cfg.seq + 1
