@@ -43,14 +43,15 @@ def _tiles(m, bn, sizes):
 
 
 def _warps(tile):
-  return sorted({max(1, min(32, tile // d)) for d in (512, 256)})  # 8 or 16 elems/thread
+  # 8 to 64 elements a thread (tokamax uses <= 4 warps, i.e. many elements a thread)
+  return sorted({max(1, min(32, tile // d)) for d in (2048, 1024, 512, 256)})
 
 
 def _fwd_candidates(m, n, num_sms):
   bn_full = C.next_power_of_2(n)
   out = []
   if bn_full <= 32768:
-    for bm in _tiles(m, bn_full, (4096, 8192, 16384, 32768)):
+    for bm in _tiles(m, bn_full, (2048, 4096, 8192, 16384, 32768)):
       for nw in _warps(bm * bn_full):
         out.append(C.ForwardConfig("multi_wave_cached", bm, bn_full, nw))
         if bn_full <= 4096:
