@@ -436,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"--text {cfg.text}: {e.strerror or e}")
   except ValueError as e:
     parser.error(str(e))
+  try:
+    os.makedirs(cfg.out, exist_ok=True)
+  except OSError as e:
+    parser.error(f"--out {cfg.out}: {e.strerror or e}")
   platform = _config.device_info().platform
   if cfg.backend == "triton" and platform != "gpu":
     parser.error("--backend triton needs a GPU (jax-triton cannot run on CPU); "
@@ -461,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
   r = train(cfg, text)
   wall = time.perf_counter() - t0
 
-  os.makedirs(cfg.out, exist_ok=True)
   png = os.path.join(cfg.out, "loss_curve.png")
   _plot(r, f"char-level Llama-style transformer on {os.path.basename(cfg.text or 'pydoc_data.topics')}", png)
 

@@ -59,7 +59,7 @@ def test_cli_bad_input_exits_2(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
-def test_cli_empty_or_short_text_exits_2(tmp_path, capsys):
+def test_cli_bad_paths_exit_2(tmp_path, capsys):
   empty = tmp_path / "empty.txt"
   empty.write_text(" \n")
   with pytest.raises(SystemExit) as e:
@@ -72,3 +72,7 @@ def test_cli_empty_or_short_text_exits_2(tmp_path, capsys):
     demo.main(["--text", str(short)])
   assert e.value.code == 2
   assert "the text has 30 characters" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--out", str(short / "sub")])
+  assert e.value.code == 2
+  assert "--out" in capsys.readouterr().err
