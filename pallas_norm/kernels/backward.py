@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv
-from pallas_norm.kernels.forward import _load_params, _tile_index
+from pallas_norm.kernels.forward import _load, _load_params, _tile_index, _where0
 
 __all__ = ["norm_backward"]
 
@@ -43,10 +43,10 @@ _F32 = jnp.float32
 
 
 def _row_stats(mean_ref, rstd_ref, rows, row_mask):
-  rstd = plgpu.load(rstd_ref.at[rows], mask=row_mask, other=0.0)  # [block_m] f32
+  rstd = _load(rstd_ref.at[rows], row_mask)  # [block_m] f32
   mean = None
   if mean_ref is not None:
-    mean = plgpu.load(mean_ref.at[rows], mask=row_mask, other=0.0)
+    mean = _load(mean_ref.at[rows], row_mask)
   return mean, rstd
 
 
@@ -75,8 +75,7 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0):
 def _load_xdy(x_ref, dy_ref, rows, cols, mask):
   """Raw x and dy tiles (their own dtype); masked elements do not touch memory."""
   idx = (rows[:, None], cols[None, :])
-  return (plgpu.load(x_ref.at[idx], mask=mask, other=0.0),
-          plgpu.load(dy_ref.at[idx], mask=mask, other=0.0))
+  return _load(x_ref.at[idx], mask), _load(dy_ref.at[idx], mask)
 
 
 def _x_hat_g(x, dy, mask, mean, rstd, w):
@@ -84,7 +83,7 @@ def _x_hat_g(x, dy, mask, mean, rstd, w):
   dy = dy.astype(_F32)
   if mean is not None:
     x = x - mean[:, None]
-  x_hat = jnp.where(mask, x * rstd[:, None], 0.0)
+  x_hat = _where0(mask, x * rstd[:, None])
   g = dy if w is None else dy * w[None, :]
   return x_hat, dy, g
 
@@ -109,7 +108,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   _, cols, _, col_mask, _ = tile(0, k)
   w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
 
-  def load(rb):
+  def load(rb):  # may be past the last row block (a prefetch): rows stay masked
     rows, _, _, _, mask = tile(rb, k)
     return _load_xdy(x_ref, dy_ref, rows, cols, mask)
 
@@ -118,17 +117,17 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     rb = r + i * num_programs
     # Prefetch the next row block (fully masked past the end) before this one's math.
     x_next, dy_next = load(rb + num_programs)
-    rows, _, row_mask, _, mask = tile(rb, k)
+    rows, _, row_mask, _, mask = tile(rb, k, rows_in_bounds=True)
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
     if c_refs is None:
       c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
       c2 = jnp.sum(g, axis=1) / n if mean_ref is not None else None
     else:
-      c1 = plgpu.load(c_refs[0].at[rows], mask=row_mask, other=0.0)
+      c1 = _load(c_refs[0].at[rows], row_mask)
       c2 = None
       if mean_ref is not None:
-        c2 = plgpu.load(c_refs[1].at[rows], mask=row_mask, other=0.0)
+        c2 = _load(c_refs[1].at[rows], row_mask)
     _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
     return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0),
             x_next, dy_next)
@@ -168,12 +167,14 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
   rstd_ref, c1_ref, c2_ref = refs
   m = x_ref.shape[0]
   rb = pl.program_id(0)
-  rows, _, row_mask, _, _ = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n)
+  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
+  rows, _, row_mask, _, _ = tile(0)
   mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
 
   def body(k, carry):
     c1, c2 = carry  # [block_m] f32 running sums
-    _, cols, _, col_mask, mask = _tile_index(rb, k, m, n, block_m=block_m, block_n=block_n)
+    _, cols, _, col_mask, mask = tile(k)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
     x_hat, _, g = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd, w)
     return c1 + jnp.sum(x_hat * g, axis=1), c2 + jnp.sum(g, axis=1)

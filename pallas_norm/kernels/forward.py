@@ -41,29 +41,50 @@ _F32 = jnp.float32
 # --------------------------------------------------------------------------- tile helpers
 
 
-def _tile_index(rb, k, m, n, *, block_m, block_n):
-  """Rows [block_m], cols [block_n] and the [block_m, block_n] mask of tile (rb, k)."""
+def _tile_index(rb, k, m, n, *, block_m, block_n, rows_in_bounds=False):
+  """Rows [block_m], cols [block_n] and the masks of tile (rb, k).
+
+  A mask the shapes make unnecessary is None (statically): columns when block_n divides
+  N, rows when block_m divides M and the caller guarantees ``rb`` is a valid row block.
+  Unmasked loads and stores vectorise without per-element predicates.
+  """
   rows = rb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [block_m]
   cols = k * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [block_n]
-  row_mask = rows < m
-  col_mask = cols < n
-  return rows, cols, row_mask, col_mask, row_mask[:, None] & col_mask[None, :]
+  row_mask = None if rows_in_bounds and m % block_m == 0 else rows < m
+  col_mask = None if n % block_n == 0 else cols < n
+  shape = (block_m, block_n)
+  if row_mask is None:
+    mask = None if col_mask is None else jnp.broadcast_to(col_mask[None, :], shape)
+  elif col_mask is None:
+    mask = jnp.broadcast_to(row_mask[:, None], shape)
+  else:
+    mask = row_mask[:, None] & col_mask[None, :]
+  return rows, cols, row_mask, col_mask, mask
+
+
+def _load(ref_at, mask, **kwargs):
+  """Masked load with 0 outside the mask (or a plain load when mask is None)."""
+  return plgpu.load(ref_at, mask=mask, other=None if mask is None else 0.0, **kwargs)
+
+
+def _where0(mask, a):
+  return a if mask is None else jnp.where(mask, a, 0.0)
 
 
 def _load_tile(ref, rows, cols, mask, eviction_policy=None):
-  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0,
-                    eviction_policy=eviction_policy).astype(_F32)  # [block_m, block_n] f32
+  return _load(ref.at[rows[:, None], cols[None, :]], mask,
+               eviction_policy=eviction_policy).astype(_F32)  # [block_m, block_n] f32
 
 
 def _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset):
   """w = scale_offset + scale and b = bias as [block_n] f32 (None when absent)."""
   w = b = None
   if scale_ref is not None:
-    w = plgpu.load(scale_ref.at[cols], mask=col_mask, other=0.0).astype(_F32)
+    w = _load(scale_ref.at[cols], col_mask).astype(_F32)
     if scale_offset:
       w = w + _F32(scale_offset)
   if bias_ref is not None:
-    b = plgpu.load(bias_ref.at[cols], mask=col_mask, other=0.0).astype(_F32)
+    b = _load(bias_ref.at[cols], col_mask).astype(_F32)
   return w, b
 
 
@@ -86,7 +107,7 @@ def _load_row_block(x_ref, rb, *, n, block_m, block_n):
   """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
   rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                        block_n=block_n)
-  return plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
+  return _load(x_ref.at[rows[:, None], cols[None, :]], mask)
 
 
 def _single_tile(rb, refs, w, b, *, n, eps, subtract_mean, block_m, block_n, x=None):
@@ -96,13 +117,14 @@ def _single_tile(rb, refs, w, b, *, n, eps, subtract_mean, block_m, block_n, x=N
   """
   x_ref, y_ref, mean_ref, rstd_ref = refs
   m = x_ref.shape[0]
-  rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n)
+  rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
+                                              rows_in_bounds=True)
   if x is None:
     x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
   x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
   if subtract_mean:
     mean = jnp.sum(x, axis=1) / n  # [block_m]
-    x = jnp.where(mask, x - mean[:, None], 0.0)
+    x = _where0(mask, x - mean[:, None])
   else:
     mean = None
   var = jnp.sum(x * x, axis=1) / n  # [block_m] (mean square for RMSNorm)
@@ -118,7 +140,8 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   x_ref, y_ref, mean_ref, rstd_ref = refs
   m = x_ref.shape[0]
   num_chunks = cdiv(n, block_n)
-  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n)
+  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
 
   def stats_body(k, carry):
     mean, acc = carry  # [block_m] f32: running mean (LayerNorm) and M2 / sum of squares
@@ -130,7 +153,7 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
     count = (k * block_n).astype(_F32)  # elements already folded in
     nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)  # elements in this chunk
     cmean = jnp.sum(x, axis=1) / nk
-    xc = jnp.where(mask, x - cmean[:, None], 0.0)
+    xc = _where0(mask, x - cmean[:, None])
     cm2 = jnp.sum(xc * xc, axis=1)
     total = count + nk
     delta = cmean - mean
