@@ -38,7 +38,7 @@ export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
 endef
 
 gpu-check:
-	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider -m "not cpu_only" --gpu $(PYTEST_ARGS) tests
+	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu $(PYTEST_ARGS) tests
 
 bench:
 	$(gpu_env) XLA_FLAGS="$$XLA_FLAGS --xla_gpu_enable_command_buffer=" $(PYTHON) -m pallas_norm.bench $(BENCH_ARGS)

@@ -1,8 +1,9 @@
 """Shared pytest setup.
 
 ``--gpu`` (used by ``make gpu-check``) requires a CUDA GPU, runs the kernels with
-``interpret=False`` and enables the tests marked ``gpu``. Without it, the ``gpu`` tests
-are reported as skipped (never as passes) and everything runs in interpret mode.
+``interpret=False``, enables the tests marked ``gpu`` and skips those marked ``cpu_only``.
+Without it, the ``gpu`` tests are reported as skipped (never as passes) and everything runs
+in interpret mode (Pallas) or Triton's interpreter (plain Triton).
 """
 
 import os
@@ -22,10 +23,18 @@ def pytest_configure(config):
     import jax
     if jax.default_backend() != "gpu":
       raise pytest.UsageError(f"--gpu given but jax.default_backend()={jax.default_backend()!r}")
+  else:
+    # The plain-Triton kernels run in Triton's interpreter on CPU; this must be set before
+    # triton is imported. On the GPU it must not be: jax-triton needs compiled kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
   if config.getoption("--gpu"):
+    skip_cpu = pytest.mark.skip(reason="CPU-only (Triton interpreter / no-GPU behaviour)")
+    for item in items:
+      if "cpu_only" in item.keywords:
+        item.add_marker(skip_cpu)
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make gpu-check` on the GPU machine")
   for item in items:
