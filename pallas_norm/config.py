@@ -138,25 +138,48 @@ class BackwardConfig:
 
 
 # ---------------------------------------------------------------------------
-# Thresholds. Each names the measurement or the constraint behind it.
+# Thresholds. Each names the measurement behind it: H200, bf16 RMSNorm, CUPTI kernel
+# time over rotated inputs, benchmarks/sweep.py, 2026-11-21 (files under
+# benchmarks/results/). "ms/us" are the kernel times of the best candidates.
 # ---------------------------------------------------------------------------
 
 # Largest row (in elements, padded to a power of 2) that multi_wave_cached keeps in
 # registers: 32768 f32 values over 16 warps is 64 registers a thread for x alone.
 _CACHED_MAX_BLOCK_N = 32768
-# Target elements per tile: enough loads in flight per SM to cover HBM latency
-# without spilling.
-_TILE_ELEMS = 8192
-# Chunk width for chunked (row does not fit) paths.
-_CHUNK_N = 4096
-# Rows below which multi_wave launches leave SMs idle and the persistent grid wins.
-_NARROW_N = 512
-# Backward: rows up to this (padded) length are one register tile.
+# Above this padded row length the heuristic leaves multi_wave_cached for
+# multi_wave_reload: at 16384 x 16384, reload (block_n 8192, 16 warps) took 286 us and
+# the best cached config 305 us; at N <= 8192 cached won (4096 x 8192: 36.4 us against
+# 38.8 us for reload).
+_HEURISTIC_CACHED_MAX = 8192
+# Forward tile: about 4096 elements. 32768 x 128 ran 5.8 us at block_m 32 and 64, 5.9
+# at 16; 4096 x 1024 ran 6.2 us at block_m 2 and 4.
+_FWD_TILE_ELEMS = 4096
+# Forward warps: tile / 512 clamped to [4, 8]. 8192 x 5120 (one 8192-wide row a tile):
+# 44.4 us at 4 warps, 45.5 at 8, 47.2 at 16; 4096 x 4096: 8 warps 19.0 us, 16 warps 20.5.
+_FWD_MIN_WARPS, _FWD_MAX_WARPS = 4, 8
+# Reload chunk: 8192 while N <= 32768 (16384^2: 286 us against 299 at 4096), else 4096
+# (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
+# (8 warps: 302 / 411 / 441 us).
+_RELOAD_CHUNK_N_SMALL, _RELOAD_CHUNK_N_LARGE, _RELOAD_WARPS = 8192, 4096, 16
+# static_persistent: SMs x this many programs. At 4096 x 4096 it ran 18.8 us with 528
+# programs (4 a SM) against 19.0 us with 264.
+_PERSISTENT_OCCUPANCY = 4
+# Backward: rows up to this padded length are one register tile with the partials in
+# registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
+# single 16384-wide tile took 812 us and the pair 674-686 us.
 _BWD_SINGLE_TILE_MAX = 8192
+# Backward tile: block_m = 4096 / block_n rows. 4096 x 1024: block_m 4 10.8 us, 2 11.9;
+# 32768 x 128: block_m 32 11.4 us.
 _BWD_TILE_ELEMS = 4096
+# Backward grid: 2 programs a SM for rows up to 4096 wide (4096 x 4096: 31.7 us with
+# 264, 33.4 with 132), 1 a SM for wider rows (4096 x 8192: 57.9 us with 132, 63.3 with
+# 264).
+# Backward warps: 4 for tiles narrower than 4096 (4096 x 1024: 10.8 us with 4, 11.9
+# with 8), else block_n / 256 (4096 x 4096: 16 warps 31.7 us, 8 warps 32.6;
+# 4096 x 8192: 32 warps 57.9 us, 16 warps 61.1).
+# Chunked backward: 4096-wide column chunks, 16 warps, G = 2 x SMs / chunks programs
+# a column (16384^2: 686 us; 4096 x 65536: 690; 1024 x 262144: 690).
 _BWD_CHUNK_N = 4096
-# Persistent grid = SMs x this (two programs per SM hide each other's reductions).
-_PERSISTENT_OCCUPANCY = 2
 
 
 def cached_max_block_n(dtype) -> int:
@@ -166,17 +189,23 @@ def cached_max_block_n(dtype) -> int:
 
 
 def _num_warps_for(tile_elems: int) -> int:
-  # One 16-byte vector (8 bf16) per thread per row is the sweet spot; cap at 16 warps.
+  # One 16-byte vector (8 bf16) per thread per row; at most 16 warps.
   return int(min(16, max(1, tile_elems // 256)))
 
 
+def _fwd_warps(tile_elems: int) -> int:
+  return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // 512)))
+
+
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
-  """The mode the heuristic picks for an [m, n] input."""
-  bn = next_power_of_2(n)
-  if bn > cached_max_block_n(dtype):
+  """The mode the heuristic picks for an [m, n] input (the fastest one measured).
+
+  multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
+  against 6.0 us for static_persistent), multi_wave_reload beyond.
+  """
+  del m, dtype, device
+  if next_power_of_2(n) > _HEURISTIC_CACHED_MAX:
     return "multi_wave_reload"
-  if n <= _NARROW_N:
-    return "static_persistent"
   return "multi_wave_cached"
 
 
@@ -188,22 +217,21 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
-  if mode == "multi_wave_reload":
-    block_n = min(bn_full, _CHUNK_N)
-  elif mode == "multi_wave_cached":
-    if bn_full > cached_max_block_n(dtype):
-      raise NotImplementedError(
-          f"multi_wave_cached holds the whole row in registers and supports N up to "
-          f"{cached_max_block_n(dtype)} (N={n} pads to {bn_full}); use "
-          f"mode='multi_wave_reload' (or 'static_persistent') for longer rows")
+  chunk = _RELOAD_CHUNK_N_SMALL if n <= 32768 else _RELOAD_CHUNK_N_LARGE
+  if mode == "multi_wave_cached" and bn_full > cached_max_block_n(dtype):
+    raise NotImplementedError(
+        f"multi_wave_cached holds the whole row in registers and supports N up to "
+        f"{cached_max_block_n(dtype)} (N={n} pads to {bn_full}); use "
+        f"mode='multi_wave_reload' (or 'static_persistent') for longer rows")
+  if mode == "multi_wave_reload" or (mode == "static_persistent" and bn_full > chunk):
+    block_n, block_m, num_warps = min(bn_full, chunk), 1, _RELOAD_WARPS
+  else:
     block_n = bn_full
-  else:  # static_persistent: single tile while it fits, else chunked
-    block_n = bn_full if bn_full <= _CHUNK_N else _CHUNK_N
-  block_m = max(1, min(_TILE_ELEMS // block_n, next_power_of_2(m)))
+    block_m = max(1, min(_FWD_TILE_ELEMS // block_n, next_power_of_2(m)))
+    num_warps = _fwd_warps(block_m * block_n)
   if device.platform == "cpu":
-    # Interpret mode: fewer, fatter programs run faster on CPU.
+    # Interpret mode runs programs one after another: fewer, fatter ones are faster.
     block_m = max(block_m, min(64, next_power_of_2(m)))
-  num_warps = _num_warps_for(block_m * block_n)
   num_programs = 0
   if mode == "static_persistent":
     num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
@@ -212,20 +240,21 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
 
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> BackwardConfig:
   """Default backward launch config for an [m, n] input of ``dtype``."""
+  del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_n = bn_full
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
-    num_programs = device.num_sms * _PERSISTENT_OCCUPANCY
+    num_warps = 4 if block_n < 4096 else block_n // 256
+    num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
   else:  # row statistics kernel + column-tiled persistent kernel
-    block_n, block_m = _BWD_CHUNK_N, 1
-    num_programs = max(1, device.num_sms * _PERSISTENT_OCCUPANCY // cdiv(n, block_n))
+    block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
+    num_programs = max(1, 2 * device.num_sms // cdiv(n, block_n))
   if device.platform == "cpu":
     block_m = max(block_m, min(64, next_power_of_2(m)))
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
-  return BackwardConfig(block_m=block_m, block_n=block_n,
-                        num_warps=_num_warps_for(block_m * block_n),
+  return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, **reduce_config(n, num_programs))
 
 
