@@ -97,14 +97,14 @@ def _backend_module(backend: str):
   return jax_triton, jax_triton
 
 
-def _forward(x2, scale, bias, st: _Static):
-  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32)."""
+def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True):
+  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None)."""
   m, n = x2.shape
   cfg = _config.forward_config(m, n, x2.dtype, st.mode)
   fwd, _ = _backend_module(st.backend)
   return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                           subtract_mean=st.subtract_mean, config=cfg,
-                          interpret=st.interpret)
+                          interpret=st.interpret, return_residuals=return_residuals)
 
 
 def _backward(dy, x2, scale, bias, mean, rstd, st: _Static):
@@ -125,7 +125,7 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _norm2d(x2, scale, bias, st: _Static):
-  return _forward(x2, scale, bias, st)[0]
+  return _forward(x2, scale, bias, st, return_residuals=False)[0]
 
 
 def _norm2d_fwd(x2, scale, bias, st: _Static):

@@ -155,7 +155,8 @@ def _broadcast_new_axis(axis_size, *pairs):
   return tuple(out)
 
 
-def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, interpret):
+def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, interpret,
+                 return_residuals=True):
   """Forward through jax-triton.
 
   Args:
@@ -164,9 +165,12 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
     eps, scale_offset, subtract_mean: as in ``ops``.
     config: ``ForwardConfig`` (mode, blocks, warps, persistent grid).
     interpret: ignored (jax-triton runs on GPU only).
+    return_residuals: whether mean/rstd are returned. The Triton kernel writes them
+      either way (unlike the Pallas one, it has no residual-free variant yet).
 
   Returns:
-    (y [M, N] x.dtype, mean [M] f32 or None for RMSNorm, rstd [M] f32).
+    (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None): mean is None for
+    RMSNorm, both are None without ``return_residuals``.
 
   Raises:
     ImportError: jax-triton or a GPU jaxlib is missing.
@@ -177,9 +181,11 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
   out = _forward_fn(st)(x2[None], *(None if p is None else p[None] for p in (scale, bias)))
   if subtract_mean:
     y, mean, rstd = out
-    return y[0], mean[0], rstd[0]
-  y, rstd = out
-  return y[0], None, rstd[0]
+  else:
+    (y, rstd), mean = out, None
+  if not return_residuals:
+    return y[0], None, None
+  return y[0], None if mean is None else mean[0], rstd[0]
 
 
 # --------------------------------------------------------------------------- backward
