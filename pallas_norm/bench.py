@@ -715,15 +715,21 @@ def _run(args, plan: list[Case]) -> int:
       print(f"skip {impl.name}: {reason}", flush=True)
   _warm_up()
   copy = _measure_copy(dtype, args.iters)
+  copy["copy_gbs_jax"], copy["copy_source"] = copy.get("copy_gbs"), "jax -x (CUPTI)"
   if torch_ok[0]:
     copy["copy_gbs_torch"] = _torch_copy_gbs(args.iters)
+    # The reference is the fastest copy measured: torch's copy_ beat XLA's elementwise
+    # kernel on the H200 (4231 against 3362 GB/s, 2026-11-21).
+    if copy["copy_gbs_torch"] and copy["copy_gbs_torch"] > (copy.get("copy_gbs") or 0):
+      copy["copy_gbs"], copy["copy_source"] = copy["copy_gbs_torch"], "torch copy_ (events)"
   if _BACKEND_STARTED_EARLY:
     print(f"warning: the XLA backend started before bench.py set XLA_FLAGS; set "
           f"XLA_FLAGS={_COMMAND_BUFFER_FLAG} in the environment", flush=True)
-  copy_txt = f"{copy['copy_gbs']:.0f}" if copy.get("copy_gbs") else "n/a"
+  copy_txt = f"{copy['copy_gbs_jax']:.0f}" if copy.get("copy_gbs_jax") else "n/a"
   print(f"copy: {copy_txt} GB/s (jax, CUPTI)"
         + (f", {copy['copy_gbs_torch']:.0f} GB/s (torch, events)" if torch_ok[0] else "")
-        + (f" -- {copy['copy_reason']}" if copy.get("copy_reason") else ""), flush=True)
+        + (f" -- {copy['copy_reason']}" if copy.get("copy_reason") else "")
+        + f"; % of copy uses {copy['copy_source']}", flush=True)
   meta = {
       **dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "dtype": args.dtype, "iters": args.iters, "git_commit": _git_commit(),

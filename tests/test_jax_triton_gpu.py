@@ -53,15 +53,16 @@ def _f64(a):
   return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
 
-def _assert_ulp_close(name, a, b, *, n, floor_ulps=0.0, mag=0.0):
+def _assert_ulp_close(name, a, b, *, n, floor_ulps=0.0, cancel_scale=0.0):
   """|a - b| <= 1 ulp (of a's dtype, at max(|a|, |b|)) + floor_ulps f32 ulps * sqrt(n) *
-  max(mean|b|, mag) (a floor for values that cancel in f32; ``mag`` is the scale of the
-  terms that cancel, e.g. mean|dy| for dx, which is exactly 0 when N = 1)."""
+  max(mean|b|, cancel_scale): a floor for values that cancel in f32. ``cancel_scale`` is
+  the size of the terms that cancel, e.g. mean|dy w| rstd for dx, which is exactly 0 at
+  N = 1."""
   fi = jnp.finfo(a.dtype)
   a64, b64 = _f64(a), _f64(b)
   mag = np.maximum(np.abs(a64), np.abs(b64))
   ulp = np.exp2(np.floor(np.log2(np.maximum(mag, float(fi.tiny))))) * float(fi.eps)
-  tol = ulp + floor_ulps * 2.0**-23 * math.sqrt(n) * max(np.abs(b64).mean(), mag)
+  tol = ulp + floor_ulps * 2.0**-23 * math.sqrt(n) * max(np.abs(b64).mean(), cancel_scale)
   err = np.abs(a64 - b64)
   bad = ~(err <= tol)
   assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} differ by more than "
@@ -95,7 +96,7 @@ def test_triton_matches_pallas(m, n, layer, mode, dtype):
   assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
   _assert_ulp_close("y", got[0], want[0], n=n, floor_ulps=2.0)
   _assert_ulp_close("dx", got[1], want[1], n=n, floor_ulps=4.0,
-                    mag=_dx_scale(x, s, dy, layer, scale_offset=1.0))
+                    cancel_scale=_dx_scale(x, s, dy, layer, scale_offset=1.0))
   _assert_param_grad_close("dscale", got[2], want[2], m=m)
   if layer:
     _assert_param_grad_close("dbias", got[3], want[3], m=m)
@@ -108,7 +109,7 @@ def test_triton_no_affine(layer):
   want = _run(layer, "pallas", None, x, None, None, dy)
   _assert_ulp_close("y", got[0], want[0], n=760, floor_ulps=2.0)
   _assert_ulp_close("dx", got[1], want[1], n=760, floor_ulps=4.0,
-                    mag=_dx_scale(x, None, dy, layer))
+                    cancel_scale=_dx_scale(x, None, dy, layer))
   assert got[2] is None and got[3] is None
 
 
@@ -150,7 +151,7 @@ def test_triton_large_n_reload(layer):
   np.testing.assert_allclose(_f64(got[0]), _f64(ref), rtol=2e-2, atol=2e-2)
   _assert_ulp_close("y", got[0], want[0], n=262144, floor_ulps=2.0)
   _assert_ulp_close("dx", got[1], want[1], n=262144, floor_ulps=4.0,
-                    mag=_dx_scale(x, s, dy, layer))
+                    cancel_scale=_dx_scale(x, s, dy, layer))
   _assert_param_grad_close("dscale", got[2], want[2], m=8)
 
 
