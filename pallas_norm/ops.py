@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_norm import config as _config
 from pallas_norm import reference
@@ -73,8 +75,8 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend) -> int:
     if tuple(jnp.shape(p)) != (n,):
       raise ValueError(f"{op}: {name}.shape={tuple(jnp.shape(p))} must be ({n},) to match "
                        f"x.shape[-1] ({x_shape=})")
-  if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-    raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
+  if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
+    raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
   if not eps >= 0:  # also catches NaN
     raise ValueError(f"{op}: {eps=} must be >= 0")
   return n

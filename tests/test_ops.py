@@ -174,6 +174,15 @@ def test_caller_config_wins():
 # --------------------------------------------------------------------------- options
 
 
+def test_eps_accepts_numpy_scalars():
+  x = jnp.ones((2, 8), jnp.float32) * jnp.arange(8.0)
+  a = pallas_norm.rms_norm(x, eps=np.float32(1e-6))
+  b = pallas_norm.rms_norm(x, eps=1e-6)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(TypeError, match="eps"):
+    pallas_norm.rms_norm(x, eps="1e-6")
+
+
 def test_eps_none_is_float32_eps():
   x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 64)) * 1e-4, jnp.float32)
   y = pallas_norm.rms_norm(x)
@@ -314,3 +323,37 @@ def test_saves_only_row_statistics():
   assert len(big) == 1 and big[0].dtype == x.dtype  # x itself
   stats = [a for a in leaves if a.shape == (64,)]
   assert len(stats) == 2 and all(a.dtype == jnp.float32 for a in stats)
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_int64_offsets_past_2_31_elements(mode):
+  """M * N > 2**31 - 1 elements: x no longer fits 32-bit offsets (the Triton lowering
+  switches to 64-bit ones). Rows at both ends and dscale against the reference."""
+  m, n = (8193, 262144) if mode == "multi_wave_reload" else (524289, 4096)
+  assert m * n > 2**31 - 1
+  x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
+  s = jnp.full((n,), 1.5, jnp.bfloat16)
+  eps = float(jnp.finfo(jnp.float32).eps)
+  rows = np.array([0, 1, m // 2, m - 2, m - 1])
+  y = jax.jit(lambda x, s: pallas_norm.rms_norm(x, s, mode=mode))(x, s)
+  ref = pallas_norm.reference.norm(x[rows], s, eps=eps, subtract_mean=False)[0]
+  np.testing.assert_allclose(_f64(y[rows]), _f64(ref), rtol=1e-2, atol=1e-2)
+  del y
+  loss = lambda x, s: jnp.sum(pallas_norm.rms_norm(x, s, mode=mode).astype(jnp.float32))
+  dx, ds = jax.jit(jax.grad(loss, (0, 1)))(x, s)
+  # d/dx sum(y) with a constant scale w: w * rstd * (1 - x_hat * mean(x_hat)).
+  xr = _f64(x[rows])
+  rstd = 1 / np.sqrt((xr * xr).mean(-1, keepdims=True) + eps)
+  want = 1.5 * rstd * (1 - xr * rstd * (xr * rstd).mean(-1, keepdims=True))
+  np.testing.assert_allclose(_f64(dx[rows]), want, rtol=2e-2, atol=2e-2)
+  del dx
+  # dscale = sum over rows of x_hat, in f32 through XLA.
+  rstd_all = pallas_norm.reference.norm(x, None, eps=eps, subtract_mean=False)[2]
+  ds_ref = jax.jit(lambda x, r: jnp.sum(x.astype(jnp.float32) * r[:, None], axis=0))(
+      x, rstd_all)
+  tol = 4 * ULP["bfloat16"] * math.sqrt(m) * (1 + np.abs(_f64(ds_ref)))
+  assert (np.abs(_f64(ds) - _f64(ds_ref)) <= tol).all()
