@@ -9,9 +9,13 @@ Three kernels, one per mode (TileGym's names), each with its own grid and loop:
                       reloads each chunk to normalise. Any N (262144 and beyond).
   static_persistent   grid = num_programs (about SMs x occupancy). Each program loops
                       over row blocks with a grid stride. When the row fits one tile,
-                      scale/bias are loaded once per program (hoisted) and several short
-                      rows are packed per tile (e.g. Qwen3 QK-norm, 32768 x 128);
+                      scale/bias are loaded once per program (hoisted), several short
+                      rows are packed per tile (e.g. Qwen3 QK-norm, 32768 x 128) and the
+                      next row block is prefetched while the current one is reduced;
                       otherwise each row block is chunked as in multi_wave_reload.
+
+Outside ``jax.vjp`` the forward runs without residuals (``return_residuals=False``):
+no mean/rstd are written.
 
 RMSNorm and LayerNorm share the kernels through the static ``subtract_mean`` flag.
 LayerNorm's variance is two-pass within a tile, and chunked rows combine per-chunk
@@ -196,17 +200,19 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals):
   return x_ref, scale_ref, bias_ref, (x_ref, y_ref, mean_ref, rstd_ref)
 
 
-def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias, return_residuals,
+def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                   return_residuals,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
-  cols = jnp.arange(block_n, dtype=jnp.int32)
-  w, b = _load_params(scale_ref, bias_ref, cols, cols < n, scale_offset)
+  _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+  w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, w, b, n=n, eps=eps, subtract_mean=subtract_mean,
                block_m=block_m, block_n=block_n)
 
 
-def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias, return_residuals,
+def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                   return_residuals,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
@@ -215,15 +221,16 @@ def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
                 block_m=block_m, block_n=block_n)
 
 
-def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias, return_residuals,
+def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                       return_residuals,
                        block_m, block_n, num_programs):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
-    cols = jnp.arange(block_n, dtype=jnp.int32)
-    w, b = _load_params(scale_ref, bias_ref, cols, cols < n, scale_offset)
+    _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
