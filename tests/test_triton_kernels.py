@@ -86,39 +86,51 @@ def _cases():
 # --------------------------------------------------------------------------- launchers
 
 
-def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer):
-  """Torch launch of norm_fwd_kernel. x3: [B, M, N]; scale, bias: [PB, N] or None."""
+def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer, return_residuals=True):
+  """Torch launch of norm_fwd_kernel. x3: [B, M, N]; scale, bias: [PB, N] or None.
+
+  mean / rstd start NaN-filled: without residuals they must come back untouched."""
   b, m, n = x3.shape
   pb = max([p.shape[0] for p in (scale, bias) if p is not None], default=1)
   plan = tk.forward_plan(cfg, batch=b, m=m, n=n, eps=eps, scale_offset=scale_offset,
                          subtract_mean=layer, has_scale=scale is not None,
-                         has_bias=bias is not None)
+                         has_bias=bias is not None, return_residuals=return_residuals)
   y = torch.empty_like(x3)
   mean = torch.full((b * m,), float("nan"))
   rstd = torch.full((b * m,), float("nan"))
   tk.norm_fwd_kernel[plan.grid](
       x3, x3 if scale is None else scale, x3 if bias is None else bias, m, n,
-      0 if pb == 1 else n, y, mean, rstd, num_warps=plan.num_warps, **plan.kwargs)
+      0 if pb == 1 else n, y, mean, rstd, num_warps=plan.num_warps,
+      num_stages=plan.num_stages, **plan.kwargs)
   return y, mean.reshape(b, m), rstd.reshape(b, m)
 
 
 def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scale_dtype,
          bias_dtype):
-  """Torch launch of both backward stages. Returns dx [B, M, N], dscale / dbias [B, N]."""
+  """Torch launch of the backward: the row statistics kernel (chunked only), stage 1 and
+  stage 2. Returns dx [B, M, N], dscale / dbias [B, N]."""
   b, m, n = x3.shape
-  plan = tk.backward_plan(cfg, batch=b, m=m, n=n, scale_offset=scale_offset,
-                          subtract_mean=layer, has_scale=scale is not None,
-                          has_bias=has_bias)
+  common = dict(batch=b, m=m, n=n, scale_offset=scale_offset, subtract_mean=layer,
+                has_scale=scale is not None)
+  plan = tk.backward_plan(cfg, has_bias=has_bias, **common)
+  stats_plan = tk.row_stats_plan(cfg, **common)
   g = plan.grid[0]
+  pb = 1 if scale is None else scale.shape[0]
+  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
+  c1 = c2 = rstd
+  if stats_plan is not None:
+    c1 = torch.full((b * m,), float("nan"))
+    c2 = torch.full((b * m,), float("nan"))
+    tk.bwd_row_stats_kernel[stats_plan.grid](
+        *inputs, m, n, 0 if pb == 1 else n, c1, c2, num_warps=stats_plan.num_warps,
+        num_stages=stats_plan.num_stages, **stats_plan.kwargs)
   dx = torch.empty_like(x3)
   # NaN-filled: a partial row the kernel forgot to write poisons the result.
   dscale_part = torch.full((b * g, n), float("nan"))
   dbias_part = torch.full((b * g, n), float("nan"))
-  pb = 1 if scale is None else scale.shape[0]
   tk.norm_bwd_kernel[plan.grid](
-      dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd, m, n,
-      0 if pb == 1 else n, dx, dscale_part, dbias_part, num_warps=plan.num_warps,
-      **plan.kwargs)
+      *inputs, c1, c2, m, n, 0 if pb == 1 else n, dx, dscale_part, dbias_part,
+      num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.kwargs)
   rplan = tk.reduce_plan(cfg, batch=b, groups=g, n=n)
   out = []
   for present, part, dtype in ((scale is not None, dscale_part, scale_dtype),
@@ -127,7 +139,7 @@ def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scal
     if present:
       red = torch.empty((b, n), dtype=dtype)
       tk.partial_reduce_kernel[rplan.grid](part, g, n, red, num_warps=rplan.num_warps,
-                                           **rplan.kwargs)
+                                           num_stages=rplan.num_stages, **rplan.kwargs)
     out.append(red)
   return dx, out[0], out[1]
 
@@ -232,8 +244,8 @@ def test_kernels_match_torch(mode, layer, m, n, dtype, affine):
     (7, 760, "float32", 4, 128), (199, 1000, "bfloat16", 32, 256), (1, 64, "float16", 1, 16),
     (7, 3, "float32", 2, 2)])
 def test_chunked_paths(mode, layer, m, n, dtype, block_m, block_n):
-  """block_n < N (last chunk partial): reload passes in the forward, chunked
-  read-modify-write backward."""
+  """block_n < N (last chunk partial): reload passes in the forward; in the backward the
+  row statistics kernel, then stage 1 on a (G, chunks) grid."""
   fcfg = pn_config.ForwardConfig(mode, block_m=block_m, block_n=block_n, num_warps=4,
                                  num_programs=3)
   bcfg = pn_config.BackwardConfig(block_m=block_m, block_n=block_n, num_warps=4,
@@ -241,6 +253,10 @@ def test_chunked_paths(mode, layer, m, n, dtype, block_m, block_n):
   assert tk.forward_plan(fcfg, batch=1, m=m, n=n, eps=1e-5, scale_offset=0.0,
                          subtract_mean=layer, has_scale=True,
                          has_bias=layer).kwargs["CHUNKED"]
+  common = dict(batch=1, m=m, n=n, scale_offset=0.0, subtract_mean=layer, has_scale=True)
+  bplan = tk.backward_plan(bcfg, has_bias=layer, **common)
+  assert bplan.kwargs["CHUNKED"] and bplan.grid[1] == -(-n // block_n) > 1
+  assert tk.row_stats_plan(bcfg, **common).grid == (-(-m // block_m), 1)
   _run_and_check(fcfg, bcfg, layer=layer, m=m, n=n, dtype=dtype, has_scale=True,
                  has_bias=True, scale_offset=0.0)
 
@@ -253,6 +269,59 @@ def test_large_n_chunked(layer):
                                   reduce_block_n=4096, reduce_block_g=2)
   _run_and_check(fcfg, bcfg, layer=layer, m=2, n=65536, dtype="bfloat16", has_scale=True,
                  has_bias=True, scale_offset=0.0)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["tile", "chunked"])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_persistent_prefetch_tail(chunked, layer):
+  """M = 199 is no multiple of block_m = 8: 25 row blocks over G = 3 programs, so every
+  program prefetches past the last row block (fully masked) and one ends on the partial
+  block; also G = 3 in the backward, on the single-tile or the (G, chunks) grid."""
+  m, n, bn = 199, 96, 32 if chunked else 128
+  fcfg = pn_config.ForwardConfig("static_persistent", block_m=8, block_n=bn, num_warps=4,
+                                 num_programs=3)
+  bcfg = pn_config.BackwardConfig(block_m=8, block_n=bn, num_warps=4, num_programs=3,
+                                  reduce_block_n=32, reduce_block_g=4)
+  _run_and_check(fcfg, bcfg, layer=layer, m=m, n=n, dtype="float32", has_scale=True,
+                 has_bias=True, scale_offset=0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_no_residuals(mode, layer):
+  """return_residuals=False (STATS off): the same y, and mean / rstd left unwritten."""
+  m, n = 7, 40 if mode != "multi_wave_reload" else 100
+  fcfg = pn_config.ForwardConfig(mode, block_m=4, block_n=64, num_warps=4, num_programs=2)
+  x, scale, bias, _ = _inputs(m, n, torch.float32)
+  kw = dict(eps=1e-5, scale_offset=0.0, layer=layer)
+  bias = bias[None] if layer else None
+  y, _, _ = _fwd(x, scale[None], bias, fcfg, **kw)
+  y2, mean, rstd = _fwd(x, scale[None], bias, fcfg, return_residuals=False, **kw)
+  assert torch.equal(y, y2)
+  assert mean.isnan().all() and rstd.isnan().all()
+
+
+@pytest.mark.parametrize("knobs", [dict(evict_first=True, loop_stages=2),
+                                   dict(stream_cg=True)], ids=["evict_first", "cg"])
+def test_knobs(monkeypatch, knobs):
+  """The plain-Triton A/B switches reach the plans and keep the results (the interpreter
+  ignores the cache hints; this runs their code paths)."""
+  monkeypatch.setattr(tk, "KNOBS", tk.TritonKnobs(**knobs))
+  fcfg = pn_config.ForwardConfig("static_persistent", block_m=4, block_n=16, num_warps=4,
+                                 num_programs=2)
+  plan = tk.forward_plan(fcfg, batch=1, m=7, n=40, eps=1e-5, scale_offset=0.0,
+                         subtract_mean=True, has_scale=True, has_bias=True)
+  assert plan.kwargs["EVICT_FIRST"] == knobs.get("evict_first", False)
+  assert plan.kwargs["STREAM_CG"] == knobs.get("stream_cg", False)
+  assert plan.kwargs["LOOP_STAGES"] == knobs.get("loop_stages", 0)
+  with pytest.raises(ValueError, match="evict_first"):
+    tk.TritonKnobs(evict_first=True, stream_cg=True)
+  for bn in (16, 64):
+    fcfg = dataclasses.replace(fcfg, block_n=bn)
+    bcfg = pn_config.BackwardConfig(block_m=4, block_n=bn, num_warps=4, num_programs=2,
+                                    reduce_block_n=16, reduce_block_g=2)
+    _run_and_check(fcfg, bcfg, layer=True, m=7, n=40, dtype="float32", has_scale=True,
+                   has_bias=True, scale_offset=0.0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -286,10 +355,13 @@ def test_plans():
   cfg = pn_config.ForwardConfig("static_persistent", 4, 1024, 4, num_programs=10)
   kw = dict(eps=1e-6, scale_offset=1.0, subtract_mean=False, has_scale=True, has_bias=False)
   plan = tk.forward_plan(cfg, batch=1, m=100, n=1000, **kw)
-  assert plan.grid == (10, 1) and plan.num_warps == 4
+  assert plan.grid == (10, 1) and plan.num_warps == 4 and plan.num_stages == 1
   assert plan.kwargs == dict(EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
-                             HAS_BIAS=False, BLOCK_M=4, BLOCK_N=1024, CHUNKED=False,
-                             PERSISTENT=True, USE_INT64=False)
+                             HAS_BIAS=False, STATS=True, BLOCK_M=4, BLOCK_N=1024,
+                             CHUNKED=False, PERSISTENT=True, USE_INT64=False,
+                             EVICT_FIRST=False, STREAM_CG=False, LOOP_STAGES=0)
+  assert not tk.forward_plan(cfg, batch=1, m=100, n=1000, return_residuals=False,
+                             **kw).kwargs["STATS"]
   assert tk.forward_plan(cfg, batch=4, m=100, n=1000, **kw).grid == (3, 4)
   wave = pn_config.ForwardConfig("multi_wave_reload", 4, 1024, 4)
   assert tk.forward_plan(wave, batch=1, m=101, n=1000, **kw).grid == (26, 1)
@@ -305,9 +377,13 @@ def test_plans():
                     n=100, **kw)
   bcfg = pn_config.BackwardConfig(8, 128, 4, num_programs=6, reduce_block_n=32,
                                   reduce_block_g=4, reduce_num_warps=2)
-  bplan = tk.backward_plan(bcfg, batch=1, m=100, n=1000, scale_offset=0.0,
-                           subtract_mean=True, has_scale=True, has_bias=True)
-  assert bplan.grid == (6, 1) and bplan.kwargs["CHUNKED"]
+  bkw = dict(scale_offset=0.0, subtract_mean=True, has_scale=True)
+  bplan = tk.backward_plan(bcfg, batch=1, m=100, n=1000, has_bias=True, **bkw)
+  assert bplan.grid == (6, 8, 1) and bplan.kwargs["CHUNKED"]
+  assert tk.row_stats_plan(bcfg, batch=2, m=100, n=1000, **bkw).grid == (13, 2)
+  tile = dataclasses.replace(bcfg, block_n=1024)
+  assert tk.backward_plan(tile, batch=2, m=100, n=1000, has_bias=True, **bkw).grid == (3, 1, 2)
+  assert tk.row_stats_plan(tile, batch=2, m=100, n=1000, **bkw) is None
   rplan = tk.reduce_plan(bcfg, batch=2, groups=6, n=1000)
   assert rplan.grid == (32, 2) and rplan.num_warps == 2
 
@@ -343,7 +419,7 @@ def _fake_jax_triton(version):
   pure_callback (no vmap rule, no JVP: the same limits as jax-triton)."""
   out_kw = "out_type" if version >= (0, 4) else "out_shape"
 
-  def triton_call(*args, kernel, grid, num_warps, name, **kwargs):
+  def triton_call(*args, kernel, grid, num_warps, num_stages, name, **kwargs):
     assert name.startswith("pallas_norm_triton_"), name
     outs = kwargs.pop(out_kw)
     assert not {"out_type", "out_shape"} & kwargs.keys(), kwargs.keys()
@@ -354,7 +430,7 @@ def _fake_jax_triton(version):
       targs = [a if isinstance(a, int) else _to_torch(next(it)) for a in args]
       touts = [torch.from_numpy(np.full(o.shape, np.nan, np.float32)).to(
           TORCH_DTYPES[jnp.dtype(o.dtype).name]) for o in outs]
-      kernel[grid](*targs, *touts, num_warps=num_warps, **kwargs)
+      kernel[grid](*targs, *touts, num_warps=num_warps, num_stages=num_stages, **kwargs)
       return tuple(_to_numpy(t) for t in touts)
 
     return jax.pure_callback(host, tuple(outs), *arrays)

@@ -49,7 +49,8 @@ def _triton_call(kernel, *args, out, plan, name):
   version = tuple(getattr(jt, "__version_info__", (0, 3)))
   out_kw = "out_type" if version >= (0, 4) else "out_shape"
   return jt.triton_call(*args, kernel=kernel, grid=plan.grid, num_warps=plan.num_warps,
-                        name=name, **{out_kw: out}, **plan.kwargs)
+                        num_stages=plan.num_stages, name=name, **{out_kw: out},
+                        **plan.kwargs)
 
 
 def _f32(*shape):
@@ -77,13 +78,14 @@ class _FwdStatic:
   scale_offset: float
   subtract_mean: bool
   config: _config.ForwardConfig
+  return_residuals: bool
 
 
 def _launch_forward(x3, scale, bias, st: _FwdStatic):
   """x3: [B, M, N]; scale, bias: [PB, N] (PB in {1, B}) or None.
 
-  Returns (y [B, M, N] x.dtype, rstd [B, M] f32) for RMSNorm and
-  (y, mean [B, M] f32, rstd) for LayerNorm.
+  Returns (y [B, M, N] x.dtype,), then with ``st.return_residuals`` mean [B, M] f32
+  (LayerNorm only) and rstd [B, M] f32.
   """
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
@@ -92,8 +94,10 @@ def _launch_forward(x3, scale, bias, st: _FwdStatic):
   kb, km = (1, batch * m) if pb == 1 else (batch, m)
   plan = tk.forward_plan(st.config, batch=kb, m=km, n=n, eps=st.eps,
                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
-                         has_scale=scale is not None, has_bias=bias is not None)
-  rows = batch * m
+                         has_scale=scale is not None, has_bias=bias is not None,
+                         return_residuals=st.return_residuals)
+  # Without residuals the kernel writes no statistics: 1-element placeholders.
+  rows = batch * m if st.return_residuals else 1
   y, mean, rstd = _triton_call(
       tk.norm_fwd_kernel,
       x3, x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
@@ -101,6 +105,8 @@ def _launch_forward(x3, scale, bias, st: _FwdStatic):
       out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
            _f32(rows if st.subtract_mean else 1), _f32(rows)),
       plan=plan, name=f"pallas_norm_triton_fwd_{st.config.mode}")
+  if not st.return_residuals:
+    return (y,)
   rstd = rstd.reshape(batch, m)
   if st.subtract_mean:
     return y, mean.reshape(batch, m), rstd
@@ -165,8 +171,8 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
     eps, scale_offset, subtract_mean: as in ``ops``.
     config: ``ForwardConfig`` (mode, blocks, warps, persistent grid).
     interpret: ignored (jax-triton runs on GPU only).
-    return_residuals: whether mean/rstd are returned. The Triton kernel writes them
-      either way (unlike the Pallas one, it has no residual-free variant yet).
+    return_residuals: write and return mean/rstd (what the backward needs); a plain
+      forward skips them (the kernel's ``STATS`` constexpr).
 
   Returns:
     (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None): mean is None for
@@ -177,14 +183,15 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
   """
   del interpret
   _jax_triton()
-  st = _FwdStatic(float(eps), float(scale_offset), bool(subtract_mean), config)
+  st = _FwdStatic(float(eps), float(scale_offset), bool(subtract_mean), config,
+                  bool(return_residuals))
   out = _forward_fn(st)(x2[None], *(None if p is None else p[None] for p in (scale, bias)))
+  if not return_residuals:
+    return out[0][0], None, None
   if subtract_mean:
     y, mean, rstd = out
   else:
     (y, rstd), mean = out, None
-  if not return_residuals:
-    return y[0], None, None
   return y[0], None if mean is None else mean[0], rstd[0]
 
 
@@ -212,18 +219,25 @@ def _launch_backward(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   batch, m, n = x3.shape
   (scale,), pb = _param_rows((scale,), batch)
   has_scale = scale is not None
-  plan = tk.backward_plan(st.config, batch=batch, m=m, n=n, scale_offset=st.scale_offset,
-                          subtract_mean=st.subtract_mean, has_scale=has_scale,
-                          has_bias=st.has_bias)
+  common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
+                subtract_mean=st.subtract_mean, has_scale=has_scale)
+  plan = tk.backward_plan(st.config, has_bias=st.has_bias, **common)
+  stats_plan = tk.row_stats_plan(st.config, **common)
+  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
+  c1 = c2 = rstd  # single tile: c1/c2 are reduced in stage 1 (unread placeholders)
+  if stats_plan is not None:
+    c1, c2 = _triton_call(
+        tk.bwd_row_stats_kernel, *inputs, m, n, 0 if pb == 1 else n,
+        out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1)),
+        plan=stats_plan, name="pallas_norm_triton_bwd_row_stats")
   part_rows = batch * plan.grid[0]
   dx, dscale_part, dbias_part = _triton_call(
-      tk.norm_bwd_kernel,
-      dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd,
-      m, n, 0 if pb == 1 else n,
+      tk.norm_bwd_kernel, *inputs, c1, c2, m, n, 0 if pb == 1 else n,
       out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
            _f32(part_rows if has_scale else 1, n if has_scale else 1),
            _f32(part_rows if st.has_bias else 1, n if st.has_bias else 1)),
-      plan=plan, name="pallas_norm_triton_bwd")
+      plan=plan, name=("pallas_norm_triton_bwd_persistent" if stats_plan is None
+                        else "pallas_norm_triton_bwd_columns"))
   out = [dx]
   rplan = tk.reduce_plan(st.config, batch=batch, groups=plan.grid[0], n=n)
   for present, part, dtype in ((has_scale, dscale_part, st.scale_dtype),

@@ -11,6 +11,9 @@ Forward, per row (N = row length, eps added before the square root):
     RMSNorm:   mean = 0;           var = sum(x**2) / N
     rstd = rsqrt(var + eps);  y = (x - mean) * rstd * (scale_offset + scale) + bias
 
+``STATS`` (``return_residuals``) writes mean / rstd for the backward; a plain forward
+(outside ``jax.vjp``) skips them.
+
 Backward, per row (x_hat = (x - mean) * rstd, w = scale_offset + scale, g = dy * w, or
 g = dy without a scale):
 
@@ -19,28 +22,39 @@ g = dy without a scale):
     dx = (g - (x_hat * c1 + c2)) * rstd
     dscale = sum_rows(dy * x_hat)        dbias = sum_rows(dy)
 
-Stage 1 (``norm_bwd_kernel``) is persistent: program ``pid`` walks row blocks
-``pid, pid + G, ...`` and keeps one fp32 partial row of dscale / dbias, written to a
-``[G, N]`` buffer. Stage 2 (``partial_reduce_kernel``) sums ``[G, N] -> [N]`` in a fixed
-order and casts to the parameter dtype: no atomics, bitwise deterministic.
+Stage 1 (``norm_bwd_kernel``) runs on a persistent grid (G, chunks, batch): program
+(r, k) owns column chunk k for row blocks r, r + G, ..., keeps its dscale / dbias
+partials in registers and writes partial row r of chunk k to a ``[G, N]`` buffer.
+  - single tile (``block_n >= N``, one chunk): c1 and c2 are reduced in the tile;
+  - chunked (``CHUNKED``, long rows): ``bwd_row_stats_kernel`` first writes c1 and c2
+    per row ([M] f32 each), so no partial row is ever read back.
+Stage 2 (``partial_reduce_kernel``) sums ``[G, N] -> [N]`` in a fixed order and casts to
+the parameter dtype: no atomics, bitwise deterministic.
 
 Modes, as launch plans of the two forward code paths (``CHUNKED`` and ``PERSISTENT``):
 
     multi_wave_cached   grid cdiv(M, block_m); one [block_m, block_n >= N] tile per program.
     multi_wave_reload   grid cdiv(M, block_m); pass 1 over block_n chunks for the stats,
-                        pass 2 reloads x to normalise. Serves any N.
+                        pass 2 reloads x (last chunk first, the likeliest still in L2)
+                        to normalise. Serves any N.
     static_persistent   grid G = config.num_programs; grid-stride loop over row blocks.
                         Single tile (scale/bias loaded once, before the loop) when
                         block_n >= N, else the reload passes per row block.
 
-Batch axis: every kernel has a second grid axis of size ``batch`` (1 outside ``vmap``):
+The persistent loops (single-tile forward, backward stage 1) load the next row block's
+x (and dy) before the current block's math; past the last block those loads are fully
+masked and touch no memory.
+
+Batch axis: every kernel has a last grid axis of size ``batch`` (1 outside ``vmap``):
 the input is ``[batch, M, N]`` and scale/bias are ``[batch, N]`` rows at
 ``param_stride`` (0 when shared). ``jax_triton.py`` uses it for ``vmap`` with a batched
 scale and for per-example dscale / dbias. With a batch, the G persistent programs are
 split over it (``cdiv(G, batch)`` per entry), so the partials stay about ``[G, N]``.
 
-Every launch parameter comes from ``forward_plan`` / ``backward_plan`` / ``reduce_plan``:
-the jax-triton glue and the torch test launcher both use them.
+Every launch parameter comes from ``forward_plan`` / ``row_stats_plan`` /
+``backward_plan`` / ``reduce_plan``: the jax-triton glue and the torch test launcher
+both use them. Switches that only plain Triton has (no Pallas equivalent) are in
+``TritonKnobs`` (``KNOBS``), off by default, for A/B runs on the GPU.
 
 Triton notes: pass 1 of the reload path loads x with ``evict_last`` (keep it in L2 for
 pass 2), pass 2 with ``evict_first``. Row offsets are int64 only when the plan sees a
@@ -58,16 +72,56 @@ import triton.language as tl
 from pallas_norm import config as _config
 
 __all__ = [
+    "KNOBS",
     "LaunchPlan",
+    "TritonKnobs",
     "forward_plan",
+    "row_stats_plan",
     "backward_plan",
     "reduce_plan",
     "norm_fwd_kernel",
+    "bwd_row_stats_kernel",
     "norm_bwd_kernel",
     "partial_reduce_kernel",
 ]
 
 _INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKnobs:
+  """Plain-Triton switches with no Pallas counterpart (compile-time constants).
+
+  Off by default: the defaults run what the Pallas kernels run. Not measured yet; set
+  ``triton_kernels.KNOBS = TritonKnobs(...)`` in a fresh process to A/B them.
+
+  Attributes:
+    evict_first: ``eviction_policy="evict_first"`` on the last (only) read of x / dy
+      in the single-tile forward and in backward stage 1 (``EVICT_FIRST``).
+    stream_cg: ``cache_modifier=".cg"`` (L2 only, skip L1) on those same loads
+      (``STREAM_CG``). ptxas refuses ``.cg`` together with ``.evict_first``.
+    loop_stages: ``tl.range(..., num_stages=loop_stages)`` on the chunk loops (reload
+      passes, backward row statistics); 0 leaves them to the launch's num_stages
+      (``LOOP_STAGES``).
+  """
+
+  evict_first: bool = False
+  stream_cg: bool = False
+  loop_stages: int = 0
+
+  def __post_init__(self):
+    if self.evict_first and self.stream_cg:
+      raise ValueError(f"{self.evict_first=} and {self.stream_cg=}: ptxas cannot combine "
+                       f"ld.global.cg with .evict_first; pick one")
+    if self.loop_stages < 0:
+      raise ValueError(f"{self.loop_stages=} must be >= 0")
+
+  def constexprs(self) -> tuple[tuple[str, Any], ...]:
+    return (("EVICT_FIRST", bool(self.evict_first)), ("STREAM_CG", bool(self.stream_cg)),
+            ("LOOP_STAGES", int(self.loop_stages)))
+
+
+KNOBS = TritonKnobs()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -84,6 +138,22 @@ def _row_ids(b, rb, M, BLOCK_M: tl.constexpr, USE_INT64: tl.constexpr):
   if USE_INT64:
     rows = rows.to(tl.int64)
   return rows, r < M
+
+
+@triton.jit
+def _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M: tl.constexpr, USE_INT64: tl.constexpr):
+  """(rows [BLOCK_M], row_mask, offs [BLOCK_M, BLOCK_N], mask) of row block ``rb``."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  offs = rows[:, None] * N + cols[None, :]
+  return rows, row_mask, offs, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def _stream_load(ptr, offs, mask, EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr):
+  """Masked load (0 outside, in the pointer's dtype) of a last read, with the knobs."""
+  return tl.load(ptr + offs, mask=mask, other=0.0,
+                 eviction_policy="evict_first" if EVICT_FIRST else "",
+                 cache_modifier=".cg" if STREAM_CG else "")
 
 
 @triton.jit
@@ -111,24 +181,25 @@ def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
+def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
               EPS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              USE_INT64: tl.constexpr):
-  """One row block held in registers as a single [BLOCK_M, BLOCK_N >= N] tile."""
-  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+              HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+  """Normalise row block ``rb``, already loaded as one [BLOCK_M, BLOCK_N >= N] tile ``x``
+  (x's dtype, 0 outside)."""
   cols = tl.arange(0, BLOCK_N)
-  mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
-  offs = rows[:, None] * N + cols[None, :]
-  x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+  rows, row_mask, offs, mask = _tile_at(b, rb, cols, cols < N, M, N, BLOCK_M, USE_INT64)
+  x = x.to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
   if SUBTRACT_MEAN:
     mean = tl.sum(x, axis=1) / N  # [BLOCK_M] f32
     xc = tl.where(mask, x - mean[:, None], 0.0)  # two-pass variance, in registers
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    if STATS:
+      tl.store(mean_ptr + rows, mean, mask=row_mask)
   else:
     xc = x
   rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + EPS)  # [BLOCK_M] f32
-  tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+  if STATS:
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
   y = _affine(xc * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
   tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -137,8 +208,9 @@ def _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
 def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
                  param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
                  SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_INT64: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
+                 LOOP_STAGES: tl.constexpr):
   """One row block walked in BLOCK_N chunks: stats pass, then a normalising reload."""
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   row_offs = rows[:, None] * N  # [BLOCK_M, 1]
@@ -146,7 +218,8 @@ def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M
   mean = tl.zeros([BLOCK_M], tl.float32)
   acc = tl.zeros([BLOCK_M], tl.float32)  # LayerNorm: M2; RMSNorm: sum of squares
   # Pass 1: statistics. evict_last keeps x in L2 for the reload in pass 2.
-  for off in tl.range(0, N, BLOCK_N):
+  for off in tl.range(0, N, BLOCK_N,
+                      num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
     cols = off + cols0
     mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
     x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
@@ -165,12 +238,15 @@ def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M
     else:
       acc += tl.sum(x * x, axis=1)
   rstd = tl.rsqrt(acc / N + EPS)  # [BLOCK_M] f32
-  tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-  if SUBTRACT_MEAN:
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
-  # Pass 2: reload x (evict_first: last use) and normalise.
-  for off in tl.range(0, N, BLOCK_N):
-    cols = off + cols0
+  if STATS:
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if SUBTRACT_MEAN:
+      tl.store(mean_ptr + rows, mean, mask=row_mask)
+  # Pass 2: reload x (evict_first: last use) and normalise, last chunk first: the last
+  # chunks read by pass 1 are the likeliest to still be in L2.
+  n_chunks = tl.cdiv(N, BLOCK_N)
+  for j in tl.range(0, n_chunks, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
+    cols = (n_chunks - 1 - j) * BLOCK_N + cols0
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
@@ -191,13 +267,15 @@ def norm_fwd_kernel(
     y_ptr, mean_ptr, rstd_ptr,
     # statics
     EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, PERSISTENT: tl.constexpr,
-    USE_INT64: tl.constexpr):
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr,
+    PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    STREAM_CG: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Forward of every mode. Grid (programs, batch).
 
   x: [batch, M, N]; scale, bias: [batch, N] rows at ``param_stride`` (unused when absent:
-  any pointer); y: [batch, M, N] x.dtype; mean (LayerNorm only), rstd: [batch, M] f32.
+  any pointer); y: [batch, M, N] x.dtype; mean (LayerNorm only), rstd: [batch, M] f32,
+  written only with STATS (else unused: any pointer).
   """
   pid = tl.program_id(0)
   b = tl.program_id(1)
@@ -207,35 +285,44 @@ def norm_fwd_kernel(
       for rb in tl.range(pid, n_rb, tl.num_programs(0)):
         _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
                      param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                     BLOCK_M, BLOCK_N, USE_INT64)
+                     STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
     else:
       _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, pid, M, N,
                    param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                   BLOCK_M, BLOCK_N, USE_INT64)
+                   STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
   else:
     # Single tile: scale/bias are loaded once per program, before the row-block loop.
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     bias = _load_param(bias_ptr, b * param_stride + cols, col_mask, 0.0, HAS_BIAS)
+    _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
+    x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
-      for rb in tl.range(pid, n_rb, tl.num_programs(0)):
-        _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N, EPS,
-                  SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
+      step = tl.num_programs(0)
+      for rb in tl.range(pid, n_rb, step):
+        # Prefetch the next row block before this one's math; past the last block the
+        # rows are all masked.
+        _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
+                                              USE_INT64)
+        x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+        _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N, EPS, SUBTRACT_MEAN,
+                  HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64)
+        x = x_next
     else:
-      _fwd_tile(x_ptr, y_ptr, mean_ptr, rstd_ptr, w, bias, b, pid, M, N, EPS,
-                SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
+      _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, pid, M, N, EPS, SUBTRACT_MEAN,
+                HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64)
 
 
 # --------------------------------------------------------------------------- backward
 
 
 @triton.jit
-def _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN: tl.constexpr,
+def _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN: tl.constexpr,
               HAS_SCALE: tl.constexpr):
-  """-> (dy, x_hat, g), each [BLOCK_M, BLOCK_N] f32, zero in masked columns."""
-  dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-  x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  """Raw dy, x tiles -> (dy, x_hat, g), each [BLOCK_M, BLOCK_N] f32, 0 where masked."""
+  dy = dy.to(tl.float32)
+  x = x.to(tl.float32)
   if SUBTRACT_MEAN:
     x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
   else:
@@ -269,127 +356,116 @@ def _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.constex
 
 
 @triton.jit
-def _bwd_tile(dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w, b, rb, M, N,
-              SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
-  """dx of one single-tile row block; returns its (dscale, dbias) rows, [BLOCK_N] f32."""
-  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
-  cols = tl.arange(0, BLOCK_N)
-  mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
-  offs = rows[:, None] * N + cols[None, :]
-  mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
-  dy, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN,
-                           HAS_SCALE)
-  c1 = tl.sum(x_hat * g, axis=1) / N  # [BLOCK_M] f32
-  c2 = tl.sum(g, axis=1) / N
-  dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
-  tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-  return tl.sum(dy * x_hat, axis=0), tl.sum(dy, axis=0)
+def bwd_row_stats_kernel(
+    # inputs
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, M, N, param_stride,
+    # outputs
+    c1_ptr, c2_ptr,
+    # statics
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
+    LOOP_STAGES: tl.constexpr):
+  """Chunked backward, first kernel: c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row,
+  walking the row in BLOCK_N chunks. Grid (cdiv(M, BLOCK_M), batch).
 
-
-@triton.jit
-def _bwd_chunked(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_part_ptr,
-                 dbias_part_ptr, part_offs, b, rb, M, N, param_stride,
-                 SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
-  """One row block in BLOCK_N chunks: pass 1 for c1/c2, pass 2 for dx and the partials.
-
-  The program's own partial row (at ``part_offs``) is read-modified-written: no other
-  program touches it, so no atomics.
+  dy, x: [batch, M, N]; scale: [batch, N] rows at ``param_stride``; mean (LayerNorm
+  only), rstd: [batch, M] f32; c1: [batch, M] f32; c2: [batch, M] f32 (LayerNorm only,
+  else unused).
   """
+  rb = tl.program_id(0)
+  b = tl.program_id(1)
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   row_offs = rows[:, None] * N  # [BLOCK_M, 1]
   cols0 = tl.arange(0, BLOCK_N)
   mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
   c1 = tl.zeros([BLOCK_M], tl.float32)
   c2 = tl.zeros([BLOCK_M], tl.float32)
-  for off in tl.range(0, N, BLOCK_N):
+  for off in tl.range(0, N, BLOCK_N,
+                      num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
     cols = off + cols0
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
-    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    _, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, row_offs + cols[None, :], mask,
-                            SUBTRACT_MEAN, HAS_SCALE)
-    c1 += tl.sum(x_hat * g, axis=1)
-    c2 += tl.sum(g, axis=1)
-  c1 = c1 / N
-  c2 = c2 / N
-  # The previous row block's partial-row stores came from other warps: a CTA barrier
-  # makes them visible before this row block reads the row back.
-  tl.debug_barrier()
-  for off in tl.range(0, N, BLOCK_N):
-    cols = off + cols0
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
     offs = row_offs + cols[None, :]
     w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    dy, x_hat, g = _bwd_load(dy_ptr, x_ptr, mean, rstd, w, offs, mask, SUBTRACT_MEAN,
-                             HAS_SCALE)
-    dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
-    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    if HAS_SCALE:
-      p = dscale_part_ptr + part_offs + cols  # [BLOCK_N] of this program's partial row
-      tl.store(p, tl.load(p, mask=col_mask) + tl.sum(dy * x_hat, axis=0), mask=col_mask)
-    if HAS_BIAS:
-      p = dbias_part_ptr + part_offs + cols
-      tl.store(p, tl.load(p, mask=col_mask) + tl.sum(dy, axis=0), mask=col_mask)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    _, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
+    c1 += tl.sum(x_hat * g, axis=1)
+    c2 += tl.sum(g, axis=1)
+  tl.store(c1_ptr + rows, c1 / N, mask=row_mask)
+  if SUBTRACT_MEAN:
+    tl.store(c2_ptr + rows, c2 / N, mask=row_mask)
 
 
 @triton.jit
 def norm_bwd_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, M, N, param_stride,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, M, N, param_stride,
     # outputs
     dx_ptr, dscale_part_ptr, dbias_part_ptr,
     # statics
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKED: tl.constexpr, USE_INT64: tl.constexpr):
-  """Backward stage 1, persistent. Grid (G, batch).
+    CHUNKED: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    STREAM_CG: tl.constexpr):
+  """Backward stage 1, persistent over row blocks. Grid (G, chunks, batch).
+
+  Program (r, k, b) handles column chunk k of row blocks r, r + G, ... of batch entry b.
+  Without CHUNKED there is one chunk (BLOCK_N >= N) and c1/c2 are reduced here; with
+  it, c1/c2 come from ``bwd_row_stats_kernel``.
 
   dy, x: [batch, M, N]; scale: [batch, N] rows at ``param_stride``; mean (LayerNorm
-  only), rstd: [batch, M] f32; dx: [batch, M, N] x.dtype; dscale_part, dbias_part:
-  [batch * G, N] f32, row ``b * G + pid`` written by program (pid, b) alone (each only
-  when the param exists).
+  only), rstd: [batch, M] f32; c1, c2: [batch, M] f32 (CHUNKED only; c2 LayerNorm
+  only); dx: [batch, M, N] x.dtype; dscale_part, dbias_part: [batch * G, N] f32, row
+  ``b * G + r`` columns of chunk k written by program (r, k, b) alone (each only when
+  the param exists).
   """
   pid = tl.program_id(0)
-  b = tl.program_id(1)
-  num_programs = tl.num_programs(0)
+  k = tl.program_id(1)
+  b = tl.program_id(2)
+  step = tl.num_programs(0)
   n_rb = tl.cdiv(M, BLOCK_M)
-  part_row = b * num_programs + pid
+  cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+  col_mask = cols < N
+  # Hoisted: scale once per program; the partials stay in registers until the end.
+  w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+  dscale = tl.zeros([BLOCK_N], tl.float32)
+  dbias = tl.zeros([BLOCK_N], tl.float32)
+  _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
+  dy = _stream_load(dy_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
+  x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+  for rb in tl.range(pid, n_rb, step):
+    # Prefetch the next row block (fully masked past the end) before this one's math.
+    _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
+                                          USE_INT64)
+    dy_next = _stream_load(dy_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    rows, row_mask, offs, mask = _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M, USE_INT64)
+    mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+    dyf, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
+    if CHUNKED:
+      c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)  # [BLOCK_M] f32
+      if SUBTRACT_MEAN:
+        c2 = tl.load(c2_ptr + rows, mask=row_mask, other=0.0)
+      else:
+        c2 = 0.0
+    else:
+      c1 = tl.sum(x_hat * g, axis=1) / N  # [BLOCK_M] f32
+      c2 = tl.sum(g, axis=1) / N
+    dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    dscale += tl.sum(dyf * x_hat, axis=0)
+    dbias += tl.sum(dyf, axis=0)
+    dy = dy_next
+    x = x_next
+  part_row = b * step + pid
   if USE_INT64:
     part_row = part_row.to(tl.int64)
-  part_offs = part_row * N
-  if CHUNKED:
-    # Zero this program's partial rows, then read-modify-write them chunk by chunk.
-    for off in tl.range(0, N, BLOCK_N):
-      cols = off + tl.arange(0, BLOCK_N)
-      zero = tl.zeros([BLOCK_N], tl.float32)
-      if HAS_SCALE:
-        tl.store(dscale_part_ptr + part_offs + cols, zero, mask=cols < N)
-      if HAS_BIAS:
-        tl.store(dbias_part_ptr + part_offs + cols, zero, mask=cols < N)
-    for rb in tl.range(pid, n_rb, num_programs):
-      _bwd_chunked(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_part_ptr,
-                   dbias_part_ptr, part_offs, b, rb, M, N, param_stride, SCALE_OFFSET,
-                   SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, USE_INT64)
-  else:
-    # Single tile: scale loaded once; the partials live in registers until the end.
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    dscale = tl.zeros([BLOCK_N], tl.float32)
-    dbias = tl.zeros([BLOCK_N], tl.float32)
-    for rb in tl.range(pid, n_rb, num_programs):
-      ds, db = _bwd_tile(dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w, b, rb, M, N,
-                         SUBTRACT_MEAN, HAS_SCALE, BLOCK_M, BLOCK_N, USE_INT64)
-      dscale += ds
-      dbias += db
-    if HAS_SCALE:
-      tl.store(dscale_part_ptr + part_offs + cols, dscale, mask=col_mask)
-    if HAS_BIAS:
-      tl.store(dbias_part_ptr + part_offs + cols, dbias, mask=col_mask)
+  part_offs = part_row * N + cols
+  if HAS_SCALE:
+    tl.store(dscale_part_ptr + part_offs, dscale, mask=col_mask)
+  if HAS_BIAS:
+    tl.store(dbias_part_ptr + part_offs, dbias, mask=col_mask)
 
 
 @triton.jit
@@ -432,13 +508,15 @@ class LaunchPlan:
   """Everything a launch needs besides the arrays.
 
   Attributes:
-    grid: (programs, batch).
+    grid: the launch grid; its last axis is the batch.
     num_warps: warps per program.
+    num_stages: software-pipelining depth (the config's ``num_stages``).
     constexprs: the kernel's ``tl.constexpr`` arguments, as (name, value) pairs.
   """
 
-  grid: tuple[int, int]
+  grid: tuple[int, ...]
   num_warps: int
+  num_stages: int
   constexprs: tuple[tuple[str, Any], ...]
 
   @property
@@ -454,8 +532,12 @@ def _needs_int64(rows: int, n: int, block_m: int, block_n: int) -> bool:
 
 def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, eps: float,
                  scale_offset: float, subtract_mean: bool, has_scale: bool,
-                 has_bias: bool) -> LaunchPlan:
+                 has_bias: bool, return_residuals: bool = True,
+                 knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_fwd_kernel`` for x: [batch, m, n].
+
+  ``return_residuals=False`` leaves mean / rstd unwritten (``STATS``); ``knobs``
+  defaults to ``KNOBS``.
 
   Raises:
     ValueError: multi_wave_cached with ``config.block_n < n``, or static_persistent
@@ -472,31 +554,58 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
   else:
     programs = _config.cdiv(m, config.block_m)
   chunked = config.mode == "multi_wave_reload" or config.block_n < n
+  # The persistent loop prefetches up to G row blocks past M: offsets must fit too.
+  rows = batch * m + (programs * config.block_m if persistent else 0)
   constexprs = (
       ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
       ("SUBTRACT_MEAN", bool(subtract_mean)), ("HAS_SCALE", bool(has_scale)),
-      ("HAS_BIAS", bool(has_bias)), ("BLOCK_M", config.block_m),
-      ("BLOCK_N", config.block_n), ("CHUNKED", chunked), ("PERSISTENT", persistent),
-      ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)))
-  return LaunchPlan((programs, batch), config.num_warps, constexprs)
+      ("HAS_BIAS", bool(has_bias)), ("STATS", bool(return_residuals)),
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
+      ("PERSISTENT", persistent),
+      ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
+      *(knobs or KNOBS).constexprs())
+  return LaunchPlan((programs, batch), config.num_warps, config.num_stages, constexprs)
+
+
+def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
+                   scale_offset: float, subtract_mean: bool, has_scale: bool,
+                   knobs: TritonKnobs | None = None) -> LaunchPlan | None:
+  """Launch plan of ``bwd_row_stats_kernel`` (c1, c2: [batch * m] f32 each) for dy, x:
+  [batch, m, n]; None when ``config.block_n >= n`` (the single-tile backward needs no
+  row statistics)."""
+  if config.block_n >= n:
+    return None
+  constexprs = (
+      ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
+      ("HAS_SCALE", bool(has_scale)), ("BLOCK_M", config.block_m),
+      ("BLOCK_N", config.block_n),
+      ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
+      ("LOOP_STAGES", int((knobs or KNOBS).loop_stages)))
+  return LaunchPlan((_config.cdiv(m, config.block_m), batch), config.num_warps,
+                    config.num_stages, constexprs)
 
 
 def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                   scale_offset: float, subtract_mean: bool, has_scale: bool,
-                  has_bias: bool) -> LaunchPlan:
+                  has_bias: bool, knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
 
-  The partial buffers are ``[batch * grid[0], n]`` f32.
+  The grid is (G, chunks, batch); the partial buffers are ``[batch * grid[0], n]`` f32.
+  With ``CHUNKED`` (``config.block_n < n``), ``row_stats_plan`` launches first.
   """
   programs = _config.cdiv(config.num_programs, batch)
+  chunked = config.block_n < n
+  knobs = knobs or KNOBS
+  # Rows: the prefetch reaches one row block past the last (G * block_m rows at most).
+  rows = max(batch * m + programs * config.block_m, batch * programs)
   constexprs = (
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
-      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
-      ("CHUNKED", config.block_n < n),
-      ("USE_INT64", _needs_int64(max(batch * m, batch * programs), n, config.block_m,
-                                 config.block_n)))
-  return LaunchPlan((programs, batch), config.num_warps, constexprs)
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
+      ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
+      ("EVICT_FIRST", bool(knobs.evict_first)), ("STREAM_CG", bool(knobs.stream_cg)))
+  grid = (programs, _config.cdiv(n, config.block_n) if chunked else 1, batch)
+  return LaunchPlan(grid, config.num_warps, config.num_stages, constexprs)
 
 
 def reduce_plan(config: _config.BackwardConfig, *, batch: int, groups: int,
@@ -506,4 +615,4 @@ def reduce_plan(config: _config.BackwardConfig, *, batch: int, groups: int,
                 ("USE_INT64", _needs_int64(batch * groups, n, config.reduce_block_g,
                                            config.reduce_block_n)))
   return LaunchPlan((_config.cdiv(n, config.reduce_block_n), batch),
-                    config.reduce_num_warps, constexprs)
+                    config.reduce_num_warps, 1, constexprs)
