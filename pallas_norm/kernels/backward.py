@@ -100,7 +100,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
-  [M] f32 (c1, c2) refs from the row-statistics kernel.
+  [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
@@ -139,32 +139,27 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                           block_m, block_n, num_programs):
-  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
-   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean)
-  _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
-                      None, pl.program_id(0), 0, n=n, scale_offset=scale_offset,
-                      block_m=block_m, block_n=block_n, num_programs=num_programs)
-
-
-def _bwd_columns_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                        block_m, block_n, num_programs):
+                           block_m, block_n, num_programs, chunked):
+  """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
+  (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
+  n_c = (2 if subtract_mean else 1) if chunked else 0
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, c_refs,
-   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 2)
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, n_c)
   _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
-                      c_refs, pl.program_id(0), pl.program_id(1), n=n,
-                      scale_offset=scale_offset, block_m=block_m, block_n=block_n,
-                      num_programs=num_programs)
+                      c_refs if chunked else None, pl.program_id(0),
+                      pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
+                      block_m=block_m, block_n=block_n, num_programs=num_programs)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
                           block_n):
-  """c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row, walking the row in chunks."""
+  """c1 = sum(x_hat * g) / N and (LayerNorm) c2 = sum(g) / N per row, walking the row in
+  chunks."""
   refs = list(refs)
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref, c1_ref, c2_ref = refs
+  rstd_ref, c1_ref, *c2_ref = refs  # c2 only for LayerNorm
   m = x_ref.shape[0]
   rb = pl.program_id(0)
   tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
@@ -177,12 +172,14 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
     _, cols, _, col_mask, mask = tile(k)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
     x_hat, _, g = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd, w)
-    return c1 + jnp.sum(x_hat * g, axis=1), c2 + jnp.sum(g, axis=1)
+    c2 = c2 + jnp.sum(g, axis=1) if subtract_mean else c2
+    return c1 + jnp.sum(x_hat * g, axis=1), c2
 
   zeros = jnp.zeros((block_m,), _F32)
   c1, c2 = lax.fori_loop(0, cdiv(n, block_n), body, (zeros, zeros))
   plgpu.store(c1_ref.at[rows], c1 / n, mask=row_mask)
-  plgpu.store(c2_ref.at[rows], c2 / n, mask=row_mask)
+  if subtract_mean:
+    plgpu.store(c2_ref[0].at[rows], c2 / n, mask=row_mask)
 
 
 def _reduce_kernel(part_ref, out_ref, *, block_g, block_n):
@@ -247,27 +244,25 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
-  if cfg.block_n >= n:
-    kernel, grid, name = _bwd_persistent_kernel, (g,), "pallas_norm_bwd_persistent"
-  else:
-    c1, c2 = pl.pallas_call(
+  chunked = cfg.block_n < n
+  if chunked:
+    c = pl.pallas_call(
         functools.partial(_bwd_row_stats_kernel, **statics),
-        out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
         grid=(num_row_blocks,),
         compiler_params=params,
         interpret=interpret,
         name="pallas_norm_bwd_row_stats",
     )(*inputs)
-    inputs += [c1, c2]
-    kernel, grid, name = (_bwd_columns_kernel, (g, cdiv(n, cfg.block_n)),
-                          "pallas_norm_bwd_columns")
+    inputs += list(c)
   outs = pl.pallas_call(
-      functools.partial(kernel, has_bias=has_bias, num_programs=g, **statics),
+      functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
+                        chunked=chunked, **statics),
       out_shape=out_shape,
-      grid=grid,
+      grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
       compiler_params=params,
       interpret=interpret,
-      name=name,
+      name="pallas_norm_bwd_columns" if chunked else "pallas_norm_bwd_persistent",
   )(*inputs)
   dx, parts = outs[0], list(outs[1:])
   dscale = _reduce_partials(parts.pop(0), scale_dtype, cfg, interpret) if has_scale else None
