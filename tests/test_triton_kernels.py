@@ -94,13 +94,13 @@ def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer, return_residuals=Tru
   pb = max([p.shape[0] for p in (scale, bias) if p is not None], default=1)
   plan = tk.forward_plan(cfg, batch=b, m=m, n=n, eps=eps, scale_offset=scale_offset,
                          subtract_mean=layer, has_scale=scale is not None,
-                         has_bias=bias is not None, return_residuals=return_residuals)
+                         has_bias=bias is not None, return_residuals=return_residuals,
+                         param_stride=0 if pb == 1 else n)
   y = torch.empty_like(x3)
   mean = torch.full((b * m,), float("nan"))
   rstd = torch.full((b * m,), float("nan"))
   tk.norm_fwd_kernel[plan.grid](
-      x3, x3 if scale is None else scale, x3 if bias is None else bias, m, n,
-      0 if pb == 1 else n, y, mean, rstd, num_warps=plan.num_warps,
+      x3, x3 if scale is None else scale, x3 if bias is None else bias, y, mean, rstd, num_warps=plan.num_warps,
       num_stages=plan.num_stages, **plan.kwargs)
   return y, mean.reshape(b, m), rstd.reshape(b, m)
 
@@ -110,26 +110,26 @@ def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scal
   """Torch launch of the backward: the row statistics kernel (chunked only), stage 1 and
   stage 2. Returns dx [B, M, N], dscale / dbias [B, N]."""
   b, m, n = x3.shape
+  pb = 1 if scale is None else scale.shape[0]
   common = dict(batch=b, m=m, n=n, scale_offset=scale_offset, subtract_mean=layer,
-                has_scale=scale is not None)
+                has_scale=scale is not None, param_stride=0 if pb == 1 else n)
   plan = tk.backward_plan(cfg, has_bias=has_bias, **common)
   stats_plan = tk.row_stats_plan(cfg, **common)
   g = plan.grid[0]
-  pb = 1 if scale is None else scale.shape[0]
   inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
   c1 = c2 = rstd
   if stats_plan is not None:
     c1 = torch.full((b * m,), float("nan"))
     c2 = torch.full((b * m,), float("nan"))
     tk.bwd_row_stats_kernel[stats_plan.grid](
-        *inputs, m, n, 0 if pb == 1 else n, c1, c2, num_warps=stats_plan.num_warps,
+        *inputs, c1, c2, num_warps=stats_plan.num_warps,
         num_stages=stats_plan.num_stages, **stats_plan.kwargs)
   dx = torch.empty_like(x3)
   # NaN-filled: a partial row the kernel forgot to write poisons the result.
   dscale_part = torch.full((b * g, n), float("nan"))
   dbias_part = torch.full((b * g, n), float("nan"))
   tk.norm_bwd_kernel[plan.grid](
-      *inputs, c1, c2, m, n, 0 if pb == 1 else n, dx, dscale_part, dbias_part,
+      *inputs, c1, c2, dx, dscale_part, dbias_part,
       num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.kwargs)
   rplan = tk.reduce_plan(cfg, batch=b, groups=g, n=n)
   out = []
@@ -138,7 +138,7 @@ def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scal
     red = None
     if present:
       red = torch.empty((b, n), dtype=dtype)
-      tk.partial_reduce_kernel[rplan.grid](part, g, n, red, num_warps=rplan.num_warps,
+      tk.partial_reduce_kernel[rplan.grid](part, red, num_warps=rplan.num_warps,
                                            num_stages=rplan.num_stages, **rplan.kwargs)
     out.append(red)
   return dx, out[0], out[1]
@@ -356,7 +356,8 @@ def test_plans():
   kw = dict(eps=1e-6, scale_offset=1.0, subtract_mean=False, has_scale=True, has_bias=False)
   plan = tk.forward_plan(cfg, batch=1, m=100, n=1000, **kw)
   assert plan.grid == (10, 1) and plan.num_warps == 4 and plan.num_stages == 1
-  assert plan.kwargs == dict(EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
+  # Shapes are constexprs: jax-triton gives integer arguments no divisibility hint.
+  assert plan.kwargs == dict(M=100, N=1000, PARAM_STRIDE=0, EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
                              HAS_BIAS=False, STATS=True, BLOCK_M=4, BLOCK_N=1024,
                              CHUNKED=False, PERSISTENT=True, USE_INT64=False,
                              EVICT_FIRST=False, STREAM_CG=False, LOOP_STAGES=0)
@@ -386,6 +387,11 @@ def test_plans():
   assert tk.row_stats_plan(tile, batch=2, m=100, n=1000, **bkw) is None
   rplan = tk.reduce_plan(bcfg, batch=2, groups=6, n=1000)
   assert rplan.grid == (32, 2) and rplan.num_warps == 2
+  assert (rplan.kwargs["G"], rplan.kwargs["N"]) == (6, 1000)
+  batched = tk.backward_plan(bcfg, batch=2, m=100, n=1000, has_bias=True, param_stride=1000,
+                             **bkw)
+  assert (batched.kwargs["M"], batched.kwargs["N"], batched.kwargs["PARAM_STRIDE"]) == (
+      100, 1000, 1000)
 
 
 # --------------------------------------------------------------------------- jax glue

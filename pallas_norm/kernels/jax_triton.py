@@ -95,13 +95,13 @@ def _launch_forward(x3, scale, bias, st: _FwdStatic):
   plan = tk.forward_plan(st.config, batch=kb, m=km, n=n, eps=st.eps,
                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                          has_scale=scale is not None, has_bias=bias is not None,
-                         return_residuals=st.return_residuals)
+                         return_residuals=st.return_residuals,
+                         param_stride=0 if pb == 1 else n)
   # Without residuals the kernel writes no statistics: 1-element placeholders.
   rows = batch * m if st.return_residuals else 1
   y, mean, rstd = _triton_call(
       tk.norm_fwd_kernel,
       x3, x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
-      km, n, 0 if pb == 1 else n,
       out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
            _f32(rows if st.subtract_mean else 1), _f32(rows)),
       plan=plan, name=f"pallas_norm_triton_fwd_{st.config.mode}")
@@ -220,19 +220,20 @@ def _launch_backward(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   (scale,), pb = _param_rows((scale,), batch)
   has_scale = scale is not None
   common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
-                subtract_mean=st.subtract_mean, has_scale=has_scale)
+                subtract_mean=st.subtract_mean, has_scale=has_scale,
+                param_stride=0 if pb == 1 else n)
   plan = tk.backward_plan(st.config, has_bias=st.has_bias, **common)
   stats_plan = tk.row_stats_plan(st.config, **common)
   inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
   c1 = c2 = rstd  # single tile: c1/c2 are reduced in stage 1 (unread placeholders)
   if stats_plan is not None:
     c1, c2 = _triton_call(
-        tk.bwd_row_stats_kernel, *inputs, m, n, 0 if pb == 1 else n,
+        tk.bwd_row_stats_kernel, *inputs,
         out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1)),
         plan=stats_plan, name="pallas_norm_triton_bwd_row_stats")
   part_rows = batch * plan.grid[0]
   dx, dscale_part, dbias_part = _triton_call(
-      tk.norm_bwd_kernel, *inputs, c1, c2, m, n, 0 if pb == 1 else n,
+      tk.norm_bwd_kernel, *inputs, c1, c2,
       out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
            _f32(part_rows if has_scale else 1, n if has_scale else 1),
            _f32(part_rows if st.has_bias else 1, n if st.has_bias else 1)),
@@ -243,7 +244,7 @@ def _launch_backward(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   for present, part, dtype in ((has_scale, dscale_part, st.scale_dtype),
                                (st.has_bias, dbias_part, st.bias_dtype)):
     if present:
-      (red,) = _triton_call(tk.partial_reduce_kernel, part, plan.grid[0], n,
+      (red,) = _triton_call(tk.partial_reduce_kernel, part,
                             out=(jax.ShapeDtypeStruct((batch, n), dtype),),
                             plan=rplan, name="pallas_norm_triton_bwd_reduce")
       out.append(red)

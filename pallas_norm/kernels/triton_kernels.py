@@ -47,8 +47,13 @@ masked and touch no memory.
 
 Batch axis: every kernel has a last grid axis of size ``batch`` (1 outside ``vmap``):
 the input is ``[batch, M, N]`` and scale/bias are ``[batch, N]`` rows at
-``param_stride`` (0 when shared). ``jax_triton.py`` uses it for ``vmap`` with a batched
-scale and for per-example dscale / dbias. With a batch, the G persistent programs are
+``PARAM_STRIDE`` (0 when shared). ``jax_triton.py`` uses it for ``vmap`` with a batched
+scale and for per-example dscale / dbias.
+
+Shapes are ``tl.constexpr`` (``M``, ``N``, ``PARAM_STRIDE``, ``G``), as in the Pallas
+lowering, where they are static. jax-triton passes integer arguments with no
+divisibility hint, so a runtime N hides that ``row * N`` is a multiple of 16 bytes and
+Triton falls back to narrow loads and stores; jax.jit recompiles per shape anyway. With a batch, the G persistent programs are
 split over it (``cdiv(G, batch)`` per entry), so the partials stay about ``[G, N]``.
 
 Every launch parameter comes from ``forward_plan`` / ``row_stats_plan`` /
@@ -262,18 +267,18 @@ def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M
 @triton.jit
 def norm_fwd_kernel(
     # inputs
-    x_ptr, scale_ptr, bias_ptr, M, N, param_stride,
+    x_ptr, scale_ptr, bias_ptr,
     # outputs
     y_ptr, mean_ptr, rstd_ptr,
     # statics
-    EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr,
     PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
     STREAM_CG: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Forward of every mode. Grid (programs, batch).
 
-  x: [batch, M, N]; scale, bias: [batch, N] rows at ``param_stride`` (unused when absent:
+  x: [batch, M, N]; scale, bias: [batch, N] rows at ``PARAM_STRIDE`` (unused when absent:
   any pointer); y: [batch, M, N] x.dtype; mean (LayerNorm only), rstd: [batch, M] f32,
   written only with STATS (else unused: any pointer).
   """
@@ -284,18 +289,18 @@ def norm_fwd_kernel(
     if PERSISTENT:
       for rb in tl.range(pid, n_rb, tl.num_programs(0)):
         _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
-                     param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                     PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
                      STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
     else:
       _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, pid, M, N,
-                   param_stride, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                   PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
                    STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
   else:
     # Single tile: scale/bias are loaded once per program, before the row-block loop.
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    bias = _load_param(bias_ptr, b * param_stride + cols, col_mask, 0.0, HAS_BIAS)
+    w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    bias = _load_param(bias_ptr, b * PARAM_STRIDE + cols, col_mask, 0.0, HAS_BIAS)
     _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
     x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
@@ -358,17 +363,17 @@ def _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.constex
 @triton.jit
 def bwd_row_stats_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, M, N, param_stride,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr,
     # outputs
     c1_ptr, c2_ptr,
     # statics
-    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
     LOOP_STAGES: tl.constexpr):
   """Chunked backward, first kernel: c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row,
   walking the row in BLOCK_N chunks. Grid (cdiv(M, BLOCK_M), batch).
 
-  dy, x: [batch, M, N]; scale: [batch, N] rows at ``param_stride``; mean (LayerNorm
+  dy, x: [batch, M, N]; scale: [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm
   only), rstd: [batch, M] f32; c1: [batch, M] f32; c2: [batch, M] f32 (LayerNorm only,
   else unused).
   """
@@ -386,7 +391,7 @@ def bwd_row_stats_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
     offs = row_offs + cols[None, :]
-    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     _, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
@@ -400,11 +405,11 @@ def bwd_row_stats_kernel(
 @triton.jit
 def norm_bwd_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, M, N, param_stride,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
     # outputs
     dx_ptr, dscale_part_ptr, dbias_part_ptr,
     # statics
-    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNKED: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
     STREAM_CG: tl.constexpr):
@@ -414,7 +419,7 @@ def norm_bwd_kernel(
   Without CHUNKED there is one chunk (BLOCK_N >= N) and c1/c2 are reduced here; with
   it, c1/c2 come from ``bwd_row_stats_kernel``.
 
-  dy, x: [batch, M, N]; scale: [batch, N] rows at ``param_stride``; mean (LayerNorm
+  dy, x: [batch, M, N]; scale: [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm
   only), rstd: [batch, M] f32; c1, c2: [batch, M] f32 (CHUNKED only; c2 LayerNorm
   only); dx: [batch, M, N] x.dtype; dscale_part, dbias_part: [batch * G, N] f32, row
   ``b * G + r`` columns of chunk k written by program (r, k, b) alone (each only when
@@ -428,7 +433,7 @@ def norm_bwd_kernel(
   cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
   col_mask = cols < N
   # Hoisted: scale once per program; the partials stay in registers until the end.
-  w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+  w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
   dscale = tl.zeros([BLOCK_N], tl.float32)
   dbias = tl.zeros([BLOCK_N], tl.float32)
   _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
@@ -471,11 +476,11 @@ def norm_bwd_kernel(
 @triton.jit
 def partial_reduce_kernel(
     # inputs
-    part_ptr, G, N,
+    part_ptr,
     # outputs
     out_ptr,
     # statics
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+    G: tl.constexpr, N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
   """Backward stage 2. Grid (cdiv(N, BLOCK_N), batch).
 
   part: [batch * G, N] f32; out: [batch, N] in the parameter dtype, out[b] = the sum of
@@ -532,9 +537,12 @@ def _needs_int64(rows: int, n: int, block_m: int, block_n: int) -> bool:
 
 def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, eps: float,
                  scale_offset: float, subtract_mean: bool, has_scale: bool,
-                 has_bias: bool, return_residuals: bool = True,
+                 has_bias: bool, return_residuals: bool = True, param_stride: int = 0,
                  knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_fwd_kernel`` for x: [batch, m, n].
+
+  ``param_stride``: elements between the scale/bias rows of consecutive batch entries
+  (0 when they share one row, else n).
 
   ``return_residuals=False`` leaves mean / rstd unwritten (``STATS``); ``knobs``
   defaults to ``KNOBS``.
@@ -557,7 +565,7 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
   # The persistent loop prefetches up to G row blocks past M: offsets must fit too.
   rows = batch * m + (programs * config.block_m if persistent else 0)
   constexprs = (
-      ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
+      ("M", m), ("N", n), ("PARAM_STRIDE", param_stride), ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
       ("SUBTRACT_MEAN", bool(subtract_mean)), ("HAS_SCALE", bool(has_scale)),
       ("HAS_BIAS", bool(has_bias)), ("STATS", bool(return_residuals)),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
@@ -569,6 +577,7 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
 
 def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                    scale_offset: float, subtract_mean: bool, has_scale: bool,
+                   param_stride: int = 0,
                    knobs: TritonKnobs | None = None) -> LaunchPlan | None:
   """Launch plan of ``bwd_row_stats_kernel`` (c1, c2: [batch * m] f32 each) for dy, x:
   [batch, m, n]; None when ``config.block_n >= n`` (the single-tile backward needs no
@@ -576,6 +585,7 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
   if config.block_n >= n:
     return None
   constexprs = (
+      ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("BLOCK_M", config.block_m),
       ("BLOCK_N", config.block_n),
@@ -587,7 +597,8 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
 
 def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                   scale_offset: float, subtract_mean: bool, has_scale: bool,
-                  has_bias: bool, knobs: TritonKnobs | None = None) -> LaunchPlan:
+                  has_bias: bool, param_stride: int = 0,
+                  knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
 
   The grid is (G, chunks, batch); the partial buffers are ``[batch * grid[0], n]`` f32.
@@ -599,6 +610,7 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
   # Rows: the prefetch reaches one row block past the last (G * block_m rows at most).
   rows = max(batch * m + programs * config.block_m, batch * programs)
   constexprs = (
+      ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
@@ -611,7 +623,7 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
 def reduce_plan(config: _config.BackwardConfig, *, batch: int, groups: int,
                 n: int) -> LaunchPlan:
   """Launch plan of ``partial_reduce_kernel`` for partials: [batch * groups, n]."""
-  constexprs = (("BLOCK_G", config.reduce_block_g), ("BLOCK_N", config.reduce_block_n),
+  constexprs = (("G", groups), ("N", n), ("BLOCK_G", config.reduce_block_g), ("BLOCK_N", config.reduce_block_n),
                 ("USE_INT64", _needs_int64(batch * groups, n, config.reduce_block_g,
                                            config.reduce_block_n)))
   return LaunchPlan((_config.cdiv(n, config.reduce_block_n), batch),
