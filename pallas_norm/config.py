@@ -164,6 +164,13 @@ _RELOAD_CHUNK_N_SMALL, _RELOAD_CHUNK_N_LARGE, _RELOAD_WARPS = 8192, 4096, 16
 # static_persistent: SMs x this many programs. At 4096 x 4096 it ran 18.8 us with 528
 # programs (4 a SM) against 19.0 us with 264.
 _PERSISTENT_OCCUPANCY = 4
+# Rows longer than this (N > 32768) go to static_persistent with 16384-wide chunks,
+# 16 warps, SMs x 4 programs, one row a program: 4096 x 65536 354.7 us against 404.1
+# for multi_wave_reload (chunk 4096, 16 warps); 1024 x 262144 420.0 us against 452.4.
+# 8192-wide chunks: 386-412 / 443-459 us; 32 warps: 374 / 436 us; SMs x 2 programs:
+# 361.6 / 419.6 us (benchmarks/results/h200_2026-11-21_sweep_long.json).
+_HEURISTIC_RELOAD_MAX = 32768
+_PERSISTENT_CHUNK_N_LARGE = 16384
 # Backward: rows up to this padded length are one register tile with the partials in
 # registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
 # single 16384-wide tile took 812 us and the pair 674-686 us.
@@ -201,9 +208,12 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
   """The mode the heuristic picks for an [m, n] input (the fastest one measured).
 
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
-  against 6.0 us for static_persistent), multi_wave_reload beyond.
+  against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
+  static_persistent (with 16384-wide chunks) beyond.
   """
   del m, dtype, device
+  if n > _HEURISTIC_RELOAD_MAX:
+    return "static_persistent"
   if next_power_of_2(n) > _HEURISTIC_CACHED_MAX:
     return "multi_wave_reload"
   return "multi_wave_cached"
@@ -217,7 +227,12 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
-  chunk = _RELOAD_CHUNK_N_SMALL if n <= 32768 else _RELOAD_CHUNK_N_LARGE
+  if n <= _HEURISTIC_RELOAD_MAX:
+    chunk = _RELOAD_CHUNK_N_SMALL
+  elif mode == "static_persistent":
+    chunk = _PERSISTENT_CHUNK_N_LARGE
+  else:
+    chunk = _RELOAD_CHUNK_N_LARGE
   if mode == "multi_wave_cached" and bn_full > cached_max_block_n(dtype):
     raise NotImplementedError(
         f"multi_wave_cached holds the whole row in registers and supports N up to "

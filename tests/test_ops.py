@@ -148,10 +148,17 @@ def test_property_random_shapes(m, n, mode, layer, dtype):
 
 def test_heuristic_modes():
   dev = pn_config.DeviceInfo("gpu", "test", 132)
-  # Measured on the H200 (config.py): cached wins up to N = 8192, reload beyond.
+  # Measured on the H200 (config.py): cached wins up to N = 8192, reload up to 32768,
+  # persistent with 16384-wide chunks beyond.
   assert pn_config.choose_mode(32768, 128, jnp.bfloat16, dev) == "multi_wave_cached"
   assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev) == "multi_wave_reload"
-  assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "multi_wave_reload"
+  assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev) == "multi_wave_reload"
+  assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev) == "static_persistent"
+  assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "static_persistent"
+  long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev)
+  assert (long.block_m, long.block_n, long.num_warps, long.num_programs) == (1, 16384, 16, 528)
+  forced = pn_config.forward_config(1024, 262144, jnp.bfloat16, "multi_wave_reload", dev)
+  assert (forced.block_n, forced.num_warps) == (4096, 16)
   for m, n in [(1, 1), (4096, 4096), (32768, 128), (1024, 262144), (7, 760)]:
     cfg = pn_config.forward_config(m, n, jnp.bfloat16, device=dev)
     assert cfg.mode in MODES
