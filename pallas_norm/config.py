@@ -154,9 +154,18 @@ _HEURISTIC_CACHED_MAX = 8192
 # Forward tile: about 4096 elements. 32768 x 128 ran 5.8 us at block_m 32 and 64, 5.9
 # at 16; 4096 x 1024 ran 6.2 us at block_m 2 and 4.
 _FWD_TILE_ELEMS = 4096
-# Forward warps: tile / 512 clamped to [4, 8]. 8192 x 5120 (one 8192-wide row a tile):
-# 44.4 us at 4 warps, 45.5 at 8, 47.2 at 16; 4096 x 4096: 8 warps 19.0 us, 16 warps 20.5.
+# RMSNorm forward warps: tile / 1024 clamped to [4, 8]. 4096 x 1024 (tile [4, 1024]):
+# 6.4 us at 4 warps, 6.8 at 8; 8192 x 5120 / 8192^2 ([1, 8192]): 44.8 / 71.7 us at 8;
+# 4096 x 4096 ([1, 4096]) 19.1 us at 4 warps, 19.0 at 8, 20.5 at 16
+# (benchmarks/results/h200_2026-11-21_sweep_warps.json).
 _FWD_MIN_WARPS, _FWD_MAX_WARPS = 4, 8
+_FWD_ELEMS_PER_WARP = 1024
+# LayerNorm forward (single tile): at least 2 rows a tile and a tile of >= 2048
+# elements, with 64 f32 values a thread (warps = tile / 2048). Against RMSNorm's rule
+# it saves 13% at 8192 x 5120 (50.9 against 55.6 us), 16% at 8192^2 (81.4 / 96.2),
+# 14% at 4096 x 8192 (43.0 / 49.7) and 14% at 4096 x 1024 (7.0 / 8.1); its worst
+# shape is 8192 x 2048, 21.2 us against the best 19.9 (same sweep).
+_LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
 # Reload chunk: 8192 while N <= 32768 (16384^2: 286 us against 299 at 4096), else 4096
 # (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
 # (8 warps: 302 / 411 / 441 us).
@@ -201,7 +210,7 @@ def _num_warps_for(tile_elems: int) -> int:
 
 
 def _fwd_warps(tile_elems: int) -> int:
-  return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // 512)))
+  return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // _FWD_ELEMS_PER_WARP)))
 
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
@@ -220,8 +229,12 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
 
 
 def forward_config(m: int, n: int, dtype, mode: str | None = None,
-                   device: DeviceInfo | None = None) -> ForwardConfig:
-  """Default forward launch config for an [m, n] input of ``dtype``."""
+                   device: DeviceInfo | None = None, *,
+                   subtract_mean: bool = False) -> ForwardConfig:
+  """Default forward launch config for an [m, n] input of ``dtype``.
+
+  ``subtract_mean`` (LayerNorm) picks the LayerNorm tile rule for single-tile rows.
+  """
   device = device or device_info()
   mode = mode or choose_mode(m, n, dtype, device)
   if mode not in MODES:
@@ -245,6 +258,10 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   block_m = max(1, min(_FWD_TILE_ELEMS // block_n, next_power_of_2(m)))
   if chunked and block_n >= _RELOAD_CHUNK_N_LARGE:
     num_warps = _RELOAD_WARPS
+  elif subtract_mean and not chunked:
+    block_m = max(1, min(max(_LN_MIN_BLOCK_M, _LN_TILE_ELEMS // block_n),
+                         next_power_of_2(m)))
+    num_warps = int(min(16, max(1, block_m * block_n // _LN_ELEMS_PER_WARP)))
   else:
     num_warps = _fwd_warps(block_m * block_n)
   if device.platform == "cpu":

@@ -102,7 +102,7 @@ def _backend_module(backend: str):
 def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True):
   """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None)."""
   m, n = x2.shape
-  cfg = _config.forward_config(m, n, x2.dtype, st.mode)
+  cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean)
   fwd, _ = _backend_module(st.backend)
   return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                           subtract_mean=st.subtract_mean, config=cfg,

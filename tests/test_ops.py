@@ -157,6 +157,11 @@ def test_heuristic_modes():
   assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "static_persistent"
   long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev)
   assert (long.block_m, long.block_n, long.num_warps, long.num_programs) == (1, 16384, 16, 528)
+  # LayerNorm's single tiles: >= 2 rows, 64 f32 values a thread (sweep_warps.json).
+  ln = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev, subtract_mean=True)
+  assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 8192, 8)
+  rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
+  assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
   forced = pn_config.forward_config(1024, 262144, jnp.bfloat16, "multi_wave_reload", dev)
   assert (forced.block_n, forced.num_warps) == (4096, 16)
   for m, n in [(1, 1), (4096, 4096), (32768, 128), (1024, 262144), (7, 760)]:
