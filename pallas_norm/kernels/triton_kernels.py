@@ -186,12 +186,18 @@ def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
-              EPS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_off, b, rb,
+              M, N, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+              SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
               HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr):
+              BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr, LATE_PARAMS: tl.constexpr):
   """Normalise row block ``rb``, already loaded as one [BLOCK_M, BLOCK_N >= N] tile ``x``
-  (x's dtype, 0 outside)."""
+  (x's dtype, 0 outside).
+
+  With LATE_PARAMS, scale/bias are loaded here once the statistics are done (``w`` and
+  ``bias`` are unused), so that they are not live across the reductions (the multi-wave
+  path; see forward.py's ``_single_tile``); else ``w``/``bias`` are the hoisted values.
+  """
   cols = tl.arange(0, BLOCK_N)
   rows, row_mask, offs, mask = _tile_at(b, rb, cols, cols < N, M, N, BLOCK_M, USE_INT64)
   x = x.to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
@@ -205,6 +211,10 @@ def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N,
   rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + EPS)  # [BLOCK_M] f32
   if STATS:
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+  if LATE_PARAMS:
+    col_mask = cols < N
+    w = _load_param(scale_ptr, param_off + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    bias = _load_param(bias_ptr, param_off + cols, col_mask, 0.0, HAS_BIAS)
   y = _affine(xc * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
   tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -296,14 +306,15 @@ def norm_fwd_kernel(
                    PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
                    STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
   else:
-    # Single tile: scale/bias are loaded once per program, before the row-block loop.
+    # Single tile. Persistent: scale/bias are loaded once per program, before the
+    # row-block loop. Multi-wave: after the statistics (LATE_PARAMS in _fwd_tile).
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    bias = _load_param(bias_ptr, b * PARAM_STRIDE + cols, col_mask, 0.0, HAS_BIAS)
     _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
     x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
+      w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+      bias = _load_param(bias_ptr, b * PARAM_STRIDE + cols, col_mask, 0.0, HAS_BIAS)
       step = tl.num_programs(0)
       for rb in tl.range(pid, n_rb, step):
         # Prefetch the next row block before this one's math; past the last block the
@@ -311,12 +322,14 @@ def norm_fwd_kernel(
         _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
                                               USE_INT64)
         x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
-        _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, rb, M, N, EPS, SUBTRACT_MEAN,
-                  HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64)
+        _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
+                  b * PARAM_STRIDE, b, rb, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
+                  HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64, False)
         x = x_next
     else:
-      _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, b, pid, M, N, EPS, SUBTRACT_MEAN,
-                HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64)
+      _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, 0.0, 0.0, scale_ptr, bias_ptr,
+                b * PARAM_STRIDE, b, pid, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
+                HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64, True)
 
 
 # --------------------------------------------------------------------------- backward
