@@ -164,7 +164,8 @@ _FWD_ELEMS_PER_WARP = 1024
 # elements, with 64 f32 values a thread (warps = tile / 2048). Against RMSNorm's rule
 # it saves 13% at 8192 x 5120 (50.9 against 55.6 us), 16% at 8192^2 (81.4 / 96.2),
 # 14% at 4096 x 8192 (43.0 / 49.7) and 14% at 4096 x 1024 (7.0 / 8.1); its worst
-# shape is 8192 x 2048, 21.2 us against the best 19.9 (same sweep).
+# shape is 8192 x 2048, 21.2 us against the best 19.9 (same sweep). Swept before the
+# forward loaded scale/bias after the statistics (commit 9a791b9); not re-swept since.
 _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
 # Reload chunk: 8192 while N <= 32768 (16384^2: 286 us against 299 at 4096), else 4096
 # (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
