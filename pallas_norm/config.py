@@ -162,11 +162,20 @@ _FWD_MIN_WARPS, _FWD_MAX_WARPS = 4, 8
 _FWD_ELEMS_PER_WARP = 1024
 # LayerNorm forward (single tile): at least 2 rows a tile and a tile of >= 2048
 # elements, with 64 f32 values a thread (warps = tile / 2048). Against RMSNorm's rule
-# it saves 13% at 8192 x 5120 (50.9 against 55.6 us), 16% at 8192^2 (81.4 / 96.2),
-# 14% at 4096 x 8192 (43.0 / 49.7) and 14% at 4096 x 1024 (7.0 / 8.1); its worst
-# shape is 8192 x 2048, 21.2 us against the best 19.9 (same sweep). Swept before the
-# forward loaded scale/bias after the statistics (commit 9a791b9); not re-swept since.
+# it saved 13% at 8192 x 5120 (50.9 against 55.6 us), 16% at 8192^2 (81.4 / 96.2),
+# 14% at 4096 x 8192 (43.0 / 49.7) and 14% at 4096 x 1024 (7.0 / 8.1) (sweep_ln.json,
+# before commit 9a791b9 loaded scale/bias after the statistics).
+# Re-swept after 9a791b9 (benchmarks/results/h200_2026-11-21_sweep_ln2_fwd.json):
+#   - rows of 8192 (padded) take one row and 8 warps: 4096 x 8192 40.4 us against
+#     42.4 for [2, 8192] at 8 warps, 8192 x 5120 49.1 / 54.1, 8192^2 76.9 / 80.5
+#     (best: 40.4, 48.7 at 4 warps, 76.9);
+#   - rows of <= 256 take at least 2 warps: 32768 x 128 [16, 128] 6.9 us at 2 warps
+#     against 7.6 at 1;
+#   - the rule stays best or within 3% of the best elsewhere: 4096 x 4096 21.4 (best),
+#     4096 x 1024 7.1 (best), 8192 x 4096 39.5 / 38.7, 8192 x 2048 21.2 / 20.4.
 _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
+_LN_WIDE_BLOCK_N, _LN_WIDE_WARPS = 8192, 8
+_NARROW_BLOCK_N, _LN_NARROW_MIN_WARPS = 256, 2
 # Reload chunk: 8192 while N <= 32768 (16384^2: 286 us against 299 at 4096), else 4096
 # (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
 # (8 warps: 302 / 411 / 441 us).
@@ -188,6 +197,11 @@ _BWD_SINGLE_TILE_MAX = 8192
 # Backward tile: block_m = 4096 / block_n rows. 4096 x 1024: block_m 4 10.8 us, 2 11.9;
 # 32768 x 128: block_m 32 11.4 us.
 _BWD_TILE_ELEMS = 4096
+# Narrow rows (block_n <= 256): [2048 / block_n, block_n] tiles, 2 warps, SMs x 4
+# programs. 32768 x 128: RMSNorm 11.2 us against 11.6 for the wider rule ([32, 128],
+# 4 warps, SMs x 2), LayerNorm 14.6 / 15.1 (best of the sweep: 11.0 and 14.6;
+# benchmarks/results/h200_2026-11-21_sweep_bwd_narrow.json).
+_BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Backward grid: 2 programs a SM for rows up to 4096 wide (4096 x 4096: 31.7 us with
 # 264, 33.4 with 132), 1 a SM for wider rows (4096 x 8192: 57.9 us with 132, 63.3 with
 # 264).
@@ -259,10 +273,13 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   block_m = max(1, min(_FWD_TILE_ELEMS // block_n, next_power_of_2(m)))
   if chunked and block_n >= _RELOAD_CHUNK_N_LARGE:
     num_warps = _RELOAD_WARPS
+  elif subtract_mean and not chunked and block_n >= _LN_WIDE_BLOCK_N:
+    block_m, num_warps = 1, _LN_WIDE_WARPS
   elif subtract_mean and not chunked:
     block_m = max(1, min(max(_LN_MIN_BLOCK_M, _LN_TILE_ELEMS // block_n),
                          next_power_of_2(m)))
-    num_warps = int(min(16, max(1, block_m * block_n // _LN_ELEMS_PER_WARP)))
+    min_warps = _LN_NARROW_MIN_WARPS if block_n <= _NARROW_BLOCK_N else 1
+    num_warps = int(min(16, max(min_warps, block_m * block_n // _LN_ELEMS_PER_WARP)))
   else:
     num_warps = _fwd_warps(block_m * block_n)
   if device.platform == "cpu":
@@ -279,7 +296,12 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> 
   del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
-  if bn_full <= _BWD_SINGLE_TILE_MAX:
+  if bn_full <= _NARROW_BLOCK_N:
+    block_n = bn_full
+    block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
+    num_warps = _BWD_NARROW_WARPS
+    num_programs = device.num_sms * _BWD_NARROW_OCCUPANCY
+  elif bn_full <= _BWD_SINGLE_TILE_MAX:
     block_n = bn_full
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = 4 if block_n < 4096 else block_n // 256

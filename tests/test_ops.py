@@ -157,9 +157,17 @@ def test_heuristic_modes():
   assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "static_persistent"
   long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev)
   assert (long.block_m, long.block_n, long.num_warps, long.num_programs) == (1, 16384, 16, 528)
-  # LayerNorm's single tiles: >= 2 rows, 64 f32 values a thread (sweep_warps.json).
+  # LayerNorm's single tiles (sweep_ln2_fwd.json): one row and 8 warps at 8192 wide,
+  # else >= 2 rows with 64 f32 values a thread, and >= 2 warps for rows of <= 256.
   ln = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev, subtract_mean=True)
-  assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 8192, 8)
+  assert (ln.block_m, ln.block_n, ln.num_warps) == (1, 8192, 8)
+  ln = pn_config.forward_config(4096, 4096, jnp.bfloat16, device=dev, subtract_mean=True)
+  assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 4096, 4)
+  ln = pn_config.forward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
+  assert (ln.block_m, ln.block_n, ln.num_warps) == (16, 128, 2)
+  # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4.
+  bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev)
+  assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)
   rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
   assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
   forced = pn_config.forward_config(1024, 262144, jnp.bfloat16, "multi_wave_reload", dev)
