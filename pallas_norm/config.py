@@ -166,7 +166,8 @@ _FWD_ELEMS_PER_WARP = 1024
 # 14% at 4096 x 8192 (43.0 / 49.7) and 14% at 4096 x 1024 (7.0 / 8.1) (sweep_ln.json,
 # before commit 9a791b9 loaded scale/bias after the statistics).
 # Re-swept after 9a791b9 (benchmarks/results/h200_2026-11-21_sweep_ln2_fwd.json):
-#   - rows of 8192 (padded) take one row and 8 warps: 4096 x 8192 40.4 us against
+#   - rows of 8192 (padded) take one row and 8 warps (wider forced single tiles keep
+#     the >= 2-row rule, which has not been re-measured): 4096 x 8192 40.4 us against
 #     42.4 for [2, 8192] at 8 warps, 8192 x 5120 49.1 / 54.1, 8192^2 76.9 / 80.5
 #     (best: 40.4, 48.7 at 4 warps, 76.9);
 #   - rows of <= 256 take at least 2 warps: 32768 x 128 [16, 128] 6.9 us at 2 warps
@@ -273,7 +274,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   block_m = max(1, min(_FWD_TILE_ELEMS // block_n, next_power_of_2(m)))
   if chunked and block_n >= _RELOAD_CHUNK_N_LARGE:
     num_warps = _RELOAD_WARPS
-  elif subtract_mean and not chunked and block_n >= _LN_WIDE_BLOCK_N:
+  elif subtract_mean and not chunked and block_n == _LN_WIDE_BLOCK_N:  # as measured
     block_m, num_warps = 1, _LN_WIDE_WARPS
   elif subtract_mean and not chunked:
     block_m = max(1, min(max(_LN_MIN_BLOCK_M, _LN_TILE_ELEMS // block_n),
