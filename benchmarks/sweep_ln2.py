@@ -4,8 +4,11 @@ the narrow-row (32768 x 128) backward, through benchmarks/sweep.py's timing (GPU
   python benchmarks/sweep_ln2.py OUT.json fwd   # LayerNorm forward candidates
   python benchmarks/sweep_ln2.py OUT.json bwd   # 32768 x 128 backward, RMSNorm and LayerNorm
 """
-import sys, itertools
-sys.path.insert(0, "benchmarks")
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/sweep.py
 import sweep
 from pallas_norm import config as C
 def fwd(m, n, sms):
