@@ -191,6 +191,18 @@ _PERSISTENT_OCCUPANCY = 4
 # 361.6 / 419.6 us (benchmarks/results/h200_2026-11-21_sweep_long.json).
 _HEURISTIC_RELOAD_MAX = 32768
 _PERSISTENT_CHUNK_N_LARGE = 16384
+# RMSNorm rows longer than this (N > 16384), on the Pallas backend, go to
+# multi_wave_cached split over cdiv(N, 8192) programs (each holds an 8192-wide split in
+# registers at 4 warps; they exchange partial sums of squares through global memory),
+# as long as that is <= the SM count (N <= 8192 x SMs). H200, 2026-11-21
+# (benchmarks/results/h200_2026-11-21_sweep_split_rms.json): 1024 x 262144 361.2 us
+# against 419.7 for static_persistent; 4096 x 65536 344.1 / 355.3; 4096 x 32768 173.4
+# against 178.7 for multi_wave_reload. At 16384^2 the split lost (338.2 against 285.5),
+# and so did 8 and 16 warps and 16384-wide splits everywhere. LayerNorm's split lost
+# to persistent/reload on all four shapes (e.g. 4096 x 65536 603.7 against 414.2 us;
+# sweep_split_layer.json), so LayerNorm keeps the rules above.
+_SPLIT_MIN_N = 16384
+_SPLIT_BLOCK_N, _SPLIT_WARPS = 8192, 4
 # Backward: rows up to this padded length are one register tile with the partials in
 # registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
 # single 16384-wide tile took 812 us and the pair 674-686 us.
@@ -229,14 +241,25 @@ def _fwd_warps(tile_elems: int) -> int:
   return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // _FWD_ELEMS_PER_WARP)))
 
 
-def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
+def _splits_rows(n: int, subtract_mean: bool, backend: str, device: DeviceInfo) -> bool:
+  """Whether multi_wave_cached splits an N-long row over several programs."""
+  if backend != "pallas" or subtract_mean or n <= _SPLIT_MIN_N:
+    return False
+  return device.platform == "cpu" or cdiv(n, _SPLIT_BLOCK_N) <= device.num_sms
+
+
+def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
+                backend: str = "pallas") -> str:
   """The mode the heuristic picks for an [m, n] input (the fastest one measured).
 
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
-  static_persistent (with 16384-wide chunks) beyond.
+  static_persistent (with 16384-wide chunks) beyond. RMSNorm on the Pallas backend
+  takes multi_wave_cached split over programs for N > 16384 (up to 8192 x SMs).
   """
-  del m, dtype, device
+  del m, dtype
+  if _splits_rows(n, subtract_mean, backend, device):
+    return "multi_wave_cached"
   if n > _HEURISTIC_RELOAD_MAX:
     return "static_persistent"
   if next_power_of_2(n) > _HEURISTIC_CACHED_MAX:
@@ -246,16 +269,32 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo) -> str:
 
 def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    device: DeviceInfo | None = None, *,
-                   subtract_mean: bool = False) -> ForwardConfig:
+                   subtract_mean: bool = False, backend: str = "pallas") -> ForwardConfig:
   """Default forward launch config for an [m, n] input of ``dtype``.
 
-  ``subtract_mean`` (LayerNorm) picks the LayerNorm tile rule for single-tile rows.
+  ``subtract_mean`` (LayerNorm) picks the LayerNorm tile rule for single-tile rows;
+  ``backend`` ("pallas" or "triton") whether multi_wave_cached may split rows.
+
+  Raises:
+    ValueError: an unknown mode.
+    NotImplementedError: multi_wave_cached for a row it cannot hold: N > 32768 on the
+      Triton backend or for LayerNorm, N > 8192 x SMs on the Pallas backend.
   """
   device = device or device_info()
-  mode = mode or choose_mode(m, n, dtype, device)
+  mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
+                             backend=backend)
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
+  if (mode == "multi_wave_cached" and backend == "pallas" and not subtract_mean
+      and n > _SPLIT_MIN_N):
+    if not _splits_rows(n, subtract_mean, backend, device):
+      raise NotImplementedError(
+          f"multi_wave_cached splits a row over cdiv(N, {_SPLIT_BLOCK_N}) programs, at "
+          f"most one a SM: N={n} needs {cdiv(n, _SPLIT_BLOCK_N)} > {device.num_sms}; "
+          f"use mode='multi_wave_reload' (or 'static_persistent')")
+    # The split of a row over programs (forward.py's _split_kernel).
+    return ForwardConfig(mode, 1, _SPLIT_BLOCK_N, _SPLIT_WARPS)
   if n <= _HEURISTIC_RELOAD_MAX:
     chunk = _RELOAD_CHUNK_N_SMALL
   elif mode == "static_persistent":

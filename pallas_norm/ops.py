@@ -102,7 +102,8 @@ def _backend_module(backend: str):
 def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True):
   """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None)."""
   m, n = x2.shape
-  cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean)
+  cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
+                               backend=st.backend)
   fwd, _ = _backend_module(st.backend)
   return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                           subtract_mean=st.subtract_mean, config=cfg,
@@ -188,7 +189,9 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, or an unknown
       mode or backend.
     TypeError: integer or complex x or scale.
-    NotImplementedError: mode="multi_wave_cached" for a row too long for registers.
+    NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
+      the Pallas backend N > 8192 x the SM count (the row is split over programs), on
+      the Triton backend N > 32768.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:

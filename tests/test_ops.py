@@ -116,6 +116,35 @@ def test_large_n(dtype, mode, layer):
   _compare(3, 65536 + 3, dtype, mode, layer=layer)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_n_split_rows(dtype):
+  """RMSNorm multi_wave_cached beyond one program's registers: the row is split."""
+  _compare(3, 65536 + 3, dtype, "multi_wave_cached", layer=False)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,block_n", [
+    (5, 1000, 2, 256),  # ragged last split, M not a multiple of block_m
+    (8, 96, 4, 32),
+    (2, 3 * 8192 + 5, 1, 8192),
+])
+def test_split_rows_forward(m, n, block_m, block_n, layer):
+  """multi_wave_cached with block_n < N (forward.py's _split_kernel), any config."""
+  from pallas_norm import reference
+  from pallas_norm.kernels import forward
+  x, scale, bias, _ = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", block_m, block_n, 4)
+  got = forward.norm_forward(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
+                             subtract_mean=layer, config=cfg,
+                             interpret=jax.default_backend() != "gpu")
+  want = reference.norm(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
+                        subtract_mean=layer)
+  (y, mean, rstd), (y_ref, mean_ref, rstd_ref) = got, want
+  assert (mean is None) == (not layer)
+  for g, w in [(y, y_ref), (rstd, rstd_ref)] + ([(mean, mean_ref)] if layer else []):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_layer_norm_large_mean(mode):
   """x = 1000 + noise: E[x^2] - E[x]^2 would lose every digit in float32."""
@@ -152,11 +181,23 @@ def test_heuristic_modes():
   # persistent with 16384-wide chunks beyond.
   assert pn_config.choose_mode(32768, 128, jnp.bfloat16, dev) == "multi_wave_cached"
   assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev) == "multi_wave_reload"
-  assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev) == "multi_wave_reload"
-  assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev) == "static_persistent"
-  assert pn_config.choose_mode(1024, 262144, jnp.bfloat16, dev) == "static_persistent"
-  long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev)
-  assert (long.block_m, long.block_n, long.num_warps, long.num_programs) == (1, 16384, 16, 528)
+  # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
+  # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
+  # Triton backend keep reload up to 32768 and persistent beyond.
+  for kw in ({"subtract_mean": True}, {"backend": "triton"}):
+    assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev, **kw) == "multi_wave_reload"
+    assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev, **kw) == "static_persistent"
+    long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev, **kw)
+    assert (long.mode, long.block_m, long.block_n, long.num_warps, long.num_programs) == (
+        "static_persistent", 1, 16384, 16, 528)
+  assert pn_config.choose_mode(4096, 16385, jnp.bfloat16, dev) == "multi_wave_cached"
+  for n in (16385, 65536, 262144, 8192 * 132):
+    split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev)
+    assert (split.mode, split.block_m, split.block_n, split.num_warps) == (
+        "multi_wave_cached", 1, 8192, 4)
+  assert pn_config.choose_mode(64, 8192 * 132 + 1, jnp.bfloat16, dev) == "static_persistent"
+  with pytest.raises(NotImplementedError, match="at most one a SM"):
+    pn_config.forward_config(64, 8192 * 132 + 1, jnp.bfloat16, "multi_wave_cached", dev)
   # LayerNorm's single tiles (sweep_ln2_fwd.json): one row and 8 warps at 8192 wide,
   # else >= 2 rows with 64 f32 values a thread, and >= 2 warps for rows of <= 256.
   ln = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev, subtract_mean=True)
@@ -175,8 +216,8 @@ def test_heuristic_modes():
   for m, n in [(1, 1), (4096, 4096), (32768, 128), (1024, 262144), (7, 760)]:
     cfg = pn_config.forward_config(m, n, jnp.bfloat16, device=dev)
     assert cfg.mode in MODES
-    if cfg.mode == "multi_wave_cached":
-      assert cfg.block_n >= n
+    if cfg.mode == "multi_wave_cached":  # one tile, or 8192-wide splits of the row
+      assert cfg.block_n >= n or (cfg.block_n, cfg.num_warps) == (8192, 4)
 
 
 def test_caller_config_wins():
@@ -275,7 +316,10 @@ def test_empty_rows():
     (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), mode="fast"), ValueError,
      "multi_wave_reload"),
     (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), backend="cuda"), ValueError, "xla"),
-    (lambda: pallas_norm.rms_norm(jnp.ones((1, 40000)), mode="multi_wave_cached"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((1, 40000)), mode="multi_wave_cached"),
+     NotImplementedError, "multi_wave_reload"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((1, 40000)), mode="multi_wave_cached",
+                                  backend="triton"),
      NotImplementedError, "multi_wave_reload"),
 ])
 def test_errors_before_any_kernel(call, exc, match):

@@ -4,6 +4,10 @@ Three kernels, one per mode (TileGym's names), each with its own grid and loop:
 
   multi_wave_cached   grid = cdiv(M, block_m). One row block per program; the whole
                       [block_m, block_n >= N] tile is loaded once and stays in registers.
+                      With block_n < N the row block is split over cdiv(N, block_n)
+                      programs, each holding its split in registers; they exchange
+                      partial statistics through global memory (_split_kernel), so x
+                      is still read once. Needs cdiv(N, block_n) <= the SM count.
   multi_wave_reload   grid = cdiv(M, block_m). One row block per program; pass 1 walks
                       the row in block_n chunks accumulating fp32 statistics, pass 2
                       reloads each chunk to normalise. Any N (262144 and beyond).
@@ -35,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import ForwardConfig, cdiv
+from pallas_norm.config import ForwardConfig, cdiv, next_power_of_2
 
 __all__ = ["norm_forward"]
 
@@ -191,6 +195,66 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
 
 
+def _split_partials(x, mask, k, *, n, block_n, subtract_mean):
+  """Statistics of one split (columns [k * block_n, ...)) of each row of an f32 tile.
+
+  RMSNorm: (sum of squares, None). LayerNorm: (mean, M2) of the split's elements.
+  """
+  if not subtract_mean:
+    return jnp.sum(x * x, axis=1), None
+  nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)
+  cmean = jnp.sum(x, axis=1) / nk
+  xc = _where0(mask, x - cmean[:, None])
+  return cmean, jnp.sum(xc * xc, axis=1)
+
+
+def _split_stats(p1_ref, p2_ref, rows, row_mask, *, n, eps, block_n, num_splits,
+                 num_threads, volatile):
+  """(mean, rstd) [block_m] of whole rows from their ``num_splits`` split partials.
+
+  The partials are combined in split order (Chan et al.'s pairwise formula for
+  LayerNorm), so every program of a row gets the same bits. The slot tile is padded to
+  at least one element a thread: a [1, 4] slot tile in a 4-warp program made Triton
+  lay the [1, 8192] x tile out with most threads replicated, 12x slower (H200,
+  4096 x 65536: 4361 us at a 32-wide slot tile, 352 us at 128 = 4 warps x 32).
+  """
+  block_m = rows.shape[0]
+  width = max(next_power_of_2(num_splits), num_threads // block_m)
+  ks = jnp.arange(width, dtype=jnp.int32)
+  kmask = ks < num_splits
+  mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
+  mask = jnp.broadcast_to(mask, (rows.shape[0], ks.shape[0]))
+
+  def load(ref):  # [block_m, splits] f32, 0 past the last split
+    return plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0,
+                      volatile=volatile)
+
+  p1 = load(p1_ref)
+  if p2_ref is None:
+    return None, lax.rsqrt(jnp.sum(p1, axis=1) / n + _F32(eps))
+  nk = jnp.clip(n - ks * block_n, 0, block_n).astype(_F32)  # [splits]
+  mean = jnp.sum(p1 * nk[None, :], axis=1) / n
+  delta = p1 - mean[:, None]
+  m2 = jnp.sum(load(p2_ref) + nk[None, :] * delta * delta, axis=1)
+  return mean, lax.rsqrt(m2 / n + _F32(eps))
+
+
+def _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
+                 rstd_ref, scale_ref, bias_ref, scale_offset):
+  """Normalise a split held in registers; split 0 writes the row statistics."""
+  if mean is not None:
+    x = _where0(mask, x - mean[:, None])
+  w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
+  y = _affine(x * rstd[:, None], w, b)
+  plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
+  if rstd_ref is not None:
+    first = k == 0
+    smask = first if row_mask is None else row_mask & first
+    plgpu.store(rstd_ref.at[rows], rstd, mask=smask)
+    if mean_ref is not None:
+      plgpu.store(mean_ref.at[rows], mean, mask=smask)
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -259,6 +323,73 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
                     subtract_mean=subtract_mean, block_m=block_m, block_n=block_n)
 
 
+def _split_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                  return_residuals, block_m, block_n, num_splits, num_warps, phase):
+  """multi_wave_cached for rows split over ``num_splits`` programs (block_n < N).
+
+  Program (row block rb, split k) holds columns [k * block_n, (k + 1) * block_n) of
+  its rows in registers, so x is read from memory once and y written once:
+    1. it stores the split's partial statistics in slot [row, k];
+    2. it adds 1 to the row block's arrival counter (acquire-release, GPU scope) and
+       spins until the counter reads ``num_splits``;
+    3. it combines the row's slots in split order and normalises its split.
+  Programs take (rb, k) from a ticket counter in the order they start, so the splits
+  of a row block start together and a waiting program only waits on programs that are
+  running or will get an SM when one finishes: with num_splits <= the SM count there is
+  no deadlock, whatever order the hardware launches programs in.
+
+  ``phase`` "all" is the GPU kernel. Interpret mode runs programs one after another,
+  which the spin would deadlock, so it runs two launches of the same code: "publish"
+  (step 1, program id = (rb, k)) and "consume" (step 3, reading the published slots).
+  """
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  m = x_ref.shape[0]
+  if phase == "publish":
+    p1_ref = refs.pop(0)
+    p2_ref = refs.pop(0) if subtract_mean else None
+    rb, k = pl.program_id(0), pl.program_id(1)
+  else:
+    scale_ref = refs.pop(0) if has_scale else None
+    bias_ref = refs.pop(0) if has_bias else None
+    if phase == "consume":
+      p1_ref = refs.pop(0)
+      p2_ref = refs.pop(0) if subtract_mean else None
+      rb, k = pl.program_id(0), pl.program_id(1)
+    else:
+      refs.pop(0)  # the zeroed counters (input), aliased to the output below
+    y_ref = refs.pop(0)
+    mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
+    rstd_ref = refs.pop(0) if return_residuals else None
+    if phase == "all":
+      sync_ref = refs.pop(0)  # [1 + row blocks] int32: ticket, then arrivals a row block
+      p1_ref = refs.pop(0)
+      p2_ref = refs.pop(0) if subtract_mean else None
+      ticket = plgpu.atomic_add(sync_ref, 0, jnp.int32(1))
+      rb, k = ticket // num_splits, ticket % num_splits
+  rows, cols, row_mask, col_mask, mask = _tile_index(rb, k, m, n, block_m=block_m,
+                                                     block_n=block_n)
+  x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32, 0 outside
+  if phase != "consume":
+    s1, s2 = _split_partials(x, mask, k, n=n, block_n=block_n, subtract_mean=subtract_mean)
+    plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
+    if subtract_mean:
+      plgpu.store(p2_ref.at[rows, k], s2, mask=row_mask)
+    if phase == "publish":
+      return
+    plgpu.debug_barrier()  # every thread's slot stores come before the release
+    slot = (1 + rb) * _SYNC_STRIDE  # one counter a 128-byte line
+    plgpu.atomic_add(sync_ref, slot, jnp.int32(1))
+    lax.while_loop(lambda c: c < num_splits,
+                   lambda c: plgpu.atomic_add(sync_ref, slot, jnp.int32(0)),
+                   jnp.int32(0))
+  mean, rstd = _split_stats(p1_ref, p2_ref, rows, row_mask, n=n, eps=eps, block_n=block_n,
+                            num_splits=num_splits, num_threads=32 * num_warps,
+                            volatile=phase == "all")
+  _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
+               rstd_ref, scale_ref, bias_ref, scale_offset)
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -280,7 +411,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     RMSNorm; both are None without ``return_residuals``.
 
   Raises:
-    NotImplementedError: multi_wave_cached with ``config.block_n < N``.
+    NotImplementedError: multi_wave_cached split over more programs than the device has
+      SMs (``cdiv(N, config.block_n) > SMs``).
   """
   m, n = x.shape
   cfg = config
@@ -289,11 +421,9 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
                  has_bias=bias is not None, return_residuals=return_residuals,
                  block_m=cfg.block_m, block_n=cfg.block_n)
   num_row_blocks = cdiv(m, cfg.block_m)
+  if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
+    return _split_forward(x, scale, bias, statics, cfg, interpret)
   if cfg.mode == "multi_wave_cached":
-    if cfg.block_n < n:
-      raise NotImplementedError(
-          f"multi_wave_cached needs the whole row in one tile: {cfg.block_n=} < {n=}; "
-          f"use mode='multi_wave_reload'")
     kernel, grid, name = _cached_kernel, num_row_blocks, "pallas_norm_fwd_cached"
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
@@ -318,3 +448,61 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   if not return_residuals:
     return y, None, None
   return (y, *stats) if subtract_mean else (y, None, *stats)
+
+
+def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool):
+  """multi_wave_cached with the row split over cdiv(N, block_n) programs (_split_kernel)."""
+  m, n = x.shape
+  sm = statics["subtract_mean"]
+  return_residuals = statics["return_residuals"]
+  num_splits = cdiv(n, cfg.block_n)
+  max_splits = split_limit(interpret)
+  if num_splits > max_splits:
+    raise NotImplementedError(
+        f"multi_wave_cached splits a row over cdiv(N, block_n) programs that wait on "
+        f"each other, at most one a SM ({max_splits}): N={n} with block_n="
+        f"{cfg.block_n} needs {num_splits}; use a larger block_n (up to "
+        f"{_SPLIT_MAX_BLOCK_N}) or mode='static_persistent'")
+  num_row_blocks = cdiv(m, cfg.block_m)
+  statics = dict(statics, num_splits=num_splits, num_warps=cfg.num_warps)
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+  slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
+           ] * (2 if sm else 1)
+  outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
+  if return_residuals:
+    outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
+  params_in = [a for a in (scale, bias) if a is not None]
+  if interpret:
+    parts = call(functools.partial(_split_kernel, phase="publish", **statics),
+                 out_shape=slots, grid=(num_row_blocks, num_splits),
+                 name="pallas_norm_fwd_split_publish")(x)
+    res = call(functools.partial(_split_kernel, phase="consume", **statics),
+               out_shape=outs, grid=(num_row_blocks, num_splits),
+               name="pallas_norm_fwd_split")(x, *params_in, *parts)
+  else:
+    sync = jnp.zeros(((1 + num_row_blocks) * _SYNC_STRIDE,), jnp.int32)
+    inputs = [x, *params_in, sync]
+    res = call(functools.partial(_split_kernel, phase="all", **statics),
+               out_shape=outs + [jax.ShapeDtypeStruct(sync.shape, sync.dtype)] + slots,
+               grid=(num_row_blocks * num_splits,),
+               input_output_aliases={len(inputs) - 1: len(outs)},
+               name="pallas_norm_fwd_split")(*inputs)
+    res = res[:len(outs)]
+  y, *stats = res
+  if not return_residuals:
+    return y, None, None
+  return (y, *stats) if sm else (y, None, *stats)
+
+
+_SYNC_STRIDE = 32
+# Widest split: 16384 f32 values over 16 warps is 32 registers a thread for x.
+_SPLIT_MAX_BLOCK_N = 16384
+
+
+def split_limit(interpret: bool) -> int:
+  """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
+  if interpret:
+    return 1 << 30
+  from pallas_norm.config import device_info  # pylint: disable=import-outside-toplevel
+  return device_info().num_sms
