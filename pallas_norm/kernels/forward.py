@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import ForwardConfig, cdiv, next_power_of_2
+from pallas_norm.config import ForwardConfig, cdiv, device_info, next_power_of_2
 
 __all__ = ["norm_forward"]
 
@@ -362,7 +362,9 @@ def _split_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bia
     mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
     rstd_ref = refs.pop(0) if return_residuals else None
     if phase == "all":
-      sync_ref = refs.pop(0)  # [1 + row blocks] int32: ticket, then arrivals a row block
+      # int32, one counter every _SYNC_STRIDE: the ticket, then one arrival counter a
+      # row block.
+      sync_ref = refs.pop(0)
       p1_ref = refs.pop(0)
       p2_ref = refs.pop(0) if subtract_mean else None
       ticket = plgpu.atomic_add(sync_ref, 0, jnp.int32(1))
@@ -456,7 +458,7 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   sm = statics["subtract_mean"]
   return_residuals = statics["return_residuals"]
   num_splits = cdiv(n, cfg.block_n)
-  max_splits = split_limit(interpret)
+  max_splits = _split_limit(interpret)
   if num_splits > max_splits:
     raise NotImplementedError(
         f"multi_wave_cached splits a row over cdiv(N, block_n) programs that wait on "
@@ -495,14 +497,11 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   return (y, *stats) if sm else (y, None, *stats)
 
 
-_SYNC_STRIDE = 32
+_SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
 # Widest split: 16384 f32 values over 16 warps is 32 registers a thread for x.
 _SPLIT_MAX_BLOCK_N = 16384
 
 
-def split_limit(interpret: bool) -> int:
+def _split_limit(interpret: bool) -> int:
   """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
-  if interpret:
-    return 1 << 30
-  from pallas_norm.config import device_info  # pylint: disable=import-outside-toplevel
-  return device_info().num_sms
+  return 1 << 30 if interpret else device_info().num_sms
