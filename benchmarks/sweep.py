@@ -5,6 +5,8 @@ calling the launchers directly, prints the best per (shape, kernel) with GB/s on
 bytes model (forward 2*M*N*itemsize; backward 3*M*N*itemsize: read x, dy, write dx),
 and writes every row to a JSON file. Method as in pallas_norm.bench: CUPTI kernel time
 (summed over the kernels of one call), inputs rotated over >= 4x L2, median of --iters.
+max_err is the largest |difference| from the XLA reference (y forward, dx backward) on
+the first input.
 
   python benchmarks/sweep.py --shapes 4096x4096,32768x128 --out /tmp/sweep.json
 """
@@ -126,6 +128,7 @@ def main():
       b = bias if sm else None
       stats = [reference.norm(x, scale, b, eps=1e-5, subtract_mean=sm) for x in xs]
       y_ref = stats[0][0].astype(jnp.float32)
+      dx_ref = None  # the XLA reference's dx for (xs[0], dys[0]), computed once
       for kern in args.kernels.split(","):
         cands = (_fwd_candidates if kern == "fwd" else _bwd_candidates)(m, n, dev.num_sms)
         best = []
@@ -147,7 +150,12 @@ def main():
                   dy, x, scale, mean if sm else None, rstd, has_bias=sm, scale_offset=0.0,
                   subtract_mean=sm, config=cfg, interpret=False, scale_dtype=scale.dtype,
                   bias_dtype=bias.dtype))
-              err = 0.0
+              if dx_ref is None:
+                _, pull = jax.vjp(lambda x: reference.norm(x, scale, b, eps=1e-5,
+                                                           subtract_mean=sm)[0], xs[0])
+                dx_ref = pull(dys[0])[0].astype(jnp.float32)
+              dx = fn(dys[0], xs[0], stats[0][1], stats[0][2])[0]
+              err = float(jnp.max(jnp.abs(dx.astype(jnp.float32) - dx_ref)))
               t = _time(fn, [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)],
                         args.iters)
               gbs = 3 * nbytes / t / 1e3 if t else None

@@ -116,7 +116,13 @@ class BackwardConfig:
     reduce_block_n: columns per stage-2 program (power of 2).
     reduce_block_g: partial rows summed per stage-2 step (power of 2).
     reduce_num_warps: warps per stage-2 program.
-    num_stages: software-pipelining depth of the stage-1 loops.
+    num_stages: software-pipelining depth of the stage-1 loops. With ``split_rows``,
+      2 or more prefetches the next row block's split into registers.
+    split_rows: with ``block_n < N``, split each row over cdiv(N, block_n) programs
+      that exchange their partial row sums (x and dy read once) instead of the
+      row-statistics + column-tiled pair (x and dy read twice). ``num_programs`` is
+      then the number of row-block groups G; the grid is G x cdiv(N, block_n) and
+      needs cdiv(N, block_n) <= the SM count.
   """
 
   block_m: int
@@ -127,6 +133,7 @@ class BackwardConfig:
   reduce_block_g: int = 32
   reduce_num_warps: int = 4
   num_stages: int = 1
+  split_rows: bool = False
 
   def __post_init__(self):
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):

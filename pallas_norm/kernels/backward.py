@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv
+from pallas_norm.config import BackwardConfig, cdiv, device_info, next_power_of_2
 from pallas_norm.kernels.forward import _load, _load_params, _tile_index, _where0
 
 __all__ = ["norm_backward"]
@@ -182,6 +182,132 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
     plgpu.store(c2_ref[0].at[rows], c2 / n, mask=row_mask)
 
 
+def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threads,
+                     volatile):
+  """(c1, c2) [block_m] of whole rows: their ``num_splits`` slots summed in split order.
+
+  The slot tile is padded to at least one element a thread, as in the forward's
+  ``_split_stats`` (a narrower one made Triton replicate the data tiles' layout).
+  """
+  block_m = rows.shape[0]
+  width = max(next_power_of_2(num_splits), num_threads // block_m)
+  ks = jnp.arange(width, dtype=jnp.int32)
+  kmask = ks < num_splits
+  mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
+  mask = jnp.broadcast_to(mask, (block_m, width))
+
+  def total(ref):
+    return jnp.sum(plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0,
+                              volatile=volatile), axis=1) / n
+
+  return total(c1_ref), None if c2_ref is None else total(c2_ref)
+
+
+def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
+                      block_m, block_n, num_splits, num_groups, num_warps, prefetch, phase):
+  """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once).
+
+  Program (group r, split k) owns columns [k * block_n, (k + 1) * block_n) of row
+  blocks r, r + G, ... (G = ``num_groups``), so its dscale/dbias partials stay in
+  registers, as in the column-tiled kernel. For each row block it
+    1. loads its split of x and dy and stores the split's sums of x_hat * g (and g) in
+       slots [row, k];
+    2. adds 1 to its group's arrival counter (acquire-release, GPU scope) and spins
+       until the counter reads num_splits * (steps done): the splits of one group walk
+       the same row blocks in the same order, so that count means every split of this
+       row block has published;
+    3. sums the row's slots in split order (every split gets the same bits), writes
+       dx from the split still in registers and adds to its partials.
+  With ``prefetch`` the next row block's split is loaded before the wait.
+  Programs take (r, k) from a ticket counter in the order they start, so a waiting
+  program only waits on programs of its own group that are running or will get an SM
+  when an earlier group finishes: no deadlock while num_splits <= the SM count.
+
+  ``phase`` "all" is the GPU kernel; interpret mode runs programs one after another,
+  which the spin would deadlock, so it runs "publish" (step 1 for program (rb, k)) and
+  then "consume" (steps 1 and 3 for program (r, k), reading the published slots).
+  """
+  refs = list(refs)
+  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  m = x_ref.shape[0]
+  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
+  if phase == "publish":
+    c1_ref = refs.pop(0)
+    c2_ref = refs.pop(0) if subtract_mean else None
+    rb, k = pl.program_id(0), pl.program_id(1)
+  elif phase == "consume":
+    c1_ref = refs.pop(0)
+    c2_ref = refs.pop(0) if subtract_mean else None
+    r, k = pl.program_id(0), pl.program_id(1)
+  else:
+    refs.pop(0)  # the zeroed counters (input), aliased to the output below
+  if phase != "publish":
+    dx_ref = refs.pop(0)
+    dw_ref = refs.pop(0) if has_scale else None
+    db_ref = refs.pop(0) if has_bias else None
+  if phase == "all":
+    # int32, one counter every _SYNC_STRIDE: the ticket, then one arrival counter a
+    # group; then the slots.
+    sync_ref = refs.pop(0)
+    c1_ref = refs.pop(0)
+    c2_ref = refs.pop(0) if subtract_mean else None
+    ticket = plgpu.atomic_add(sync_ref, 0, jnp.int32(1))
+    r, k = ticket // num_splits, ticket % num_splits
+  _, cols, _, col_mask, _ = tile(0, k)
+  w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
+
+  def sums(x_hat, g):  # this split's share of c1 and c2, [block_m] each
+    return jnp.sum(x_hat * g, axis=1), jnp.sum(g, axis=1) if subtract_mean else None
+
+  def load(rb):  # may be past the last row block (a prefetch): rows stay masked
+    rows, _, _, _, mask = tile(rb, k)
+    return _load_xdy(x_ref, dy_ref, rows, cols, mask)
+
+  def stats(rb):
+    rows, _, row_mask, _, mask = tile(rb, k, rows_in_bounds=True)
+    return (rows, row_mask, mask, *_row_stats(mean_ref, rstd_ref, rows, row_mask))
+
+  def publish(rows, row_mask, s1, s2):
+    plgpu.store(c1_ref.at[rows, k], s1, mask=row_mask)
+    if subtract_mean:
+      plgpu.store(c2_ref.at[rows, k], s2, mask=row_mask)
+
+  if phase == "publish":
+    rows, row_mask, mask, mean, rstd = stats(rb)
+    x_hat, _, g = _x_hat_g(*load(rb), mask, mean, rstd, w)
+    publish(rows, row_mask, *sums(x_hat, g))
+    return
+
+  def body(i, carry):
+    dw_acc, db_acc, *xdy = carry  # [block_n] f32 partials in registers
+    rb = r + i * num_groups
+    x, dy = xdy if prefetch else load(rb)
+    nxt = load(rb + num_groups) if prefetch else ()
+    rows, row_mask, mask, mean, rstd = stats(rb)
+    x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
+    if phase == "all":
+      publish(rows, row_mask, *sums(x_hat, g))
+      plgpu.debug_barrier()  # every thread's slot stores come before the release
+      slot = (1 + r) * _SYNC_STRIDE  # one counter a 128-byte line
+      target = (i + 1) * num_splits
+      seen = plgpu.atomic_add(sync_ref, slot, jnp.int32(1)) + 1
+      lax.while_loop(lambda c: c < target,
+                     lambda c: plgpu.atomic_add(sync_ref, slot, jnp.int32(0)), seen)
+    c1, c2 = _split_slot_sums(c1_ref, c2_ref, rows, row_mask, n=n, num_splits=num_splits,
+                              num_threads=32 * num_warps, volatile=phase == "all")
+    _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
+    return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0), *nxt)
+
+  num_steps = (cdiv(m, block_m) - 1 - r) // num_groups + 1
+  zeros = jnp.zeros((block_n,), _F32)
+  init = (zeros, zeros, *load(r)) if prefetch else (zeros, zeros)
+  dw_acc, db_acc, *_ = lax.fori_loop(0, num_steps, body, init)
+  _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
+
+
 def _reduce_kernel(part_ref, out_ref, *, block_g, block_n):
   """out[cols] = sum over the G partial rows, in a fixed order."""
   g_total, n = part_ref.shape
@@ -245,26 +371,78 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
   chunked = cfg.block_n < n
-  if chunked:
-    c = pl.pallas_call(
-        functools.partial(_bwd_row_stats_kernel, **statics),
-        out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
-        grid=(num_row_blocks,),
+  if chunked and cfg.split_rows:
+    dx, *parts = _split_stage1(inputs, out_shape, statics, has_bias, g, cfg, interpret)
+  else:
+    if chunked:
+      c = pl.pallas_call(
+          functools.partial(_bwd_row_stats_kernel, **statics),
+          out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
+          grid=(num_row_blocks,),
+          compiler_params=params,
+          interpret=interpret,
+          name="pallas_norm_bwd_row_stats",
+      )(*inputs)
+      inputs += list(c)
+    dx, *parts = pl.pallas_call(
+        functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
+                          chunked=chunked, **statics),
+        out_shape=out_shape,
+        grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
         interpret=interpret,
-        name="pallas_norm_bwd_row_stats",
+        name="pallas_norm_bwd_columns" if chunked else "pallas_norm_bwd_persistent",
     )(*inputs)
-    inputs += list(c)
-  outs = pl.pallas_call(
-      functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                        chunked=chunked, **statics),
-      out_shape=out_shape,
-      grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
-      compiler_params=params,
-      interpret=interpret,
-      name="pallas_norm_bwd_columns" if chunked else "pallas_norm_bwd_persistent",
-  )(*inputs)
-  dx, parts = outs[0], list(outs[1:])
   dscale = _reduce_partials(parts.pop(0), scale_dtype, cfg, interpret) if has_scale else None
   dbias = _reduce_partials(parts.pop(0), bias_dtype, cfg, interpret) if has_bias else None
   return dx, dscale, dbias
+
+
+def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
+                  interpret: bool):
+  """Stage 1 with each row split over cdiv(N, block_n) programs (_bwd_split_kernel).
+
+  Returns [dx, dscale partials, dbias partials] (the present ones; partials [G, N] f32).
+  """
+  m, n = out_shape[0].shape
+  sm = statics["subtract_mean"]
+  num_splits = cdiv(n, cfg.block_n)
+  max_splits = _split_limit(interpret)
+  if num_splits > max_splits:
+    raise NotImplementedError(
+        f"the split-row backward splits a row over cdiv(N, block_n) programs that wait "
+        f"on each other, at most one a SM ({max_splits}): N={n} with block_n="
+        f"{cfg.block_n} needs {num_splits}; use a larger block_n or split_rows=False")
+  num_row_blocks = cdiv(m, cfg.block_m)
+  statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
+                 num_warps=cfg.num_warps, prefetch=cfg.num_stages > 1)
+  # The prefetch is written out in the kernel; Triton's own pipeliner stays off.
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
+  call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+  slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
+           ] * (2 if sm else 1)
+  if interpret:
+    c = call(functools.partial(_bwd_split_kernel, phase="publish", **statics),
+             out_shape=slots, grid=(num_row_blocks, num_splits),
+             name="pallas_norm_bwd_split_publish")(*inputs)
+    outs = call(functools.partial(_bwd_split_kernel, phase="consume", **statics),
+                out_shape=out_shape, grid=(g, num_splits),
+                name="pallas_norm_bwd_split")(*inputs, *c)
+  else:
+    sync = jnp.zeros(((1 + g) * _SYNC_STRIDE,), jnp.int32)
+    inputs = [*inputs, sync]
+    outs = call(functools.partial(_bwd_split_kernel, phase="all", **statics),
+                out_shape=[*out_shape, jax.ShapeDtypeStruct(sync.shape, sync.dtype), *slots],
+                grid=(g * num_splits,),
+                input_output_aliases={len(inputs) - 1: len(out_shape)},
+                name="pallas_norm_bwd_split")(*inputs)
+    outs = outs[:len(out_shape)]
+  return outs
+
+
+_SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
+
+
+def _split_limit(interpret: bool) -> int:
+  """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
+  return 1 << 30 if interpret else device_info().num_sms
