@@ -182,12 +182,27 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
     plgpu.store(c2_ref[0].at[rows], c2 / n, mask=row_mask)
 
 
+# Split-row slots are int32 bit patterns of f32 partial sums. _PENDING marks a slot not
+# yet written: a NaN the kernels never store, since they store every NaN as _NAN_BITS
+# (the hardware's own NaN is 0x7FFFFFFF, hence the rewrite).
+_PENDING, _NAN_BITS = 0x7FFFFFFF, 0x7FC00000
+
+
+def _slot_bits(v):
+  """f32 -> int32 bit pattern, NaN rewritten to _NAN_BITS so that it is never _PENDING."""
+  return jnp.where(v != v, jnp.int32(_NAN_BITS), lax.bitcast_convert_type(v, jnp.int32))
+
+
 def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threads,
-                     volatile):
+                     poll):
   """(c1, c2) [block_m] of whole rows: their ``num_splits`` slots summed in split order.
 
-  The slot tile is padded to at least one element a thread, as in the forward's
-  ``_split_stats`` (a narrower one made Triton replicate the data tiles' layout).
+  With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
+  data is its own flag, so publishing is one plain store and waiting one round trip
+  once the row is complete, with no atomics or fences that would stall on this
+  program's loads in flight. The slot tile is padded to at least one element a
+  thread, as in the forward's ``_split_stats`` (a narrower one made Triton replicate
+  the data tiles' layout).
   """
   block_m = rows.shape[0]
   width = max(next_power_of_2(num_splits), num_threads // block_m)
@@ -195,12 +210,20 @@ def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threa
   kmask = ks < num_splits
   mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
   mask = jnp.broadcast_to(mask, (block_m, width))
+  refs = (c1_ref,) if c2_ref is None else (c1_ref, c2_ref)
 
-  def total(ref):
-    return jnp.sum(plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0,
-                              volatile=volatile), axis=1) / n
+  def load():  # int32 [block_m, width] each, 0 (+0.0) past the last split
+    return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=mask, other=0,
+                            volatile=poll) for r in refs)
 
-  return total(c1_ref), None if c2_ref is None else total(c2_ref)
+  def pending(tiles):
+    return sum(jnp.sum((t == _PENDING).astype(jnp.int32)) for t in tiles) > 0
+
+  tiles = load()
+  if poll:
+    tiles = lax.while_loop(pending, lambda _: load(), tiles)
+  sums = [jnp.sum(lax.bitcast_convert_type(t, _F32), axis=1) / n for t in tiles]
+  return sums[0], sums[1] if c2_ref is not None else None
 
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
@@ -210,22 +233,19 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   Program (group r, split k) owns columns [k * block_n, (k + 1) * block_n) of row
   blocks r, r + G, ... (G = ``num_groups``), so its dscale/dbias partials stay in
   registers, as in the column-tiled kernel. For each row block it
-    1. loads its split of x and dy and stores the split's sums of x_hat * g (and g) in
-       slots [row, k];
-    2. adds 1 to its group's arrival counter (acquire-release, GPU scope) and spins
-       until the counter reads num_splits * (steps done): the splits of one group walk
-       the same row blocks in the same order, so that count means every split of this
-       row block has published;
-    3. sums the row's slots in split order (every split gets the same bits), writes
-       dx from the split still in registers and adds to its partials.
-  With ``prefetch`` the next row block's split is loaded before the wait.
+    1. loads its split of x and dy (with ``prefetch``, the next row block's split is
+       loaded here too) and stores the split's sums of x_hat * g (and g) in slots
+       [row, k], which start out _PENDING;
+    2. re-reads the row's slots until every split has stored its own (_split_slot_sums)
+       and sums them in split order, so every split gets the same bits;
+    3. writes dx from the split still in registers and adds to its partials.
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
   program only waits on programs of its own group that are running or will get an SM
   when an earlier group finishes: no deadlock while num_splits <= the SM count.
 
   ``phase`` "all" is the GPU kernel; interpret mode runs programs one after another,
-  which the spin would deadlock, so it runs "publish" (step 1 for program (rb, k)) and
-  then "consume" (steps 1 and 3 for program (r, k), reading the published slots).
+  which the wait would deadlock, so it runs "publish" (step 1 for program (rb, k)) and
+  then "consume" (steps 2 and 3 for program (r, k), reading the published slots).
   """
   refs = list(refs)
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -234,33 +254,26 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   rstd_ref = refs.pop(0)
   m = x_ref.shape[0]
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
+  n_slots = 2 if subtract_mean else 1
   if phase == "publish":
-    c1_ref = refs.pop(0)
-    c2_ref = refs.pop(0) if subtract_mean else None
+    slot_refs = refs[:n_slots]
     rb, k = pl.program_id(0), pl.program_id(1)
   elif phase == "consume":
-    c1_ref = refs.pop(0)
-    c2_ref = refs.pop(0) if subtract_mean else None
+    slot_refs, refs = refs[:n_slots], refs[n_slots:]
     r, k = pl.program_id(0), pl.program_id(1)
   else:
-    refs.pop(0)  # the zeroed counters (input), aliased to the output below
+    refs = refs[1 + n_slots:]  # the zeroed ticket and _PENDING slots, aliased below
   if phase != "publish":
     dx_ref = refs.pop(0)
     dw_ref = refs.pop(0) if has_scale else None
     db_ref = refs.pop(0) if has_bias else None
   if phase == "all":
-    # int32, one counter every _SYNC_STRIDE: the ticket, then one arrival counter a
-    # group; then the slots.
-    sync_ref = refs.pop(0)
-    c1_ref = refs.pop(0)
-    c2_ref = refs.pop(0) if subtract_mean else None
-    ticket = plgpu.atomic_add(sync_ref, 0, jnp.int32(1))
+    ticket_ref, *slot_refs = refs
+    ticket = plgpu.atomic_add(ticket_ref, 0, jnp.int32(1))
     r, k = ticket // num_splits, ticket % num_splits
+  c1_ref, c2_ref = (*slot_refs, None)[:2]
   _, cols, _, col_mask, _ = tile(0, k)
   w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
-
-  def sums(x_hat, g):  # this split's share of c1 and c2, [block_m] each
-    return jnp.sum(x_hat * g, axis=1), jnp.sum(g, axis=1) if subtract_mean else None
 
   def load(rb):  # may be past the last row block (a prefetch): rows stay masked
     rows, _, _, _, mask = tile(rb, k)
@@ -270,15 +283,15 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     rows, _, row_mask, _, mask = tile(rb, k, rows_in_bounds=True)
     return (rows, row_mask, mask, *_row_stats(mean_ref, rstd_ref, rows, row_mask))
 
-  def publish(rows, row_mask, s1, s2):
-    plgpu.store(c1_ref.at[rows, k], s1, mask=row_mask)
+  def publish(rows, row_mask, x_hat, g):  # this split's share of c1 and c2
+    plgpu.store(c1_ref.at[rows, k], _slot_bits(jnp.sum(x_hat * g, axis=1)), mask=row_mask)
     if subtract_mean:
-      plgpu.store(c2_ref.at[rows, k], s2, mask=row_mask)
+      plgpu.store(c2_ref.at[rows, k], _slot_bits(jnp.sum(g, axis=1)), mask=row_mask)
 
   if phase == "publish":
     rows, row_mask, mask, mean, rstd = stats(rb)
     x_hat, _, g = _x_hat_g(*load(rb), mask, mean, rstd, w)
-    publish(rows, row_mask, *sums(x_hat, g))
+    publish(rows, row_mask, x_hat, g)
     return
 
   def body(i, carry):
@@ -289,15 +302,9 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     rows, row_mask, mask, mean, rstd = stats(rb)
     x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
     if phase == "all":
-      publish(rows, row_mask, *sums(x_hat, g))
-      plgpu.debug_barrier()  # every thread's slot stores come before the release
-      slot = (1 + r) * _SYNC_STRIDE  # one counter a 128-byte line
-      target = (i + 1) * num_splits
-      seen = plgpu.atomic_add(sync_ref, slot, jnp.int32(1)) + 1
-      lax.while_loop(lambda c: c < target,
-                     lambda c: plgpu.atomic_add(sync_ref, slot, jnp.int32(0)), seen)
+      publish(rows, row_mask, x_hat, g)
     c1, c2 = _split_slot_sums(c1_ref, c2_ref, rows, row_mask, n=n, num_splits=num_splits,
-                              num_threads=32 * num_warps, volatile=phase == "all")
+                              num_threads=32 * num_warps, poll=phase == "all")
     _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
     return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0), *nxt)
 
@@ -419,28 +426,27 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   # The prefetch is written out in the kernel; Triton's own pipeliner stays off.
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
   call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
-  slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
-           ] * (2 if sm else 1)
+  slot_shape = (num_row_blocks * cfg.block_m, num_splits)
+  n_slots = 2 if sm else 1
   if interpret:
     c = call(functools.partial(_bwd_split_kernel, phase="publish", **statics),
-             out_shape=slots, grid=(num_row_blocks, num_splits),
+             out_shape=[jax.ShapeDtypeStruct(slot_shape, jnp.int32)] * n_slots,
+             grid=(num_row_blocks, num_splits),
              name="pallas_norm_bwd_split_publish")(*inputs)
     outs = call(functools.partial(_bwd_split_kernel, phase="consume", **statics),
                 out_shape=out_shape, grid=(g, num_splits),
                 name="pallas_norm_bwd_split")(*inputs, *c)
   else:
-    sync = jnp.zeros(((1 + g) * _SYNC_STRIDE,), jnp.int32)
-    inputs = [*inputs, sync]
+    sync = [jnp.zeros((1,), jnp.int32)]  # the ticket counter
+    sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
+    first = len(inputs)
     outs = call(functools.partial(_bwd_split_kernel, phase="all", **statics),
-                out_shape=[*out_shape, jax.ShapeDtypeStruct(sync.shape, sync.dtype), *slots],
+                out_shape=[*out_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sync)],
                 grid=(g * num_splits,),
-                input_output_aliases={len(inputs) - 1: len(out_shape)},
-                name="pallas_norm_bwd_split")(*inputs)
+                input_output_aliases={first + i: len(out_shape) + i for i in range(len(sync))},
+                name="pallas_norm_bwd_split")(*inputs, *sync)
     outs = outs[:len(out_shape)]
   return outs
-
-
-_SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
 
 
 def _split_limit(interpret: bool) -> int:
