@@ -1,8 +1,8 @@
 """Sweep of the split-row backward (each row over cdiv(N, block_n) programs).
 
 Times the default BackwardConfig of each shape next to split-row configs (block_n 2048
-and 4096 at 4 warps, 4096 and 8192 at 8; G = 1, 2 or 4 programs a SM over the splits;
-with and without the next row block prefetched) and, for rows <= 16384, the single-tile kernel
+and 4096 at 4 warps, 4096 and 8192 at 8, 8192 at 16; G = 1, 2 or 4 programs a SM over
+the splits; num_stages 2 (next row block prefetched) or 3 (and dx deferred a row block)) and, for rows <= 16384, the single-tile kernel
 at 16 and 32 warps, with benchmarks/sweep.py's method (CUPTI, rotated inputs, median
 of --iters, dx checked against the XLA reference). The measurement behind config.py's
 _BWD_SPLIT_* thresholds:
@@ -31,12 +31,12 @@ def _bwd(m, n, sms):
   if C.next_power_of_2(n) <= 16384:
     for nw in (16, 32):
       cands.append(cfg(1, C.next_power_of_2(n), nw, sms, 1, False))
-  for bn, nw in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+  for bn, nw in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
     k = C.cdiv(n, bn)
     if bn >= n or k > sms:
       continue
     for occ in (1, 2, 4):
-      for st in (1, 2):
+      for st in (2, 3):
         cands.append(cfg(1, bn, nw, max(1, occ * sms // k), st, True))
   return cands
 

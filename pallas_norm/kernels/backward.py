@@ -227,18 +227,21 @@ def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threa
 
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                      block_m, block_n, num_splits, num_groups, num_warps, prefetch, phase):
+                      block_m, block_n, num_splits, num_groups, num_warps, num_stages,
+                      phase):
   """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once).
 
   Program (group r, split k) owns columns [k * block_n, (k + 1) * block_n) of row
   blocks r, r + G, ... (G = ``num_groups``), so its dscale/dbias partials stay in
   registers, as in the column-tiled kernel. For each row block it
-    1. loads its split of x and dy (with ``prefetch``, the next row block's split is
-       loaded here too) and stores the split's sums of x_hat * g (and g) in slots
-       [row, k], which start out _PENDING;
+    1. loads its split of x and dy and stores the split's sums of x_hat * g (and g) in
+       slots [row, k], which start out _PENDING;
     2. re-reads the row's slots until every split has stored its own (_split_slot_sums)
        and sums them in split order, so every split gets the same bits;
     3. writes dx from the split still in registers and adds to its partials.
+  ``num_stages`` row blocks are held in registers: 2 loads the next row block before
+  this one's wait; 3 also defers steps 2-3 of each row block by one row block (its
+  split is kept), so that a split one row block behind the others stalls no one.
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
   program only waits on programs of its own group that are running or will get an SM
   when an earlier group finishes: no deadlock while num_splits <= the SM count.
@@ -283,35 +286,54 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     rows, _, row_mask, _, mask = tile(rb, k, rows_in_bounds=True)
     return (rows, row_mask, mask, *_row_stats(mean_ref, rstd_ref, rows, row_mask))
 
-  def publish(rows, row_mask, x_hat, g):  # this split's share of c1 and c2
+  def publish(rb, xdy):  # this split's share of c1 and c2 of row block rb
+    rows, row_mask, mask, mean, rstd = stats(rb)
+    x_hat, _, g = _x_hat_g(*xdy, mask, mean, rstd, w)
     plgpu.store(c1_ref.at[rows, k], _slot_bits(jnp.sum(x_hat * g, axis=1)), mask=row_mask)
     if subtract_mean:
       plgpu.store(c2_ref.at[rows, k], _slot_bits(jnp.sum(g, axis=1)), mask=row_mask)
 
   if phase == "publish":
-    rows, row_mask, mask, mean, rstd = stats(rb)
-    x_hat, _, g = _x_hat_g(*load(rb), mask, mean, rstd, w)
-    publish(rows, row_mask, x_hat, g)
+    publish(rb, load(rb))
     return
 
-  def body(i, carry):
-    dw_acc, db_acc, *xdy = carry  # [block_n] f32 partials in registers
-    rb = r + i * num_groups
-    x, dy = xdy if prefetch else load(rb)
-    nxt = load(rb + num_groups) if prefetch else ()
+  def finish(rb, xdy, acc):  # dx of row block rb once its row sums are complete
     rows, row_mask, mask, mean, rstd = stats(rb)
-    x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
-    if phase == "all":
-      publish(rows, row_mask, x_hat, g)
+    x_hat, dy, g = _x_hat_g(*xdy, mask, mean, rstd, w)
     c1, c2 = _split_slot_sums(c1_ref, c2_ref, rows, row_mask, n=n, num_splits=num_splits,
                               num_threads=32 * num_warps, poll=phase == "all")
     _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-    return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0), *nxt)
+    return acc[0] + jnp.sum(dy * x_hat, axis=0), acc[1] + jnp.sum(dy, axis=0)
+
+  # Row blocks held at once: [the previous one (lag), whose dx waits one row block
+  # for the other splits' sums,] this one [, the next one (prefetch)].
+  lag = num_stages >= 3
+  prefetch = num_stages >= 2
+
+  def body(i, carry):
+    acc, held = carry[:2], list(carry[2:])  # [block_n] f32 partials in registers
+    rb = r + i * num_groups
+    prev = held[:2] if lag else None
+    cur = held[-2:] if prefetch else load(rb)
+    nxt = load(rb + num_groups) if prefetch else []
+    if phase == "all":
+      publish(rb, cur)
+    if lag:
+      return (*finish(rb - num_groups, prev, acc), *cur, *nxt)
+    return (*finish(rb, cur, acc), *nxt)
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_groups + 1
   zeros = jnp.zeros((block_n,), _F32)
-  init = (zeros, zeros, *load(r)) if prefetch else (zeros, zeros)
-  dw_acc, db_acc, *_ = lax.fori_loop(0, num_steps, body, init)
+  first = load(r) if prefetch else []
+  if lag:  # row block r is published before the loop, finished in its first step
+    if phase == "all":
+      publish(r, first)
+    held = [*first, *load(r + num_groups)]
+    carry = lax.fori_loop(1, num_steps, body, (zeros, zeros, *held))
+    dw_acc, db_acc = finish(r + (num_steps - 1) * num_groups, carry[2:4], carry[:2])
+  else:
+    carry = lax.fori_loop(0, num_steps, body, (zeros, zeros, *first))
+    dw_acc, db_acc = carry[:2]
   _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
 
 
@@ -422,8 +444,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
         f"{cfg.block_n} needs {num_splits}; use a larger block_n or split_rows=False")
   num_row_blocks = cdiv(m, cfg.block_m)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
-                 num_warps=cfg.num_warps, prefetch=cfg.num_stages > 1)
-  # The prefetch is written out in the kernel; Triton's own pipeliner stays off.
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  # The kernel holds num_stages row blocks itself; Triton's own pipeliner stays off.
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
   call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
   slot_shape = (num_row_blocks * cfg.block_m, num_splits)
