@@ -22,7 +22,8 @@ budget_s = sys.argv[4] if len(sys.argv) > 4 else "420"
 
 
 def _bwd(m, n, sms):
-  cands = [C.backward_config(m, n, None)]
+  # The row-statistics + column-tiled pair (LayerNorm's default; RMSNorm's before).
+  cands = [C.backward_config(m, n, None, subtract_mean=True)]
 
   def cfg(bm, bn, nw, g, st, split):
     return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,

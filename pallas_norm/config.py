@@ -231,6 +231,15 @@ _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Chunked backward: 4096-wide column chunks, 16 warps, G = 2 x SMs / chunks programs
 # a column (16384^2: 686 us; 4096 x 65536: 690; 1024 x 262144: 690).
 _BWD_CHUNK_N = 4096
+# Split-row backward (RMSNorm rows wider than one tile, Pallas backend): each row over
+# cdiv(N, 4096) programs at 4 warps, G = 2 x SMs / splits row-block groups, 3 row
+# blocks in registers (dx deferred one row block). H200, 2026-11-21
+# (benchmarks/results/h200_2026-11-21_sweep_split_bwd.json): 16384^2 610 us against
+# 674 for the chunked pair; 4096 x 65536 618 / 690; 1024 x 262144 609 / 683. 2048- and
+# 8192-wide splits, 8 warps, 1 or 4 programs a SM and fewer row blocks held were
+# slower. LayerNorm's split lost on all three shapes (16384^2 829 against 710 us), so
+# LayerNorm keeps the chunked pair.
+_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_STAGES, _BWD_SPLIT_OCCUPANCY = 4096, 4, 3, 2
 
 
 def cached_max_block_n(dtype) -> int:
@@ -338,11 +347,21 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
 
 
-def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> BackwardConfig:
-  """Default backward launch config for an [m, n] input of ``dtype``."""
+def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
+                    subtract_mean: bool = False, backend: str = "pallas") -> BackwardConfig:
+  """Default backward launch config for an [m, n] input of ``dtype``.
+
+  ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile:
+  RMSNorm on the Pallas backend takes the split-row kernel there, while LayerNorm
+  and ``backend="triton"`` take the row-statistics + column-tiled pair.
+  """
   del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
+  splits = cdiv(n, _BWD_SPLIT_N)
+  split_rows = (bn_full > _BWD_SINGLE_TILE_MAX and not subtract_mean and backend == "pallas"
+                and (device.platform == "cpu" or splits <= device.num_sms))
+  num_stages = 1
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -353,6 +372,10 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> 
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = 4 if block_n < 4096 else block_n // 256
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
+  elif split_rows:  # each row split over programs that exchange their row sums
+    block_n, block_m, num_warps = _BWD_SPLIT_N, 1, _BWD_SPLIT_WARPS
+    num_programs = max(1, _BWD_SPLIT_OCCUPANCY * device.num_sms // splits)
+    num_stages = _BWD_SPLIT_STAGES
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
     num_programs = max(1, 2 * device.num_sms // cdiv(n, block_n))
@@ -360,7 +383,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None) -> 
     block_m = max(block_m, min(64, next_power_of_2(m)))
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
-                        num_programs=num_programs, **reduce_config(n, num_programs))
+                        num_programs=num_programs, num_stages=num_stages,
+                        split_rows=split_rows,
+                        **reduce_config(n, num_programs))
 
 
 # Stage 2 reads all G partial rows of a column strip in one tile of at most this many

@@ -113,7 +113,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True):
 def _backward(dy, x2, scale, bias, mean, rstd, st: _Static):
   """-> (dx [M, N] x.dtype, dscale [N] scale.dtype | None, dbias [N] bias.dtype | None)."""
   m, n = x2.shape
-  cfg = _config.backward_config(m, n, x2.dtype)
+  cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
+                               backend=st.backend)
   _, bwd = _backend_module(st.backend)
   return bwd.norm_backward(dy, x2, scale, mean, rstd,
                            has_bias=bias is not None,

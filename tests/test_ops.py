@@ -145,6 +145,37 @@ def test_split_rows_forward(m, n, block_m, block_n, layer):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,block_n,num_stages,num_programs", [
+    (5, 1000, 1, 256, 1, 2),  # ragged last split, M not a multiple of G
+    (9, 1000, 2, 256, 3, 2),  # block_m 2 with a partial last row block; dx deferred
+    (7, 300, 1, 128, 2, 3),  # next row block prefetched
+    (3, 3 * 4096 + 5, 1, 4096, 3, 1),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5),  # more groups than row blocks
+])
+def test_split_rows_backward(m, n, block_m, block_n, num_stages, num_programs, layer):
+  """The split-row backward (backward.py's _bwd_split_kernel), any config."""
+  from pallas_norm import reference
+  from pallas_norm.kernels import backward
+  x, scale, bias, dy = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
+  b = bias if layer else None
+  kw = dict(eps=1e-5, scale_offset=0.5, subtract_mean=layer)
+  _, mean, rstd = reference.norm(x, scale, b, **kw)
+  cfg = pn_config.BackwardConfig(block_m, block_n, 4, num_programs, num_stages=num_stages,
+                                 split_rows=True, **pn_config.reduce_config(n, num_programs))
+  got = backward.norm_backward(dy, x, scale, mean, rstd, has_bias=layer, scale_offset=0.5,
+                               subtract_mean=layer, config=cfg,
+                               interpret=jax.default_backend() != "gpu",
+                               scale_dtype=scale.dtype, bias_dtype=scale.dtype)
+  _, pull = jax.vjp(lambda x, s, c: reference.norm(x, s, c, **kw)[0], x, scale, b)
+  want = pull(dy)
+  assert (got[2] is None) == (not layer)
+  for g, w in zip(got, want):
+    if w is not None:
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(1.0, np.abs(w).max()))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_layer_norm_large_mean(mode):
   """x = 1000 + noise: E[x^2] - E[x]^2 would lose every digit in float32."""
@@ -206,6 +237,28 @@ def test_heuristic_modes():
   assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 4096, 4)
   ln = pn_config.forward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (ln.block_m, ln.block_n, ln.num_warps) == (16, 128, 2)
+  # Backward of RMSNorm rows wider than one tile on the Pallas backend: split-row over
+  # 4096-wide programs at 4 warps, 2 programs a SM, 3 row blocks held
+  # (sweep_split_bwd.json), while the splits fit the SMs; else, and for LayerNorm and
+  # the Triton backend, the row-statistics + column-tiled pair.
+  for n, g in ((16384, 66), (65536, 16), (262144, 4), (4096 * 132, 2)):
+    bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev)
+    assert (bwd.split_rows, bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_stages,
+            bwd.num_programs) == (True, 1, 4096, 4, 3, g)
+  assert pn_config.backward_config(3, 65536, jnp.bfloat16, device=dev).num_programs == 3
+  for kw in ({"subtract_mean": True}, {"backend": "triton"}):
+    bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, **kw)
+    assert (bwd.split_rows, bwd.block_n, bwd.num_warps, bwd.num_programs) == (
+        False, 4096, 16, 16)
+  for n in (8192, 4096 * 132 + 1):
+    assert not pn_config.backward_config(1024, n, jnp.bfloat16, device=dev).split_rows
+  from pallas_norm.kernels import jax_triton  # refuses before it needs jax-triton
+  split = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev)
+  x = jnp.zeros((4, 8), jnp.float32)
+  with pytest.raises(NotImplementedError, match="Pallas-only"):
+    jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
+                             subtract_mean=False, config=split, interpret=True,
+                             scale_dtype=None, bias_dtype=None)
   # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4.
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev)
   assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)

@@ -233,7 +233,7 @@ def _run_and_check(fcfg, bcfg, *, layer, m, n, dtype, has_scale, has_bias, scale
 def test_kernels_match_torch(mode, layer, m, n, dtype, affine):
   td = TORCH_DTYPES[dtype]
   fcfg = pn_config.forward_config(m, n, td, mode, _CPU, backend="triton")
-  bcfg = pn_config.backward_config(m, n, td, _CPU)
+  bcfg = pn_config.backward_config(m, n, td, _CPU, backend="triton")
   _run_and_check(fcfg, bcfg, layer=layer, m=m, n=n, dtype=dtype, has_scale=affine[0],
                  has_bias=affine[1], scale_offset=affine[2])
 
@@ -330,7 +330,7 @@ def test_batch_axis(mode, batched_params):
   """Grid axis 1: [B, M, N] with shared or per-entry scale/bias; per-entry dscale."""
   m, n = 7, 40
   fcfg = pn_config.forward_config(m, n, torch.float32, mode, _CPU, backend="triton")
-  bcfg = dataclasses.replace(pn_config.backward_config(m, n, torch.float32, _CPU),
+  bcfg = dataclasses.replace(pn_config.backward_config(m, n, torch.float32, _CPU, backend="triton"),
                            num_programs=5)
   _run_and_check(fcfg, bcfg, layer=True, m=m, n=n, dtype="float32", has_scale=True,
                  has_bias=True, scale_offset=0.5, batch=3, batched_params=batched_params)
