@@ -34,9 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv
-from pallas_norm.kernels.forward import (_PENDING, _await_slots, _load, _load_params,
-                                         _slot_bits, _split_limit, _tile_index, _where0)
+from pallas_norm.config import BackwardConfig, cdiv, device_info, next_power_of_2
+from pallas_norm.kernels.forward import _load, _load_params, _tile_index, _where0
 
 __all__ = ["norm_backward"]
 
@@ -183,14 +182,47 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
     plgpu.store(c2_ref[0].at[rows], c2 / n, mask=row_mask)
 
 
+# Split-row slots are int32 bit patterns of f32 partial sums. _PENDING marks a slot not
+# yet written: a NaN the kernels never store, since they store every NaN as _NAN_BITS
+# (the hardware's own NaN is 0x7FFFFFFF, hence the rewrite).
+_PENDING, _NAN_BITS = 0x7FFFFFFF, 0x7FC00000
+
+
+def _slot_bits(v):
+  """f32 -> int32 bit pattern, NaN rewritten to _NAN_BITS so that it is never _PENDING."""
+  return jnp.where(v != v, jnp.int32(_NAN_BITS), lax.bitcast_convert_type(v, jnp.int32))
+
+
 def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threads,
                      poll):
-  """(c1, c2) [block_m] of whole rows: their ``num_splits`` slots (forward.py's
-  ``_await_slots``, which waits for them with ``poll``) summed in split order."""
+  """(c1, c2) [block_m] of whole rows: their ``num_splits`` slots summed in split order.
+
+  With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
+  data is its own flag, so publishing is one plain store and waiting one round trip
+  once the row is complete, with no atomics or fences that would stall on this
+  program's loads in flight. The slot tile is padded to at least one element a
+  thread, as in the forward's ``_split_stats`` (a narrower one made Triton replicate
+  the data tiles' layout).
+  """
+  block_m = rows.shape[0]
+  width = max(next_power_of_2(num_splits), num_threads // block_m)
+  ks = jnp.arange(width, dtype=jnp.int32)
+  kmask = ks < num_splits
+  mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
+  mask = jnp.broadcast_to(mask, (block_m, width))
   refs = (c1_ref,) if c2_ref is None else (c1_ref, c2_ref)
-  tiles, _ = _await_slots(refs, rows, row_mask, num_splits=num_splits,
-                          num_threads=num_threads, poll=poll)
-  sums = [jnp.sum(t, axis=1) / n for t in tiles]
+
+  def load():  # int32 [block_m, width] each, 0 (+0.0) past the last split
+    return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=mask, other=0,
+                            volatile=poll) for r in refs)
+
+  def pending(tiles):
+    return sum(jnp.sum((t == _PENDING).astype(jnp.int32)) for t in tiles) > 0
+
+  tiles = load()
+  if poll:
+    tiles = lax.while_loop(pending, lambda _: load(), tiles)
+  sums = [jnp.sum(lax.bitcast_convert_type(t, _F32), axis=1) / n for t in tiles]
   return sums[0], sums[1] if c2_ref is not None else None
 
 
@@ -438,3 +470,7 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
     outs = outs[:len(out_shape)]
   return outs
 
+
+def _split_limit(interpret: bool) -> int:
+  """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
+  return 1 << 30 if interpret else device_info().num_sms

@@ -208,67 +208,34 @@ def _split_partials(x, mask, k, *, n, block_n, subtract_mean):
   return cmean, jnp.sum(xc * xc, axis=1)
 
 
-# Split-row slots (forward and backward) are int32 bit patterns of f32 partial
-# statistics. _PENDING marks a slot not yet written: a NaN the kernels never store,
-# since they store every NaN as _NAN_BITS (the hardware's own NaN is 0x7FFFFFFF,
-# hence the rewrite).
-_PENDING, _NAN_BITS = 0x7FFFFFFF, 0x7FC00000
+def _split_stats(p1_ref, p2_ref, rows, row_mask, *, n, eps, block_n, num_splits,
+                 num_threads, volatile):
+  """(mean, rstd) [block_m] of whole rows from their ``num_splits`` split partials.
 
-
-def _slot_bits(v):
-  """f32 -> int32 bit pattern, NaN rewritten to _NAN_BITS so that it is never _PENDING."""
-  return jnp.where(v != v, jnp.int32(_NAN_BITS), lax.bitcast_convert_type(v, jnp.int32))
-
-
-def _await_slots(refs, rows, row_mask, *, num_splits, num_threads, poll):
-  """The ``num_splits`` slots of ``rows`` in each of ``refs``: f32 [block_m, width] tiles,
-  0 past the last split.
-
-  With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
-  data is its own flag, so publishing is one plain store and waiting is one round trip
-  once the row is complete, with no atomics or fences (an acquire-release atomic
-  waits for this program's loads in flight). The tile is padded to at least one
-  element a thread: a [1, 4] slot tile in a 4-warp program made Triton lay the
-  [1, 8192] x tile out with most threads replicated, 12x slower (H200, 4096 x 65536:
-  4361 us at a 32-wide slot tile, 352 us at 128 = 4 warps x 32).
+  The partials are combined in split order (Chan et al.'s pairwise formula for
+  LayerNorm), so every program of a row gets the same bits. The slot tile is padded to
+  at least one element a thread: a [1, 4] slot tile in a 4-warp program made Triton
+  lay the [1, 8192] x tile out with most threads replicated, 12x slower (H200,
+  4096 x 65536: 4361 us at a 32-wide slot tile, 352 us at 128 = 4 warps x 32).
   """
   block_m = rows.shape[0]
   width = max(next_power_of_2(num_splits), num_threads // block_m)
   ks = jnp.arange(width, dtype=jnp.int32)
   kmask = ks < num_splits
   mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
-  mask = jnp.broadcast_to(mask, (block_m, width))
+  mask = jnp.broadcast_to(mask, (rows.shape[0], ks.shape[0]))
 
-  def load():
-    return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=mask, other=0,
-                            volatile=poll) for r in refs)
+  def load(ref):  # [block_m, splits] f32, 0 past the last split
+    return plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0,
+                      volatile=volatile)
 
-  def pending(tiles):
-    return sum(jnp.sum((t == _PENDING).astype(jnp.int32)) for t in tiles) > 0
-
-  tiles = load()
-  if poll:
-    tiles = lax.while_loop(pending, lambda _: load(), tiles)
-  return tuple(lax.bitcast_convert_type(t, _F32) for t in tiles), ks
-
-
-def _split_stats(p1_ref, p2_ref, rows, row_mask, *, n, eps, block_n, num_splits,
-                 num_threads, poll):
-  """(mean, rstd) [block_m] of whole rows from their ``num_splits`` split partials.
-
-  The partials are combined in split order (Chan et al.'s pairwise formula for
-  LayerNorm), so every program of a row gets the same bits.
-  """
-  refs = (p1_ref,) if p2_ref is None else (p1_ref, p2_ref)
-  tiles, ks = _await_slots(refs, rows, row_mask, num_splits=num_splits,
-                           num_threads=num_threads, poll=poll)
-  p1 = tiles[0]
+  p1 = load(p1_ref)
   if p2_ref is None:
     return None, lax.rsqrt(jnp.sum(p1, axis=1) / n + _F32(eps))
   nk = jnp.clip(n - ks * block_n, 0, block_n).astype(_F32)  # [splits]
   mean = jnp.sum(p1 * nk[None, :], axis=1) / n
   delta = p1 - mean[:, None]
-  m2 = jnp.sum(tiles[1] + nk[None, :] * delta * delta, axis=1)
+  m2 = jnp.sum(load(p2_ref) + nk[None, :] * delta * delta, axis=1)
   return mean, lax.rsqrt(m2 / n + _F32(eps))
 
 
@@ -362,10 +329,9 @@ def _split_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bia
 
   Program (row block rb, split k) holds columns [k * block_n, (k + 1) * block_n) of
   its rows in registers, so x is read from memory once and y written once:
-    1. it stores the split's partial statistics in slot [row, k], which starts out
-       _PENDING;
-    2. it re-reads the row's slots until every split has stored its own
-       (``_await_slots``);
+    1. it stores the split's partial statistics in slot [row, k];
+    2. it adds 1 to the row block's arrival counter (acquire-release, GPU scope) and
+       spins until the counter reads ``num_splits``;
     3. it combines the row's slots in split order and normalises its split.
   Programs take (rb, k) from a ticket counter in the order they start, so the splits
   of a row block start together and a waiting program only waits on programs that are
@@ -373,7 +339,7 @@ def _split_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bia
   no deadlock, whatever order the hardware launches programs in.
 
   ``phase`` "all" is the GPU kernel. Interpret mode runs programs one after another,
-  which the wait would deadlock, so it runs two launches of the same code: "publish"
+  which the spin would deadlock, so it runs two launches of the same code: "publish"
   (step 1, program id = (rb, k)) and "consume" (step 3, reading the published slots).
   """
   refs = list(refs)
@@ -390,30 +356,38 @@ def _split_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bia
       p1_ref = refs.pop(0)
       p2_ref = refs.pop(0) if subtract_mean else None
       rb, k = pl.program_id(0), pl.program_id(1)
-    else:  # the zeroed ticket and the _PENDING slots (inputs), aliased to outputs below
-      del refs[:1 + (2 if subtract_mean else 1)]
+    else:
+      refs.pop(0)  # the zeroed counters (input), aliased to the output below
     y_ref = refs.pop(0)
     mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
     rstd_ref = refs.pop(0) if return_residuals else None
     if phase == "all":
-      ticket_ref = refs.pop(0)  # int32 [1], zeroed
-      p1_ref = refs.pop(0)  # slots, _PENDING until written
+      # int32, one counter every _SYNC_STRIDE: the ticket, then one arrival counter a
+      # row block.
+      sync_ref = refs.pop(0)
+      p1_ref = refs.pop(0)
       p2_ref = refs.pop(0) if subtract_mean else None
-      ticket = plgpu.atomic_add(ticket_ref, 0, jnp.int32(1))
+      ticket = plgpu.atomic_add(sync_ref, 0, jnp.int32(1))
       rb, k = ticket // num_splits, ticket % num_splits
   rows, cols, row_mask, col_mask, mask = _tile_index(rb, k, m, n, block_m=block_m,
                                                      block_n=block_n)
   x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32, 0 outside
   if phase != "consume":
     s1, s2 = _split_partials(x, mask, k, n=n, block_n=block_n, subtract_mean=subtract_mean)
-    plgpu.store(p1_ref.at[rows, k], _slot_bits(s1), mask=row_mask)
+    plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
     if subtract_mean:
-      plgpu.store(p2_ref.at[rows, k], _slot_bits(s2), mask=row_mask)
+      plgpu.store(p2_ref.at[rows, k], s2, mask=row_mask)
     if phase == "publish":
       return
+    plgpu.debug_barrier()  # every thread's slot stores come before the release
+    slot = (1 + rb) * _SYNC_STRIDE  # one counter a 128-byte line
+    plgpu.atomic_add(sync_ref, slot, jnp.int32(1))
+    lax.while_loop(lambda c: c < num_splits,
+                   lambda c: plgpu.atomic_add(sync_ref, slot, jnp.int32(0)),
+                   jnp.int32(0))
   mean, rstd = _split_stats(p1_ref, p2_ref, rows, row_mask, n=n, eps=eps, block_n=block_n,
                             num_splits=num_splits, num_threads=32 * num_warps,
-                            poll=phase == "all")
+                            volatile=phase == "all")
   _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
                rstd_ref, scale_ref, bias_ref, scale_offset)
 
@@ -495,29 +469,27 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   statics = dict(statics, num_splits=num_splits, num_warps=cfg.num_warps)
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
-  slot_shape = (num_row_blocks * cfg.block_m, num_splits)
-  n_slots = 2 if sm else 1
+  slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
+           ] * (2 if sm else 1)
   outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   if return_residuals:
     outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
   params_in = [a for a in (scale, bias) if a is not None]
   if interpret:
     parts = call(functools.partial(_split_kernel, phase="publish", **statics),
-                 out_shape=[jax.ShapeDtypeStruct(slot_shape, jnp.int32)] * n_slots,
-                 grid=(num_row_blocks, num_splits),
+                 out_shape=slots, grid=(num_row_blocks, num_splits),
                  name="pallas_norm_fwd_split_publish")(x)
     res = call(functools.partial(_split_kernel, phase="consume", **statics),
                out_shape=outs, grid=(num_row_blocks, num_splits),
                name="pallas_norm_fwd_split")(x, *params_in, *parts)
   else:
-    sync = [jnp.zeros((1,), jnp.int32)]  # the ticket counter
-    sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
-    first = 1 + len(params_in)
+    sync = jnp.zeros(((1 + num_row_blocks) * _SYNC_STRIDE,), jnp.int32)
+    inputs = [x, *params_in, sync]
     res = call(functools.partial(_split_kernel, phase="all", **statics),
-               out_shape=outs + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sync],
+               out_shape=outs + [jax.ShapeDtypeStruct(sync.shape, sync.dtype)] + slots,
                grid=(num_row_blocks * num_splits,),
-               input_output_aliases={first + i: len(outs) + i for i in range(len(sync))},
-               name="pallas_norm_fwd_split")(x, *params_in, *sync)
+               input_output_aliases={len(inputs) - 1: len(outs)},
+               name="pallas_norm_fwd_split")(*inputs)
     res = res[:len(outs)]
   y, *stats = res
   if not return_residuals:
@@ -525,6 +497,7 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   return (y, *stats) if sm else (y, None, *stats)
 
 
+_SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
 # Widest split: 16384 f32 values over 16 warps is 32 registers a thread for x.
 _SPLIT_MAX_BLOCK_N = 16384
 
