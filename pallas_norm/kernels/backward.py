@@ -34,8 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv, device_info, next_power_of_2
-from pallas_norm.kernels.forward import _load, _load_params, _tile_index, _where0
+from pallas_norm.config import BackwardConfig, cdiv, next_power_of_2
+from pallas_norm.kernels.forward import (_load, _load_params, _split_limit, _tile_index,
+                                         _where0)
 
 __all__ = ["norm_backward"]
 
@@ -470,7 +471,3 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
     outs = outs[:len(out_shape)]
   return outs
 
-
-def _split_limit(interpret: bool) -> int:
-  """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
-  return 1 << 30 if interpret else device_info().num_sms
