@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, next_power_of_2
-from pallas_norm.kernels.forward import (_load, _load_params, _split_limit, _tile_index,
+from pallas_norm.kernels.forward import (_load, _load_params, _split_count, _tile_index,
                                          _where0)
 
 __all__ = ["norm_backward"]
@@ -436,13 +436,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   """
   m, n = out_shape[0].shape
   sm = statics["subtract_mean"]
-  num_splits = cdiv(n, cfg.block_n)
-  max_splits = _split_limit(interpret)
-  if num_splits > max_splits:
-    raise NotImplementedError(
-        f"the split-row backward splits a row over cdiv(N, block_n) programs that wait "
-        f"on each other, at most one a SM ({max_splits}): N={n} with block_n="
-        f"{cfg.block_n} needs {num_splits}; use a larger block_n or split_rows=False")
+  num_splits = _split_count(n, cfg.block_n, interpret, what="the split-row backward",
+                            remedy="use a larger block_n or split_rows=False")
   num_row_blocks = cdiv(m, cfg.block_m)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -457,14 +457,9 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   m, n = x.shape
   sm = statics["subtract_mean"]
   return_residuals = statics["return_residuals"]
-  num_splits = cdiv(n, cfg.block_n)
-  max_splits = _split_limit(interpret)
-  if num_splits > max_splits:
-    raise NotImplementedError(
-        f"multi_wave_cached splits a row over cdiv(N, block_n) programs that wait on "
-        f"each other, at most one a SM ({max_splits}): N={n} with block_n="
-        f"{cfg.block_n} needs {num_splits}; use a larger block_n (up to "
-        f"{_SPLIT_MAX_BLOCK_N}) or mode='static_persistent'")
+  num_splits = _split_count(n, cfg.block_n, interpret, what="multi_wave_cached",
+                            remedy=f"use a larger block_n (up to {_SPLIT_MAX_BLOCK_N}) or "
+                                   f"mode='static_persistent'")
   num_row_blocks = cdiv(m, cfg.block_m)
   statics = dict(statics, num_splits=num_splits, num_warps=cfg.num_warps)
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -502,6 +497,18 @@ _SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
 _SPLIT_MAX_BLOCK_N = 16384
 
 
-def _split_limit(interpret: bool) -> int:
-  """Most programs one row may be split over: the SM count (no limit in interpret mode)."""
-  return 1 << 30 if interpret else device_info().num_sms
+def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: str) -> int:
+  """cdiv(N, block_n), the programs one row is split over; at most the SM count, since
+  they wait on each other (no limit in interpret mode).
+
+  Raises:
+    NotImplementedError: more splits than SMs, naming ``what`` and the ``remedy``.
+  """
+  num_splits = cdiv(n, block_n)
+  max_splits = 1 << 30 if interpret else device_info().num_sms
+  if num_splits > max_splits:
+    raise NotImplementedError(
+        f"{what} splits a row over cdiv(N, block_n) programs that wait on each other, at "
+        f"most one a SM ({max_splits}): N={n} with block_n={block_n} needs {num_splits}; "
+        f"{remedy}")
+  return num_splits
