@@ -117,7 +117,8 @@ class BackwardConfig:
     reduce_block_g: partial rows summed per stage-2 step (power of 2).
     reduce_num_warps: warps per stage-2 program.
     num_stages: software-pipelining depth of the stage-1 loops. With ``split_rows``,
-      2 or more prefetches the next row block's split into registers.
+      the row blocks held in registers: 2 prefetches the next one, 3 also defers each
+      row block's dx by one row block.
     split_rows: with ``block_n < N``, split each row over cdiv(N, block_n) programs
       that exchange their partial row sums (x and dy read once) instead of the
       row-statistics + column-tiled pair (x and dy read twice). ``num_programs`` is

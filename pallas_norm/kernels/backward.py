@@ -19,9 +19,14 @@ never [M, N]:
     c1 and c2 per row ([M] f32 each); then ``pallas_norm_bwd_columns`` runs a
     persistent [G, N / block_n] grid: program (r, k) owns column chunk k for row
     blocks r, r + G, ..., so its partials again stay in registers. x and dy are read
-    twice, and there is no read-modify-write of partials.
+    twice, and there is no read-modify-write of partials;
+  - split rows (``config.split_rows``, block_n < N; RMSNorm's default on GPU),
+    ``pallas_norm_bwd_split``: each row over cdiv(N, block_n) programs that exchange
+    their shares of c1 (and c2) through slots in global memory, so x and dy are read
+    once (``_bwd_split_kernel``).
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
-the parameter's dtype. Without atomics the gradients are bitwise deterministic.
+the parameter's dtype. No atomic accumulates anything (the split kernel's one atomic
+hands out program numbers), so the gradients are bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv, next_power_of_2
-from pallas_norm.kernels.forward import (_load, _load_params, _split_count, _tile_index,
-                                         _where0)
+from pallas_norm.config import BackwardConfig, cdiv
+from pallas_norm.kernels.forward import (_load, _load_params, _slot_tile, _split_count,
+                                         _tile_index, _where0)
 
 __all__ = ["norm_backward"]
 
@@ -201,16 +206,9 @@ def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threa
   With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
   data is its own flag, so publishing is one plain store and waiting one round trip
   once the row is complete, with no atomics or fences that would stall on this
-  program's loads in flight. The slot tile is padded to at least one element a
-  thread, as in the forward's ``_split_stats`` (a narrower one made Triton replicate
-  the data tiles' layout).
+  program's loads in flight. The slot tile is the forward's (``_slot_tile``).
   """
-  block_m = rows.shape[0]
-  width = max(next_power_of_2(num_splits), num_threads // block_m)
-  ks = jnp.arange(width, dtype=jnp.int32)
-  kmask = ks < num_splits
-  mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
-  mask = jnp.broadcast_to(mask, (block_m, width))
+  ks, mask = _slot_tile(rows, row_mask, num_splits, num_threads)
   refs = (c1_ref,) if c2_ref is None else (c1_ref, c2_ref)
 
   def load():  # int32 [block_m, width] each, 0 (+0.0) past the last split
@@ -382,12 +380,17 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     has_bias: whether to produce dbias.
     scale_offset, subtract_mean: as in the forward.
     config: BackwardConfig (block_m, block_n, num_warps, num_programs = G, stage 2 knobs).
-      ``block_n >= N`` selects the single-tile kernel, else the chunked pair.
+      ``block_n >= N`` selects the single-tile kernel, else the split-row kernel
+      (``split_rows``) or the chunked pair.
     interpret: run in Pallas interpret mode.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
 
   Returns:
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
+
+  Raises:
+    NotImplementedError: ``split_rows`` with more splits than the device has SMs
+      (``cdiv(N, config.block_n) > SMs``).
   """
   m, n = x.shape
   cfg = config

@@ -208,22 +208,30 @@ def _split_partials(x, mask, k, *, n, block_n, subtract_mean):
   return cmean, jnp.sum(xc * xc, axis=1)
 
 
-def _split_stats(p1_ref, p2_ref, rows, row_mask, *, n, eps, block_n, num_splits,
-                 num_threads, volatile):
-  """(mean, rstd) [block_m] of whole rows from their ``num_splits`` split partials.
+def _slot_tile(rows, row_mask, num_splits, num_threads):
+  """Split indices ks [width] and mask [block_m, width] of the slot tile of ``rows``.
 
-  The partials are combined in split order (Chan et al.'s pairwise formula for
-  LayerNorm), so every program of a row gets the same bits. The slot tile is padded to
-  at least one element a thread: a [1, 4] slot tile in a 4-warp program made Triton
-  lay the [1, 8192] x tile out with most threads replicated, 12x slower (H200,
-  4096 x 65536: 4361 us at a 32-wide slot tile, 352 us at 128 = 4 warps x 32).
+  The tile is padded to at least one element a thread: a [1, 4] slot tile in a 4-warp
+  program made Triton lay the [1, 8192] x tile out with most threads replicated, 12x
+  slower (H200, 4096 x 65536: 4361 us at a 32-wide slot tile, 352 us at 128 = 4 warps
+  x 32).
   """
   block_m = rows.shape[0]
   width = max(next_power_of_2(num_splits), num_threads // block_m)
   ks = jnp.arange(width, dtype=jnp.int32)
   kmask = ks < num_splits
   mask = kmask[None, :] if row_mask is None else row_mask[:, None] & kmask[None, :]
-  mask = jnp.broadcast_to(mask, (rows.shape[0], ks.shape[0]))
+  return ks, jnp.broadcast_to(mask, (block_m, width))
+
+
+def _split_stats(p1_ref, p2_ref, rows, row_mask, *, n, eps, block_n, num_splits,
+                 num_threads, volatile):
+  """(mean, rstd) [block_m] of whole rows from their ``num_splits`` split partials.
+
+  The partials are combined in split order (Chan et al.'s pairwise formula for
+  LayerNorm), so every program of a row gets the same bits.
+  """
+  ks, mask = _slot_tile(rows, row_mask, num_splits, num_threads)
 
   def load(ref):  # [block_m, splits] f32, 0 past the last split
     return plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=mask, other=0.0,
