@@ -189,6 +189,16 @@ _NARROW_BLOCK_N, _LN_NARROW_MIN_WARPS = 256, 2
 # (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
 # (8 warps: 302 / 411 / 441 us).
 _RELOAD_CHUNK_N_SMALL, _RELOAD_CHUNK_N_LARGE, _RELOAD_WARPS = 8192, 4096, 16
+# Chunked rows (multi_wave_reload, chunked static_persistent; Pallas backend) of at most
+# this many chunks unroll both passes at trace time; longer rows keep a loop. RMSNorm
+# also sums x*x elementwise over the chunks and reduces across the row once. H200,
+# 2026-11-21, bf16 forward, CUPTI over rotated inputs, median of 30 (before -> after):
+# LayerNorm 4096 x 65536 (4 chunks of 16384) 413.1 -> 402.1 us, 4096 x 32768 185.5 ->
+# 182.0, 16384^2 322.0 -> 320.0; RMSNorm 16384^2 285.0 -> 282.5, forced reload at
+# 4096 x 32768 178.0 -> 160.4 (the elementwise sum; unrolling alone gave 176.1);
+# LayerNorm 1024 x 262144 (16 chunks, not unrolled) 485.2 -> 484.8
+# (benchmarks/results/h200_2026-11-21_sweep_unroll.txt).
+RELOAD_UNROLL_MAX_CHUNKS = 4
 # static_persistent: SMs x this many programs. At 4096 x 4096 it ran 18.8 us with 528
 # programs (4 a SM) against 19.0 us with 264.
 _PERSISTENT_OCCUPANCY = 4

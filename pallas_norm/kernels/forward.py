@@ -39,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import ForwardConfig, cdiv, device_info, next_power_of_2
+from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, device_info,
+                                next_power_of_2)
 
 __all__ = ["norm_forward"]
 
@@ -165,7 +166,9 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
     # evict_last: this chunk is read again by pass 2.
     x = _load_tile(x_ref, rows, cols, mask, eviction_policy="evict_last")
     if not subtract_mean:
-      return mean, acc + jnp.sum(x * x, axis=1)
+      # acc is [block_m, block_n]: squares are summed across the row once, after the
+      # last chunk, not once a chunk.
+      return mean, acc + x * x
     count = (k * block_n).astype(_F32)  # elements already folded in
     nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)  # elements in this chunk
     cmean = jnp.sum(x, axis=1) / nk
@@ -175,12 +178,23 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
     delta = cmean - mean
     return mean + delta * (nk / total), acc + cm2 + delta * delta * (count * nk / total)
 
+  # Short rows unroll both passes at trace time, so that each chunk's loads are issued
+  # without waiting on the loop's previous iteration (config.RELOAD_UNROLL_MAX_CHUNKS).
+  unroll = num_chunks <= RELOAD_UNROLL_MAX_CHUNKS
   zeros = jnp.zeros((block_m,), _F32)
-  mean, acc = lax.fori_loop(0, num_chunks, stats_body, (zeros, zeros))
+  acc0 = zeros if subtract_mean else jnp.zeros((block_m, block_n), _F32)
+  if unroll:
+    carry = (zeros, acc0)
+    for k in range(num_chunks):
+      carry = stats_body(jnp.int32(k), carry)
+    mean, acc = carry
+  else:
+    mean, acc = lax.fori_loop(0, num_chunks, stats_body, (zeros, acc0))
+  if not subtract_mean:
+    acc = jnp.sum(acc, axis=1)
   rstd = lax.rsqrt(acc / n + _F32(eps))  # [block_m]
 
-  @pl.loop(0, num_chunks)
-  def _normalise(j):
+  def normalise(j):
     # Walk the chunks backwards: the last ones read by pass 1 are the likeliest to
     # still be in L2.
     rows, cols, _, col_mask, mask = tile(num_chunks - 1 - j)
@@ -190,6 +204,12 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
     y = _affine(x * rstd[:, None], w, b)
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
+
+  if unroll:
+    for j in range(num_chunks):
+      normalise(jnp.int32(j))
+  else:
+    pl.loop(0, num_chunks)(normalise)
 
   rows, _, row_mask, _, _ = tile(0)
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
