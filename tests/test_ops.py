@@ -18,6 +18,7 @@ import torch
 
 import pallas_norm
 from pallas_norm import config as pn_config
+from pallas_norm import reference
 
 MODES = pn_config.MODES
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -283,6 +284,30 @@ def test_caller_config_wins():
                                     interpret=jax.default_backend() != "gpu")
   ref = pallas_norm.rms_norm(x, scale, eps=1e-6, backend="xla")
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("mode", ["multi_wave_reload", "static_persistent"])
+@pytest.mark.parametrize("block_n", [128, 64], ids=["3_chunks_unrolled", "5_chunks_loop"])
+def test_chunked_rows_unrolled_and_looped(block_n, mode, subtract_mean):
+  """Rows of <= RELOAD_UNROLL_MAX_CHUNKS chunks unroll both passes; longer ones loop."""
+  n = 300  # ragged last chunk in both cases
+  assert (pn_config.cdiv(n, block_n) <= pn_config.RELOAD_UNROLL_MAX_CHUNKS) == (block_n == 128)
+  x, scale, bias, _ = _inputs(9, n, "float32", layer=subtract_mean, mean=3.0)
+  from pallas_norm.kernels import forward
+  cfg = pn_config.ForwardConfig(mode, block_m=2, block_n=block_n, num_warps=4,
+                                num_programs=3 if mode == "static_persistent" else 0)
+  y, mean, rstd = forward.norm_forward(
+      x, scale, bias if subtract_mean else None, eps=1e-6, scale_offset=0.0,
+      subtract_mean=subtract_mean, config=cfg, interpret=jax.default_backend() != "gpu",
+      return_residuals=True)
+  ref_y, ref_mean, ref_rstd = reference.norm(x, scale, bias if subtract_mean else None,
+                                             eps=1e-6, subtract_mean=subtract_mean)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(rstd).ravel(), np.asarray(ref_rstd).ravel(), rtol=1e-5)
+  if subtract_mean:
+    np.testing.assert_allclose(np.asarray(mean).ravel(), np.asarray(ref_mean).ravel(),
+                               rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- options

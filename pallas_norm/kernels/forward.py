@@ -10,7 +10,9 @@ Three kernels, one per mode (TileGym's names), each with its own grid and loop:
                       is still read once. Needs cdiv(N, block_n) <= the SM count.
   multi_wave_reload   grid = cdiv(M, block_m). One row block per program; pass 1 walks
                       the row in block_n chunks accumulating fp32 statistics, pass 2
-                      reloads each chunk to normalise. Any N (262144 and beyond).
+                      reloads each chunk to normalise (both passes unrolled for rows
+                      of <= config.RELOAD_UNROLL_MAX_CHUNKS chunks). Any N (262144
+                      and beyond).
   static_persistent   grid = num_programs (about SMs x occupancy). Each program loops
                       over row blocks with a grid stride. When the row fits one tile,
                       scale/bias are loaded once per program (hoisted), several short
