@@ -124,6 +124,10 @@ class BackwardConfig:
       row-statistics + column-tiled pair (x and dy read twice). ``num_programs`` is
       then the number of row-block groups G; the grid is G x cdiv(N, block_n) and
       needs cdiv(N, block_n) <= the SM count.
+    reload_rows: with ``block_n < N``, one program walks whole rows: pass 1 reads x and
+      dy chunk by chunk for the row sums, pass 2 reloads them (from L2) for dx, and the
+      partials of all cdiv(N, block_n) chunks stay in registers (the chunk loop is
+      unrolled). x and dy are read from HBM once, with no exchange between programs.
   """
 
   block_m: int
@@ -135,8 +139,11 @@ class BackwardConfig:
   reduce_num_warps: int = 4
   num_stages: int = 1
   split_rows: bool = False
+  reload_rows: bool = False
 
   def __post_init__(self):
+    if self.split_rows and self.reload_rows:
+      raise ValueError("split_rows and reload_rows are exclusive: pick one long-row kernel")
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):
       v = getattr(self, f)
       if v < 1 or v & (v - 1):

@@ -296,14 +296,16 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
 
   Raises:
-    NotImplementedError: ``config.split_rows`` (the split-row kernel is Pallas-only).
+    NotImplementedError: ``config.split_rows`` or ``config.reload_rows`` (those
+      long-row kernels are Pallas-only).
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
-  if config.split_rows:
-    raise NotImplementedError(
-        "BackwardConfig(split_rows=True) is Pallas-only; backend='triton' takes the "
-        "row-statistics + column-tiled pair for rows wider than block_n")
+  for flag in ("split_rows", "reload_rows"):
+    if getattr(config, flag):
+      raise NotImplementedError(
+          f"BackwardConfig({flag}=True) is Pallas-only; backend='triton' takes the "
+          "row-statistics + column-tiled pair for rows wider than block_n")
   _jax_triton()
   st = _BwdStatic(float(scale_offset), bool(subtract_mean), bool(has_bias), config,
                   None if scale is None else jnp.dtype(scale_dtype),
