@@ -3,8 +3,8 @@
 Times the default BackwardConfig of each shape, the row-statistics + column-tiled pair
 and the split-row kernel next to reload-row configs. RELOAD_GRID=wide (the default):
 block_n 2048 / 4096 / 8192, block_m 1 / 2, 8 / 16 / 32 warps, G = 1 or 2 programs a
-SM; RELOAD_GRID=stages: nine (block_m, block_n, warps) tiles at num_stages 1 and 2 (2:
-pass 2 of each row block interleaved with pass 1 of the next), G = SMs. With benchmarks/sweep.py's
+SM; RELOAD_GRID=stages: block_m 2 / 4 at six (block_n, warps) pairs and num_stages
+1 / 2 / 3 (Triton's software pipeliner over the row-block loop), G = SMs. With benchmarks/sweep.py's
 method (CUPTI, rotated inputs, median of --iters, dx checked against the XLA
 reference). The measurement behind config.py's _BWD_RELOAD_* thresholds:
 
@@ -40,13 +40,13 @@ def _bwd(m, n, sms):
         for bm in (1, 2):
           for occ in ((1,) if nw == 32 else (1, 2)):  # 2 x 32 warps: the thread limit
             cands.append(cfg(bm, bn, nw, occ * sms, reload_rows=True))
-  else:  # the second: row-block sizes and interleaved row blocks (num_stages 2)
-    tiles = ((1, 2048, 8), (2, 2048, 8), (2, 4096, 8), (4, 2048, 8), (1, 4096, 16),
-             (2, 4096, 16), (4, 4096, 16), (1, 8192, 16), (2, 8192, 32))
+  else:  # the second: row blocks of 2 and 4 and Triton's pipeliner (num_stages)
+    tiles = [(bm, bn, nw) for bm in (2, 4) for bn, nw in
+             ((2048, 8), (4096, 8), (4096, 16), (8192, 32), (2048, 16), (8192, 8))]
     for bm, bn, nw in tiles:
       if bn >= n or n // (32 * nw) > 64:
         continue
-      for st in (1, 2):
+      for st in (1, 2, 3):
         cands.append(cfg(bm, bn, nw, sms, num_stages=st, reload_rows=True))
   return cands
 

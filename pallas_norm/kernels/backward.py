@@ -189,92 +189,59 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
 
 
 def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                       block_m, block_n, num_programs, interleave):
+                       block_m, block_n, num_programs):
   """Stage 1 for rows of a few chunks, one program a row block (x and dy read once).
 
   Program r walks row blocks r, r + G, ... Per row block, pass 1 loads x and dy chunk
   by chunk (evict_last) and sums x_hat * g (and g) elementwise over the chunks, then
-  across the row once; pass 2 reloads the chunks (from L2, where pass 1 left them;
-  evict_first) and writes dx. The dscale/dbias partials of every chunk stay in
-  registers across row blocks, so the row is unrolled at trace time
+  across the row once; pass 2 reloads the chunks in reverse order (from L2, where
+  pass 1 left them; evict_first) and writes dx. The dscale/dbias partials of every
+  chunk stay in registers across row blocks, so the row is unrolled at trace time
   (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and dx once.
-
-  Without ``interleave`` pass 2 follows pass 1 and walks the chunks backwards (the
-  last ones read are the likeliest to still be in L2). With it, pass 2 of row block i
-  runs chunk by chunk alongside pass 1 of row block i + G, so that every chunk step
-  issues both HBM reads and the L2 reloads and dx writes.
   """
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean)
   m = x_ref.shape[0]
   r = pl.program_id(0)
   num_chunks = cdiv(n, block_n)
-  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
+  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)  # the loop visits valid row blocks only
 
-  def chunk(rb, k, mean, rstd, eviction_policy, in_bounds=True):
-    # Row block rb may be past the last one (interleave's look-ahead): rows masked.
-    rows, cols, _, col_mask, mask = tile(rb, k, rows_in_bounds=in_bounds)
+  def chunk(rb, k, mean, rstd, eviction_policy):
+    rows, cols, _, col_mask, mask = tile(rb, k)
     idx = (rows[:, None], cols[None, :])
     x = _load(x_ref.at[idx], mask, eviction_policy=eviction_policy)
     dy = _load(dy_ref.at[idx], mask, eviction_policy=eviction_policy)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
     return (rows, cols, mask, *_x_hat_g(x, dy, mask, mean, rstd, w))
 
-  def stats(rb, in_bounds=True):
-    rows, _, row_mask, _, _ = tile(rb, 0, rows_in_bounds=in_bounds)
-    return _row_stats(mean_ref, rstd_ref, rows, row_mask)
-
-  def pass1(rb, k, mean, rstd, s, in_bounds=True):  # adds chunk k to the row sums
-    *_, x_hat, _, g = chunk(rb, k, mean, rstd, "evict_last", in_bounds)
-    return s[0] + x_hat * g, s[1] + g if subtract_mean else s[1]
-
-  def row_sums(s):  # c1, c2 [block_m] from the elementwise sums
-    return jnp.sum(s[0], axis=1) / n, jnp.sum(s[1], axis=1) / n if subtract_mean else None
-
-  def pass2(rb, k, mean, rstd, c1, c2, dw, db):  # dx and partials of chunk k
-    rows, cols, mask, x_hat, dy, g = chunk(rb, k, mean, rstd, "evict_first")
-    _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-    if dw_ref is not None:
-      dw[k] = dw[k] + jnp.sum(dy * x_hat, axis=0)
-    if db_ref is not None:
-      db[k] = db[k] + jnp.sum(dy, axis=0)
-
-  s0 = (jnp.zeros((block_m, block_n), _F32),) * 2
-
-  def body(i, carry):
-    dw, db = list(carry[0]), list(carry[1])
+  def body(i, accs):
     rb = r + i * num_programs
-    if not interleave:
-      mean, rstd = stats(rb)
-      s = s0
-      for k in range(num_chunks):
-        s = pass1(rb, k, mean, rstd, s)
-      c1, c2 = row_sums(s)
-      for k in reversed(range(num_chunks)):
-        pass2(rb, k, mean, rstd, c1, c2, dw, db)
-      return tuple(dw), tuple(db)
-    mean, rstd, c1, c2 = carry[2]  # row block rb's, from the previous step
-    nb = rb + num_programs
-    n_mean, n_rstd = stats(nb, in_bounds=False)
-    s = s0
-    for k in range(num_chunks):
-      s = pass1(nb, k, n_mean, n_rstd, s, in_bounds=False)
-      pass2(rb, k, mean, rstd, c1, c2, dw, db)
-    return tuple(dw), tuple(db), (n_mean, n_rstd, *row_sums(s))
+    rows, _, row_mask, _, _ = tile(rb, 0)
+    mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    s1 = s2 = jnp.zeros((block_m, block_n), _F32)
+    for k in range(num_chunks):  # pass 1: the row sums, elementwise over chunks
+      *_, x_hat, _, g = chunk(rb, k, mean, rstd, "evict_last")
+      s1 = s1 + x_hat * g
+      if subtract_mean:
+        s2 = s2 + g
+    c1 = jnp.sum(s1, axis=1) / n
+    c2 = jnp.sum(s2, axis=1) / n if subtract_mean else None
+    dw, db = list(accs[0]), list(accs[1])
+    for k in reversed(range(num_chunks)):  # pass 2: dx, last chunks (likeliest in L2) first
+      rows, cols, mask, x_hat, dy, g = chunk(rb, k, mean, rstd, "evict_first")
+      _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
+      if dw_ref is not None:
+        dw[k] = dw[k] + jnp.sum(dy * x_hat, axis=0)
+      if db_ref is not None:
+        db[k] = db[k] + jnp.sum(dy, axis=0)
+    return tuple(dw), tuple(db)
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
   zeros = (jnp.zeros((block_n,), _F32),) * num_chunks
   # Only the partials that are wanted are carried (an empty tuple otherwise).
-  carry = (zeros if dw_ref is not None else (), zeros if db_ref is not None else ())
-  if interleave:  # pass 1 of the first row block
-    mean, rstd = stats(r)
-    s = s0
-    for k in range(num_chunks):
-      s = pass1(r, k, mean, rstd, s)
-    c1, c2 = row_sums(s)
-    carry = (*carry, (mean, rstd, c1, c2))  # mean, c2: None for RMSNorm
-  carry = lax.fori_loop(0, num_steps, body, carry)
-  dw, db = carry[:2]
+  dw, db = lax.fori_loop(0, num_steps, body, (zeros if dw_ref is not None else (),
+                                              zeros if db_ref is not None else ()))
   for k in range(num_chunks):
     _, cols, _, col_mask, _ = tile(0, k)
     _store_partials(dw_ref, db_ref, r, cols, col_mask, dw[k] if dw else None,
@@ -501,12 +468,10 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     dx, *parts = _split_stage1(inputs, out_shape, statics, has_bias, g, cfg, interpret)
   elif chunked and cfg.reload_rows:
     dx, *parts = pl.pallas_call(
-        functools.partial(_bwd_reload_kernel, has_bias=has_bias, num_programs=g,
-                          interleave=cfg.num_stages >= 2, **statics),
+        functools.partial(_bwd_reload_kernel, has_bias=has_bias, num_programs=g, **statics),
         out_shape=out_shape,
         grid=(g,),
-        # The kernel interleaves row blocks itself; Triton's own pipeliner stays off.
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        compiler_params=params,
         interpret=interpret,
         name="pallas_norm_bwd_reload",
     )(*inputs)
