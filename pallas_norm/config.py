@@ -258,6 +258,26 @@ _BWD_CHUNK_N = 4096
 # slower. LayerNorm's split lost on all three shapes (16384^2 829 against 710 us), so
 # LayerNorm keeps the chunked pair.
 _BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_STAGES, _BWD_SPLIT_OCCUPANCY = 4096, 4, 3, 2
+# Reload-row backward (Pallas backend): one program a row block walks the whole row
+# twice, the second time from L2, with every chunk's partials in registers; G = SMs.
+# H200, 2026-11-21, backward kernels (stage 1 + 2), CUPTI over rotated inputs, median
+# of 10 (benchmarks/sweep_reload_bwd.py; results h200_2026-11-21_sweep_reload*.json):
+#   - RMSNorm 16384^2: 507-512 us at [2, 4096] tiles, 16 warps, against 608-620 for the
+#     split-row kernel and 673 for the pair; 4096 x 32768: 287.6 us at [1, 4096], 16
+#     warps, against 312.5 split and 343.5 pair. Row blocks of 32768 elements won
+#     (16384^2 at [1, 4096]: 586 us, at [4, 4096]: 564-570).
+#   - LayerNorm 16384^2: 589-597 us at [2, 2048], 8 warps, against 710-714 for the pair;
+#     at 4096 x 32768 the pair won (360.7 against 536.0), so LayerNorm's reload stops
+#     at 16384.
+#   - 4096 x 65536 (64 partial registers a thread at 32 warps): 1090 us RMSNorm
+#     against 623 split; LayerNorm 2051 against 722 pair. Longer rows keep those.
+#   - Not kept: 2 programs a SM (16384^2 RMSNorm 514.8 against 507.1 us), Triton's
+#     pipeliner (num_stages 2/3: within 1%), and pass 2 of a row block interleaved with
+#     pass 1 of the next (commit de9550a, reverted: 16384^2 RMSNorm 562.2 against 511.0
+#     us, LayerNorm 803.9 against 590.4).
+_BWD_RELOAD_RMS_MAX, _BWD_RELOAD_LN_MAX = 32768, 16384
+_BWD_RELOAD_RMS_TILE_ELEMS, _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS = 32768, 4096, 16
+_BWD_RELOAD_LN_BLOCK_M, _BWD_RELOAD_LN_N, _BWD_RELOAD_LN_WARPS = 2, 2048, 8
 
 
 def cached_max_block_n(dtype) -> int:
@@ -369,15 +389,19 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                     subtract_mean: bool = False, backend: str = "pallas") -> BackwardConfig:
   """Default backward launch config for an [m, n] input of ``dtype``.
 
-  ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile:
-  RMSNorm on the Pallas backend takes the split-row kernel there, while LayerNorm
-  and ``backend="triton"`` take the row-statistics + column-tiled pair.
+  ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile.
+  On the Pallas backend, rows up to 32768 (RMSNorm) or 16384 (LayerNorm) take the
+  reload-row kernel; longer RMSNorm rows the split-row kernel, longer LayerNorm rows
+  the row-statistics + column-tiled pair, as do all of ``backend="triton"``'s.
   """
   del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
   splits = cdiv(n, _BWD_SPLIT_N)
-  split_rows = (bn_full > _BWD_SINGLE_TILE_MAX and not subtract_mean and backend == "pallas"
+  wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
+  reload_rows = wide and bn_full <= (_BWD_RELOAD_LN_MAX if subtract_mean
+                                     else _BWD_RELOAD_RMS_MAX)
+  split_rows = (wide and not reload_rows and not subtract_mean
                 and (device.platform == "cpu" or splits <= device.num_sms))
   num_stages = 1
   if bn_full <= _NARROW_BLOCK_N:
@@ -390,6 +414,14 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = 4 if block_n < 4096 else block_n // 256
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
+  elif reload_rows and subtract_mean:  # one program walks whole rows, twice
+    block_m = min(_BWD_RELOAD_LN_BLOCK_M, next_power_of_2(m))
+    block_n = _BWD_RELOAD_LN_N
+    num_warps, num_programs = _BWD_RELOAD_LN_WARPS, device.num_sms
+  elif reload_rows:
+    block_m = max(1, min(_BWD_RELOAD_RMS_TILE_ELEMS // bn_full, next_power_of_2(m)))
+    block_n, num_warps = _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS
+    num_programs = device.num_sms
   elif split_rows:  # each row split over programs that exchange their row sums
     block_n, block_m, num_warps = _BWD_SPLIT_N, 1, _BWD_SPLIT_WARPS
     num_programs = max(1, _BWD_SPLIT_OCCUPANCY * device.num_sms // splits)
@@ -402,7 +434,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, num_stages=num_stages,
-                        split_rows=split_rows,
+                        split_rows=split_rows, reload_rows=reload_rows,
                         **reduce_config(n, num_programs))
 
 

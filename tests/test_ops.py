@@ -156,14 +156,33 @@ def test_split_rows_forward(m, n, block_m, block_n, layer):
 ])
 def test_split_rows_backward(m, n, block_m, block_n, num_stages, num_programs, layer):
   """The split-row backward (backward.py's _bwd_split_kernel), any config."""
+  _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
+      block_m, block_n, 4, num_programs, num_stages=num_stages, split_rows=True,
+      **pn_config.reduce_config(n, num_programs)))
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,block_n,num_programs", [
+    (5, 1000, 2, 256, 2),  # ragged last chunk, partial last row block, M not a multiple of G
+    (9, 1000, 4, 128, 2),  # 8 chunks
+    (3, 3 * 4096 + 5, 1, 4096, 1),  # one program walks every row block
+    (4, 96, 4, 32, 5),  # more programs than row blocks
+])
+def test_reload_rows_backward(m, n, block_m, block_n, num_programs, layer):
+  """The reload-row backward (backward.py's _bwd_reload_kernel), any config."""
+  _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
+      block_m, block_n, 4, num_programs, reload_rows=True,
+      **pn_config.reduce_config(n, num_programs)))
+
+
+def _check_long_row_backward(m, n, layer, cfg):
+  """norm_backward with ``cfg`` against the XLA reference's vjp (dx, dscale, dbias)."""
   from pallas_norm import reference
   from pallas_norm.kernels import backward
   x, scale, bias, dy = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
   b = bias if layer else None
   kw = dict(eps=1e-5, scale_offset=0.5, subtract_mean=layer)
   _, mean, rstd = reference.norm(x, scale, b, **kw)
-  cfg = pn_config.BackwardConfig(block_m, block_n, 4, num_programs, num_stages=num_stages,
-                                 split_rows=True, **pn_config.reduce_config(n, num_programs))
   got = backward.norm_backward(dy, x, scale, mean, rstd, has_bias=layer, scale_offset=0.5,
                                subtract_mean=layer, config=cfg,
                                interpret=jax.default_backend() != "gpu",
@@ -238,28 +257,46 @@ def test_heuristic_modes():
   assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 4096, 4)
   ln = pn_config.forward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (ln.block_m, ln.block_n, ln.num_warps) == (16, 128, 2)
-  # Backward of RMSNorm rows wider than one tile on the Pallas backend: split-row over
-  # 4096-wide programs at 4 warps, 2 programs a SM, 3 row blocks held
-  # (sweep_split_bwd.json), while the splits fit the SMs; else, and for LayerNorm and
-  # the Triton backend, the row-statistics + column-tiled pair.
-  for n, g in ((16384, 66), (65536, 16), (262144, 4), (4096 * 132, 2)):
+  # Backward of rows wider than one tile on the Pallas backend (sweep_reload*.json):
+  # the reload-row kernel up to 32768 (RMSNorm; row blocks of 32768 elements, 4096-wide
+  # chunks, 16 warps) or 16384 (LayerNorm; [2, 2048] chunks, 8 warps), G = SMs.
+  def bwd_cfg(m, n, **kw):
+    c = pn_config.backward_config(m, n, jnp.bfloat16, device=dev, **kw)
+    return (c.reload_rows, c.split_rows, c.block_m, c.block_n, c.num_warps, c.num_programs)
+
+  assert bwd_cfg(1024, 16384) == (True, False, 2, 4096, 16, 132)
+  assert bwd_cfg(1024, 8193) == (True, False, 2, 4096, 16, 132)
+  assert bwd_cfg(1024, 32768) == (True, False, 1, 4096, 16, 132)
+  assert bwd_cfg(1, 16384) == (True, False, 1, 4096, 16, 1)
+  assert bwd_cfg(1024, 16384, subtract_mean=True) == (True, False, 2, 2048, 8, 132)
+  # Longer RMSNorm rows: split-row over 4096-wide programs at 4 warps, 2 programs a SM,
+  # 3 row blocks held (sweep_split_bwd.json), while the splits fit the SMs; else, and
+  # for longer LayerNorm rows and the Triton backend, the row-statistics +
+  # column-tiled pair.
+  for n, g in ((32769, 29), (65536, 16), (262144, 4), (4096 * 132, 2)):
     bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev)
-    assert (bwd.split_rows, bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_stages,
-            bwd.num_programs) == (True, 1, 4096, 4, 3, g)
+    assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
+            bwd.num_stages, bwd.num_programs) == (True, False, 1, 4096, 4, 3, g)
   assert pn_config.backward_config(3, 65536, jnp.bfloat16, device=dev).num_programs == 3
   for kw in ({"subtract_mean": True}, {"backend": "triton"}):
     bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, **kw)
-    assert (bwd.split_rows, bwd.block_n, bwd.num_warps, bwd.num_programs) == (
-        False, 4096, 16, 16)
+    assert (bwd.split_rows, bwd.reload_rows, bwd.block_n, bwd.num_warps,
+            bwd.num_programs) == (False, False, 4096, 16, 16)
+  assert bwd_cfg(1024, 16384, backend="triton") == (False, False, 1, 4096, 16, 66)
+  assert bwd_cfg(1024, 16385, subtract_mean=True) == (False, False, 1, 4096, 16, 52)
   for n in (8192, 4096 * 132 + 1):
-    assert not pn_config.backward_config(1024, n, jnp.bfloat16, device=dev).split_rows
+    assert bwd_cfg(1024, n)[:2] == (False, False)
+  with pytest.raises(ValueError, match="exclusive"):
+    pn_config.BackwardConfig(1, 4096, 4, 1, split_rows=True, reload_rows=True)
   from pallas_norm.kernels import jax_triton  # refuses before it needs jax-triton
-  split = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev)
   x = jnp.zeros((4, 8), jnp.float32)
-  with pytest.raises(NotImplementedError, match="Pallas-only"):
-    jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
-                             subtract_mean=False, config=split, interpret=True,
-                             scale_dtype=None, bias_dtype=None)
+  for n in (65536, 16384):  # split-row, reload-row
+    with pytest.raises(NotImplementedError, match="Pallas-only"):
+      jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
+                               subtract_mean=False,
+                               config=pn_config.backward_config(1024, n, jnp.bfloat16,
+                                                                device=dev),
+                               interpret=True, scale_dtype=None, bias_dtype=None)
   # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4.
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev)
   assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)

@@ -20,7 +20,12 @@ never [M, N]:
     persistent [G, N / block_n] grid: program (r, k) owns column chunk k for row
     blocks r, r + G, ..., so its partials again stay in registers. x and dy are read
     twice, and there is no read-modify-write of partials;
-  - split rows (``config.split_rows``, block_n < N; RMSNorm's default on GPU),
+  - reload rows (``config.reload_rows``, block_n < N; the default for rows up to 32768
+    (RMSNorm) or 16384 (LayerNorm)), ``pallas_norm_bwd_reload``: G programs walk whole
+    rows, pass 1 for c1 and c2, pass 2 reloading x and dy from L2 for dx, with every
+    chunk's partials in registers, so x and dy come from HBM once
+    (``_bwd_reload_kernel``);
+  - split rows (``config.split_rows``, block_n < N; RMSNorm's default for longer rows),
     ``pallas_norm_bwd_split``: each row over cdiv(N, block_n) programs that exchange
     their shares of c1 (and c2) through slots in global memory, so x and dy are read
     once (``_bwd_split_kernel``).
@@ -440,8 +445,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     has_bias: whether to produce dbias.
     scale_offset, subtract_mean: as in the forward.
     config: BackwardConfig (block_m, block_n, num_warps, num_programs = G, stage 2 knobs).
-      ``block_n >= N`` selects the single-tile kernel, else the split-row kernel
-      (``split_rows``) or the chunked pair.
+      ``block_n >= N`` selects the single-tile kernel, else the reload-row kernel
+      (``reload_rows``), the split-row kernel (``split_rows``) or the chunked pair.
     interpret: run in Pallas interpret mode.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
 
