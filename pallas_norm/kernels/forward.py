@@ -300,68 +300,11 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals):
   return x_ref, scale_ref, bias_ref, (x_ref, y_ref, mean_ref, rstd_ref)
 
 
-# Experiment: a padded single tile as power-of-2 pieces (5120 = 4096 + 1024).
-CACHED_PIECES = 0
-
-
-def _pieces(n, max_pieces):
-  """Power-of-2 widths, largest first, whose sum covers n (the last may be padded)."""
-  out, rest = [], n
-  while rest > 0:
-    p = 1 << (rest.bit_length() - 1)
-    if len(out) == max_pieces - 1 and p < rest:
-      p = next_power_of_2(rest)
-    out.append(p)
-    rest -= p
-  return out
-
-
-def _pieces_tile(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtract_mean,
-                 block_m, widths):
-  x_ref, y_ref, mean_ref, rstd_ref = refs
-  m = x_ref.shape[0]
-  starts = [sum(widths[:i]) for i in range(len(widths))]
-  tiles = []
-  for s0, wd in zip(starts, widths):
-    rows = rb * block_m + jnp.arange(block_m, dtype=jnp.int32)
-    cols = s0 + jnp.arange(wd, dtype=jnp.int32)
-    row_mask = None if m % block_m == 0 else rows < m
-    col_mask = None if s0 + wd <= n else cols < n
-    if row_mask is None:
-      mask = None if col_mask is None else jnp.broadcast_to(col_mask[None, :], (block_m, wd))
-    elif col_mask is None:
-      mask = jnp.broadcast_to(row_mask[:, None], (block_m, wd))
-    else:
-      mask = row_mask[:, None] & col_mask[None, :]
-    x = _load(x_ref.at[rows[:, None], cols[None, :]], mask).astype(_F32)
-    tiles.append([rows, cols, row_mask, col_mask, mask, x])
-  if subtract_mean:
-    mean = sum(jnp.sum(t[5], axis=1) for t in tiles) / n
-    for t in tiles:
-      t[5] = _where0(t[4], t[5] - mean[:, None])
-  else:
-    mean = None
-  var = sum(jnp.sum(t[5] * t[5], axis=1) for t in tiles) / n
-  rstd = lax.rsqrt(var + _F32(eps))
-  for rows, cols, _, col_mask, mask, x in tiles:
-    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
-    y = _affine(x * rstd[:, None], w, b)
-    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-  _store_stats(mean_ref, rstd_ref, tiles[0][0], tiles[0][2], mean, rstd)
-
-
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
-  if CACHED_PIECES and block_n >= n:
-    widths = _pieces(n, CACHED_PIECES)
-    if sum(widths) < block_n:
-      _pieces_tile(pl.program_id(0), io, scale_ref, bias_ref, n=n, eps=eps,
-                   scale_offset=scale_offset, subtract_mean=subtract_mean,
-                   block_m=block_m, widths=widths)
-      return
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
