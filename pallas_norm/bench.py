@@ -887,6 +887,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
   lines = [f"{meta.get('device', '?')}  {meta.get('dtype', '?')}  {meta.get('date', '?')}  "
            f"GB/s (fwd 2*M*N*s, fwd+bwd 5*M*N*s bytes); copy "
            f"{f'{copy:.0f}' if copy else 'n/a'} GB/s; commit {str(meta.get('git_commit'))[:10]}"]
+  for src in meta.get("merged_from", []):  # rows of several runs; % of copy is each run's
+    lines.append(f"  merged: {src['file']} ({src['date']}, commit {src['git_commit']}, copy "
+                 f"{src['copy_gbs'] or 0:.0f} GB/s)")
   head = f"{'op':5} {'pass':6} {'MxN':12}" + "".join(f" {i.abbrev:>{width[i.name]}}" for i in impls)
   lines.append(head + f" | {'pal%cp':>6} {'best peer':>13} {'pal/peer':>8}")
   by = {(_key(r), r["impl"]): r for r in rows}
@@ -955,11 +958,16 @@ def _merge(paths: list[str]) -> dict:
   """Rows of several result files; a later file's row replaces an earlier one's."""
   rows: dict = {}
   meta: dict = {}
+  sources = []
   for p in paths:
     doc = json.loads(pathlib.Path(p).read_text())
     meta = {**meta, **doc["meta"]}
+    sources.append({k: doc["meta"].get(k) for k in ("date", "git_commit", "device", "copy_gbs",
+                                                    "argv")} | {"file": pathlib.Path(p).name})
     for r in doc["rows"]:
       rows[(_key(r), r["dtype"], r["impl"])] = r
+  if len(paths) > 1:  # each row keeps its own run's % of copy; meta names every run
+    meta["merged_from"] = sources
   return {"meta": meta, "rows": list(rows.values())}
 
 
