@@ -83,10 +83,11 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0):
   return dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, extra, dx_ref, dw_ref, db_ref
 
 
-def _load_xdy(x_ref, dy_ref, rows, cols, mask):
+def _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy=None):
   """Raw x and dy tiles (their own dtype); masked elements do not touch memory."""
   idx = (rows[:, None], cols[None, :])
-  return _load(x_ref.at[idx], mask), _load(dy_ref.at[idx], mask)
+  return (_load(x_ref.at[idx], mask, eviction_policy=eviction_policy),
+          _load(dy_ref.at[idx], mask, eviction_policy=eviction_policy))
 
 
 def _x_hat_g(x, dy, mask, mean, rstd, w):
@@ -214,11 +215,9 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
   def chunk(rb, k, mean, rstd, eviction_policy):
     rows, cols, _, col_mask, mask = tile(rb, k)
-    idx = (rows[:, None], cols[None, :])
-    x = _load(x_ref.at[idx], mask, eviction_policy=eviction_policy)
-    dy = _load(dy_ref.at[idx], mask, eviction_policy=eviction_policy)
+    xdy = _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
-    return (rows, cols, mask, *_x_hat_g(x, dy, mask, mean, rstd, w))
+    return (rows, cols, mask, *_x_hat_g(*xdy, mask, mean, rstd, w))
 
   def body(i, accs):
     rb = r + i * num_programs
