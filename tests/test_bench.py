@@ -152,6 +152,9 @@ def test_plot_only_merges_into_out(tmp_path):
   assert out.with_suffix(".csv").read_text().startswith("op,pass,m,n,")
   assert out.with_suffix(".png").exists()
   assert all(s["best_peer"] == "xla" for s in doc["summary"])
+  # The merged file names both runs (each row keeps its own run's % of copy).
+  assert [m["file"] for m in doc["meta"]["merged_from"]] == ["a.json", "b.json"]
+  assert proc.stdout.count("  merged: ") == 2
 
 
 def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):

@@ -198,9 +198,9 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
                        block_m, block_n, num_programs):
   """Stage 1 for rows of a few chunks: G persistent programs, each over whole rows.
 
-  Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row block, pass 1 loads x and dy chunk
-  by chunk (evict_last) and sums x_hat * g (and g) elementwise over the chunks, then
-  across the row once; pass 2 reloads the chunks in reverse order (from L2, where
+  Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
+  block, pass 1 loads x and dy chunk by chunk (evict_last) and sums x_hat * g (and g)
+  elementwise over the chunks, then across the row once; pass 2 reloads the chunks in reverse order (from L2, where
   pass 1 left them; evict_first) and writes dx. The dscale/dbias partials of every
   chunk stay in registers across row blocks, so the row is unrolled at trace time
   (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and dx once.
