@@ -226,6 +226,13 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # and so did 8 and 16 warps and 16384-wide splits everywhere. LayerNorm's split lost
 # to persistent/reload on all four shapes (e.g. 4096 x 65536 603.7 against 414.2 us;
 # sweep_split_layer.json), so LayerNorm keeps the rules above.
+# Since then (same method, 2026-11-21, old -> new kernel, median of 2 x 2 rounds): the
+# bf16 split kept as bf16 across the wait and no ticket atomic (programs take (rb, k)
+# from their id, with a bounded wait and a recompute fallback) took RMSNorm 4096 x
+# 65536 from 348.8 to 305.8 us, 1024 x 262144 358.7 -> 316.6, 4096 x 32768 173.1 ->
+# 154.9. A ticket taken once per program by persistent groups with a prefetch of the
+# next row block was slower (434-462 us at 4096 x 65536: the acquire-release atomics
+# wait on the prefetch), and so was polling the slots for a NaN sentinel (462.7 us).
 _SPLIT_MIN_N = 16384
 _SPLIT_BLOCK_N, _SPLIT_WARPS = 8192, 4
 # Backward: rows up to this padded length are one register tile with the partials in
