@@ -233,6 +233,12 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # 154.9. A ticket taken once per program by persistent groups with a prefetch of the
 # next row block was slower (434-462 us at 4096 x 65536: the acquire-release atomics
 # wait on the prefetch), and so was polling the slots for a NaN sentinel (462.7 us).
+# Re-swept with the new kernel (h200_2026-11-21_sweep_split_{rms,layer}_noticket.json):
+# RMSNorm [1, 8192] at 4 warps stays (4096 x 65536 305.6 us; [1, 4096] at 2 warps 302.6,
+# within 1%, would halve the longest row; 8 warps 328.0, 16384-wide 375-392); at
+# 16384^2 the reload still wins (286.5 against 292.7-296.0). LayerNorm's split still
+# loses: 4096 x 65536 469.1 us at best against 405.6 for static_persistent, 1024 x
+# 262144 504.1 / 495.3, 16384^2 462.9 / 322.0 for the reload.
 _SPLIT_MIN_N = 16384
 _SPLIT_BLOCK_N, _SPLIT_WARPS = 8192, 4
 # Backward: rows up to this padded length are one register tile with the partials in
