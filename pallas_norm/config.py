@@ -241,6 +241,14 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # 262144 504.1 / 495.3, 16384^2 462.9 / 322.0 for the reload.
 _SPLIT_MIN_N = 16384
 _SPLIT_BLOCK_N, _SPLIT_WARPS = 8192, 4
+# LayerNorm rows longer than this split too, over cdiv(N, 4096) programs of 1 warp
+# (128 values a thread): 1024 x 262144 468.3 us against 502.2 for static_persistent;
+# at 4096 x 65536 the persistent kernel stays (410.7 against 440.9; [1, 4096] at 2
+# warps 476.6 / 508.9 us, [1, 2048] at 1 warp 458.0 / 526.8; H200, 2026-11-21, after
+# 22a70d8, benchmarks/results/h200_2026-11-21_sweep_split_layer_ln1warp.txt). 131072 is
+# between the two measured lengths.
+_LN_SPLIT_MIN_N = 131072
+_LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS = 4096, 1
 # Backward: rows up to this padded length are one register tile with the partials in
 # registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
 # single 16384-wide tile took 812 us and the pair 674-686 us.
@@ -308,11 +316,19 @@ def _fwd_warps(tile_elems: int) -> int:
   return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // _FWD_ELEMS_PER_WARP)))
 
 
+def _split_rule(subtract_mean: bool) -> tuple[int, int, int]:
+  """(rows longer than this split, block_n, num_warps) of the split-row forward."""
+  if subtract_mean:
+    return _LN_SPLIT_MIN_N, _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS
+  return _SPLIT_MIN_N, _SPLIT_BLOCK_N, _SPLIT_WARPS
+
+
 def _splits_rows(n: int, subtract_mean: bool, backend: str, device: DeviceInfo) -> bool:
   """Whether multi_wave_cached splits an N-long row over several programs."""
-  if backend != "pallas" or subtract_mean or n <= _SPLIT_MIN_N:
+  min_n, block_n, _ = _split_rule(subtract_mean)
+  if backend != "pallas" or n <= min_n:
     return False
-  return device.platform == "cpu" or cdiv(n, _SPLIT_BLOCK_N) <= device.num_sms
+  return device.platform == "cpu" or cdiv(n, block_n) <= device.num_sms
 
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
@@ -321,8 +337,9 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
 
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
-  static_persistent (with 16384-wide chunks) beyond. RMSNorm on the Pallas backend
-  takes multi_wave_cached split over programs for N > 16384 (up to 8192 x SMs).
+  static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
+  multi_wave_cached split over programs takes RMSNorm rows with N > 16384 (up to
+  8192 x SMs) and LayerNorm rows with N > 131072 (up to 4096 x SMs).
   """
   del m, dtype
   if _splits_rows(n, subtract_mean, backend, device):
@@ -345,7 +362,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   Raises:
     ValueError: an unknown mode.
     NotImplementedError: multi_wave_cached for a row it cannot hold: N > 32768 on the
-      Triton backend or for LayerNorm, N > 8192 x SMs on the Pallas backend.
+      Triton backend or for LayerNorm with N <= 131072; on the Pallas backend,
+      N > 8192 x SMs (RMSNorm) or 4096 x SMs (LayerNorm).
   """
   device = device or device_info()
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
@@ -353,15 +371,15 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
-  if (mode == "multi_wave_cached" and backend == "pallas" and not subtract_mean
-      and n > _SPLIT_MIN_N):
+  split_min_n, split_n, split_warps = _split_rule(subtract_mean)
+  if mode == "multi_wave_cached" and backend == "pallas" and n > split_min_n:
     if not _splits_rows(n, subtract_mean, backend, device):
       raise NotImplementedError(
-          f"multi_wave_cached splits a row over cdiv(N, {_SPLIT_BLOCK_N}) programs, at "
-          f"most one a SM: N={n} needs {cdiv(n, _SPLIT_BLOCK_N)} > {device.num_sms}; "
+          f"multi_wave_cached splits a row over cdiv(N, {split_n}) programs, at "
+          f"most one a SM: N={n} needs {cdiv(n, split_n)} > {device.num_sms}; "
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
-    return ForwardConfig(mode, 1, _SPLIT_BLOCK_N, _SPLIT_WARPS)
+    return ForwardConfig(mode, 1, split_n, split_warps)
   if n <= _HEURISTIC_RELOAD_MAX:
     chunk = _RELOAD_CHUNK_N_SMALL
   elif mode == "static_persistent":

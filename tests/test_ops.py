@@ -123,6 +123,13 @@ def test_large_n_split_rows(dtype):
   _compare(3, 65536 + 3, dtype, "multi_wave_cached", layer=False)
 
 
+def test_large_n_split_rows_layer():
+  """LayerNorm rows longer than 131072: the heuristic splits them (4096-wide splits)."""
+  assert pn_config.forward_config(2, 131072 + 5, jnp.bfloat16,
+                                  subtract_mean=True).mode == "multi_wave_cached"
+  _compare(2, 131072 + 5, "bfloat16", None, layer=True)
+
+
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 @pytest.mark.parametrize("m,n,block_m,block_n", [
     (5, 1000, 2, 256),  # ragged last split, M not a multiple of block_m
@@ -234,13 +241,22 @@ def test_heuristic_modes():
   assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev) == "multi_wave_reload"
   # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
   # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
-  # Triton backend keep reload up to 32768 and persistent beyond.
+  # Triton backend keep reload up to 32768 and persistent beyond (LayerNorm up to
+  # 131072, then split over 4096-wide programs of 1 warp, up to 4096 x SMs).
   for kw in ({"subtract_mean": True}, {"backend": "triton"}):
     assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev, **kw) == "multi_wave_reload"
     assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev, **kw) == "static_persistent"
-    long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev, **kw)
+    long = pn_config.forward_config(1024, 131072, jnp.bfloat16, device=dev, **kw)
     assert (long.mode, long.block_m, long.block_n, long.num_warps, long.num_programs) == (
         "static_persistent", 1, 16384, 16, 528)
+  long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev, backend="triton")
+  assert long.mode == "static_persistent"
+  for n in (131073, 262144, 4096 * 132):
+    split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
+    assert (split.mode, split.block_m, split.block_n, split.num_warps) == (
+        "multi_wave_cached", 1, 4096, 1)
+  assert pn_config.choose_mode(64, 4096 * 132 + 1, jnp.bfloat16, dev,
+                               subtract_mean=True) == "static_persistent"
   assert pn_config.choose_mode(4096, 16385, jnp.bfloat16, dev) == "multi_wave_cached"
   for n in (16385, 65536, 262144, 8192 * 132):
     split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev)

@@ -227,11 +227,13 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
 
 
-def _split_partials(x, mask, k, *, n, block_n, subtract_mean):
-  """Statistics of one split (columns [k * block_n, ...)) of each row of an f32 tile.
+def _split_partials(x_raw, mask, k, *, n, block_n, subtract_mean):
+  """Statistics of one split (columns [k * block_n, ...)) of each row of a tile in x's
+  dtype (0 outside the mask).
 
   RMSNorm: (sum of squares, None). LayerNorm: (mean, M2) of the split's elements.
   """
+  x = x_raw.astype(_F32)
   if not subtract_mean:
     return jnp.sum(x * x, axis=1), None
   nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)
@@ -400,10 +402,9 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
                            rows_in_bounds=True)
   rows, cols, row_mask, col_mask, mask = tile(k)
   x_raw = _load(x_ref.at[rows[:, None], cols[None, :]], mask)
-  x = x_raw.astype(_F32)  # [block_m, block_n] f32, 0 outside
   partials = functools.partial(_split_partials, n=n, block_n=block_n,
                                subtract_mean=subtract_mean)
-  s1, s2 = partials(x, mask, k)
+  s1, s2 = partials(x_raw, mask, k)
   plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
   if subtract_mean:
     plgpu.store(p2_ref.at[rows, k], s2, mask=row_mask)
@@ -426,7 +427,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   def recompute():  # every split's partials from x, as its own program computes them
     def body(j, tiles):
       rows_j, cols_j, _, _, mask_j = tile(j)
-      xj = _load_tile(x_ref, rows_j, cols_j, mask_j)
+      xj = _load(x_ref.at[rows_j[:, None], cols_j[None, :]], mask_j)
       new = [v for v in partials(xj, mask_j, j) if v is not None]
       return tuple(jnp.where(ks[None, :] == j, v[:, None], t) for v, t in zip(new, tiles))
     zeros = jnp.zeros((block_m, ks.shape[0]), _F32)
@@ -435,8 +436,8 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   p1, *p2 = lax.cond(arrived >= num_splits, from_slots, recompute)
   mean, rstd = _combine_splits(p1, p2[0] if p2 else None, ks, n=n, eps=eps,
                                block_n=block_n)
-  if x_raw.dtype == jnp.bfloat16:  # see the docstring
-    x = _f32_again(x_raw)
+  # A second conversion of a bf16 split, so that the bf16 tile is what stays live.
+  x = _f32_again(x_raw) if x_raw.dtype == jnp.bfloat16 else x_raw.astype(_F32)
   _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
                rstd_ref, scale_ref, bias_ref, scale_offset)
 
