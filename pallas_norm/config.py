@@ -189,8 +189,14 @@ _FWD_ELEMS_PER_WARP = 1024
 #     against 7.6 at 1;
 #   - the rule stays best or within 3% of the best elsewhere: 4096 x 4096 21.4 (best),
 #     4096 x 1024 7.1 (best), 8192 x 4096 39.5 / 38.7, 8192 x 2048 21.2 / 20.4.
+#   - rows of 4096 < N <= 5120 (padded to 8192) take 4 warps: 8192 x 5120 48.0 us
+#     against 48.8 at 8 warps, H200, 2026-11-21, median of 7 alternating rounds of
+#     10 calls (48.8 the slowest round at 4 warps, 48.6 the fastest at 8), where full
+#     8192 rows keep 8 (8192^2 76.7 against 77.7, 4096 x 8192 40.1 / 40.6)
+#     (benchmarks/results/h200_2026-11-21_ln_wide_warps.txt). 6144 is not measured.
 _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
 _LN_WIDE_BLOCK_N, _LN_WIDE_WARPS = 8192, 8
+_LN_WIDE_PADDED_MAX_N, _LN_WIDE_PADDED_WARPS = 5120, 4
 _NARROW_BLOCK_N, _LN_NARROW_MIN_WARPS = 256, 2
 # Reload chunk: 8192 while N <= 32768 (16384^2: 286 us against 299 at 4096), else 4096
 # (4096 x 65536: 389 us against 395 at 8192; 1024 x 262144: 429 against 432), 16 warps
@@ -399,7 +405,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if chunked and block_n >= _RELOAD_CHUNK_N_LARGE:
     num_warps = _RELOAD_WARPS
   elif subtract_mean and not chunked and block_n == _LN_WIDE_BLOCK_N:  # as measured
-    block_m, num_warps = 1, _LN_WIDE_WARPS
+    block_m = 1
+    num_warps = _LN_WIDE_PADDED_WARPS if n <= _LN_WIDE_PADDED_MAX_N else _LN_WIDE_WARPS
   elif subtract_mean and not chunked:
     block_m = max(1, min(max(_LN_MIN_BLOCK_M, _LN_TILE_ELEMS // block_n),
                          next_power_of_2(m)))
