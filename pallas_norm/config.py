@@ -266,6 +266,11 @@ _BWD_TILE_ELEMS = 4096
 # programs. 32768 x 128: RMSNorm 11.2 us against 11.6 for the wider rule ([32, 128],
 # 4 warps, SMs x 2), LayerNorm 14.6 / 15.1 (best of the sweep: 11.0 and 14.6;
 # benchmarks/results/h200_2026-11-21_sweep_bwd_narrow.json).
+# RMSNorm rounds G down to a power of 2 (512 on 132 SMs), so that stage 2 reads the
+# [G, N] partials in one unpadded tile: 32768 x 128 11.13 us against 11.36 at 528
+# (stage 1 + 2, median of 30, two rounds each; H200, 2026-11-21,
+# benchmarks/results/h200_2026-11-21_narrow_bwd_programs.json). LayerNorm keeps
+# SMs x 4 (14.34 us against 14.55 at 512). 384 and fewer were slower for both.
 _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Backward grid: 2 programs a SM for rows up to 4096 wide (4096 x 4096: 31.7 us with
 # 264, 33.4 with 132), 1 a SM for wider rows (4096 x 8192: 57.9 us with 132, 63.3 with
@@ -447,6 +452,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = _BWD_NARROW_WARPS
     num_programs = device.num_sms * _BWD_NARROW_OCCUPANCY
+    if not subtract_mean:
+      num_programs = 1 << (num_programs.bit_length() - 1)
   elif bn_full <= _BWD_SINGLE_TILE_MAX:
     block_n = bn_full
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))

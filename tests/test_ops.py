@@ -316,8 +316,12 @@ def test_heuristic_modes():
                                config=pn_config.backward_config(1024, n, jnp.bfloat16,
                                                                 device=dev),
                                interpret=True, scale_dtype=None, bias_dtype=None)
-  # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4.
+  # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4
+  # programs, rounded down to a power of 2 for RMSNorm (narrow_bwd_programs.json).
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev)
+  assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 512)
+  assert (bwd.reduce_block_g, bwd.reduce_block_n) == (512, 16)  # one unpadded tile
+  bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)
   rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
   assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
