@@ -265,7 +265,8 @@ def test_heuristic_modes():
   assert pn_config.choose_mode(64, 8192 * 132 + 1, jnp.bfloat16, dev) == "static_persistent"
   with pytest.raises(NotImplementedError, match="at most one a SM"):
     pn_config.forward_config(64, 8192 * 132 + 1, jnp.bfloat16, "multi_wave_cached", dev)
-  # LayerNorm's single tiles (sweep_ln2_fwd.json): one row and 8 warps at 8192 wide,
+  # LayerNorm's single tiles (sweep_ln2_fwd.json): one row and 8 warps at 8192 wide (4
+  # warps for N <= 5120, ln_wide_warps.txt),
   # else >= 2 rows with 64 f32 values a thread, and >= 2 warps for rows of <= 256.
   ln = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (ln.block_m, ln.block_n, ln.num_warps) == (1, 8192, 4)  # padded: 4 warps
