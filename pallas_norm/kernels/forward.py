@@ -418,11 +418,11 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
         lambda c: (plgpu.atomic_add(sync_ref, slot, jnp.int32(0)), c[1] + 1),
         (arrived, jnp.int32(0)))
   ks, smask = _slot_tile(rows, row_mask, num_splits, 32 * num_warps)
-  refs = (p1_ref,) if p2_ref is None else (p1_ref, p2_ref)
+  slot_refs = (p1_ref,) if p2_ref is None else (p1_ref, p2_ref)
 
   def from_slots():  # [block_m, width] f32 each, 0 past the last split
     return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=smask, other=0.0,
-                            volatile=True) for r in refs)
+                            volatile=True) for r in slot_refs)
 
   def recompute():  # every split's partials from x, as its own program computes them
     def body(j, tiles):
@@ -431,7 +431,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
       new = [v for v in partials(xj, mask_j, j) if v is not None]
       return tuple(jnp.where(ks[None, :] == j, v[:, None], t) for v, t in zip(new, tiles))
     zeros = jnp.zeros((block_m, ks.shape[0]), _F32)
-    return lax.fori_loop(0, num_splits, body, (zeros,) * len(refs))
+    return lax.fori_loop(0, num_splits, body, (zeros,) * len(slot_refs))
 
   p1, *p2 = lax.cond(arrived >= num_splits, from_slots, recompute)
   mean, rstd = _combine_splits(p1, p2[0] if p2 else None, ks, n=n, eps=eps,
