@@ -83,6 +83,10 @@ class ForwardConfig:
     num_warps: warps per program.
     num_programs: grid size for ``static_persistent`` (ignored by the others).
     num_stages: software-pipelining depth of the kernel's loops (Triton's num_stages).
+    chunk_n: for ``multi_wave_cached`` with ``block_n < N`` (a row split over
+      programs), the columns of one load: each program holds its split as
+      ``block_n / chunk_n`` [block_m, chunk_n] tiles (power of 2; 0 means one tile).
+      Ignored by the other modes.
   """
 
   mode: str
@@ -91,6 +95,7 @@ class ForwardConfig:
   num_warps: int
   num_programs: int = 0
   num_stages: int = 1
+  chunk_n: int = 0
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -99,6 +104,8 @@ class ForwardConfig:
       v = getattr(self, f)
       if v < 1 or v & (v - 1):
         raise ValueError(f"{f}={v} must be a positive power of 2")
+    if self.chunk_n < 0 or self.chunk_n & (self.chunk_n - 1):
+      raise ValueError(f"{self.chunk_n=} must be 0 or a positive power of 2")
     if self.num_warps not in (1, 2, 4, 8, 16, 32):
       raise ValueError(f"{self.num_warps=} must be a power of 2 in [1, 32]")
 
@@ -247,14 +254,25 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # 262144 504.1 / 495.3, 16384^2 462.9 / 322.0 for the reload.
 _SPLIT_MIN_N = 16384
 _SPLIT_BLOCK_N, _SPLIT_WARPS = 8192, 4
-# LayerNorm rows longer than this split too, over cdiv(N, 4096) programs of 1 warp
-# (128 values a thread): 1024 x 262144 468.3 us against 502.2 for static_persistent;
-# at 4096 x 65536 the persistent kernel stays (410.7 against 440.9; [1, 4096] at 2
-# warps 476.6 / 508.9 us, [1, 2048] at 1 warp 458.0 / 526.8; H200, 2026-11-21, after
-# 22a70d8, benchmarks/results/h200_2026-11-21_sweep_split_layer_ln1warp.txt). 131072 is
-# between the two measured lengths.
-_LN_SPLIT_MIN_N = 131072
-_LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS = 4096, 1
+# Each split program holds its split as block_n / chunk_n separate tiles and reduces
+# and stores them one at a time: fewer registers, so more programs (bytes in flight)
+# a SM. RMSNorm [1, 8192] at 4 warps as two 4096-wide chunks: 4096 x 65536 292 us
+# against 304 as one tile, 1024 x 262144 298 / 315, 4096 x 32768 148.0 / 154.8
+# (2048-wide chunks 298 / 304 / 152; [1, 4096] at 1 warp in 1024-wide chunks
+# 291 / 296 / 148, within 1%). H200, 2026-11-21,
+# benchmarks/results/h200_2026-11-21_split_chunks.txt.
+_SPLIT_CHUNK_N = 4096
+# LayerNorm rows longer than 32768 split too, over cdiv(N, 4096) programs of 1 warp,
+# each holding its split as four 1024-wide chunks (167 registers a thread against 253
+# as one tile, ncu): 4096 x 49152 288.9 us against 321.3 for static_persistent,
+# 4096 x 65536 373.8 / 405.0, 1024 x 262144 388.9 / 489.3 (one tile: 459.6 and
+# 480.2; 512- and 2048-wide chunks and [1, 2048] splits 319-482). At 4096 x 32768
+# the split lost (218.5 us at best against 182.8 for the reload, which stays).
+# The split's statistics were not the cost: Chan, shifted or one-pass sums all took
+# 438-450 us at 4096 x 65536 as one tile (H200, 2026-11-21,
+# benchmarks/results/h200_2026-11-21_split_chunks.txt).
+_LN_SPLIT_MIN_N = 32768
+_LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS, _LN_SPLIT_CHUNK_N = 4096, 1, 1024
 # Backward: rows up to this padded length are one register tile with the partials in
 # registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
 # single 16384-wide tile took 812 us and the pair 674-686 us.
@@ -327,16 +345,17 @@ def _fwd_warps(tile_elems: int) -> int:
   return int(min(_FWD_MAX_WARPS, max(_FWD_MIN_WARPS, tile_elems // _FWD_ELEMS_PER_WARP)))
 
 
-def _split_rule(subtract_mean: bool) -> tuple[int, int, int]:
-  """(rows longer than this split, block_n, num_warps) of the split-row forward."""
+def _split_rule(subtract_mean: bool) -> tuple[int, int, int, int]:
+  """(rows longer than this split, block_n, num_warps, chunk_n) of the split-row
+  forward."""
   if subtract_mean:
-    return _LN_SPLIT_MIN_N, _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS
-  return _SPLIT_MIN_N, _SPLIT_BLOCK_N, _SPLIT_WARPS
+    return _LN_SPLIT_MIN_N, _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS, _LN_SPLIT_CHUNK_N
+  return _SPLIT_MIN_N, _SPLIT_BLOCK_N, _SPLIT_WARPS, _SPLIT_CHUNK_N
 
 
 def _splits_rows(n: int, subtract_mean: bool, backend: str, device: DeviceInfo) -> bool:
   """Whether multi_wave_cached splits an N-long row over several programs."""
-  min_n, block_n, _ = _split_rule(subtract_mean)
+  min_n, block_n, _, _ = _split_rule(subtract_mean)
   if backend != "pallas" or n <= min_n:
     return False
   return device.platform == "cpu" or cdiv(n, block_n) <= device.num_sms
@@ -350,7 +369,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
   static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
   multi_wave_cached split over programs takes RMSNorm rows with N > 16384 (up to
-  8192 x SMs) and LayerNorm rows with N > 131072 (up to 4096 x SMs).
+  8192 x SMs) and LayerNorm rows with N > 32768 (up to 4096 x SMs).
   """
   del m, dtype
   if _splits_rows(n, subtract_mean, backend, device):
@@ -373,8 +392,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   Raises:
     ValueError: an unknown mode.
     NotImplementedError: multi_wave_cached for a row it cannot hold: N > 32768 on the
-      Triton backend or for LayerNorm with N <= 131072; on the Pallas backend,
-      N > 8192 x SMs (RMSNorm) or 4096 x SMs (LayerNorm).
+      Triton backend; on the Pallas backend, N > 8192 x SMs (RMSNorm) or
+      4096 x SMs (LayerNorm).
   """
   device = device or device_info()
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
@@ -382,7 +401,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
-  split_min_n, split_n, split_warps = _split_rule(subtract_mean)
+  split_min_n, split_n, split_warps, split_chunk_n = _split_rule(subtract_mean)
   if mode == "multi_wave_cached" and backend == "pallas" and n > split_min_n:
     if not _splits_rows(n, subtract_mean, backend, device):
       raise NotImplementedError(
@@ -390,7 +409,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"most one a SM: N={n} needs {cdiv(n, split_n)} > {device.num_sms}; "
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
-    return ForwardConfig(mode, 1, split_n, split_warps)
+    return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
   if n <= _HEURISTIC_RELOAD_MAX:
     chunk = _RELOAD_CHUNK_N_SMALL
   elif mode == "static_persistent":

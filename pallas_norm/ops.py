@@ -191,9 +191,8 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
       mode or backend.
     TypeError: integer or complex x or scale.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
-      the Pallas backend N > 8192 x the SM count (RMSNorm; the row is split over
-      programs) or, for LayerNorm, 32768 < N <= 131072 and N > 4096 x the SM count; on
-      the Triton backend N > 32768.
+      the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
+      (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:

@@ -124,24 +124,28 @@ def test_large_n_split_rows(dtype):
 
 
 def test_large_n_split_rows_layer():
-  """LayerNorm rows longer than 131072: the heuristic splits them (4096-wide splits)."""
-  assert pn_config.forward_config(2, 131072 + 5, jnp.bfloat16,
-                                  subtract_mean=True).mode == "multi_wave_cached"
-  _compare(2, 131072 + 5, "bfloat16", None, layer=True)
+  """LayerNorm rows longer than 32768: the heuristic splits them (4096-wide splits held
+  as 1024-wide chunks)."""
+  cfg = pn_config.forward_config(2, 65536 + 5, jnp.bfloat16, subtract_mean=True)
+  assert (cfg.mode, cfg.block_n, cfg.chunk_n) == ("multi_wave_cached", 4096, 1024)
+  _compare(2, 65536 + 5, "bfloat16", None, layer=True)
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("m,n,block_m,block_n", [
-    (5, 1000, 2, 256),  # ragged last split, M not a multiple of block_m
-    (8, 96, 4, 32),
-    (2, 3 * 8192 + 5, 1, 8192),
+@pytest.mark.parametrize("m,n,block_m,block_n,chunk_n", [
+    (5, 1000, 2, 256, 0),  # ragged last split, M not a multiple of block_m
+    (5, 1000, 2, 256, 64),  # a ragged chunk
+    (5, 1000, 2, 256, 8),  # chunks wholly past N (N a multiple of chunk_n, not block_n)
+    (8, 96, 4, 32, 0),
+    (2, 3 * 8192 + 5, 1, 8192, 0),
+    (2, 3 * 8192 + 5, 1, 8192, 2048),
 ])
-def test_split_rows_forward(m, n, block_m, block_n, layer):
+def test_split_rows_forward(m, n, block_m, block_n, chunk_n, layer):
   """multi_wave_cached with block_n < N (forward.py's _split_kernel), any config."""
   from pallas_norm import reference
   from pallas_norm.kernels import forward
   x, scale, bias, _ = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
-  cfg = pn_config.ForwardConfig("multi_wave_cached", block_m, block_n, 4)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", block_m, block_n, 4, chunk_n=chunk_n)
   got = forward.norm_forward(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
                              subtract_mean=layer, config=cfg,
                              interpret=jax.default_backend() != "gpu")
@@ -151,6 +155,23 @@ def test_split_rows_forward(m, n, block_m, block_n, layer):
   assert (mean is None) == (not layer)
   for g, w in [(y, y_ref), (rstd, rstd_ref)] + ([(mean, mean_ref)] if layer else []):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_split_rows_layer_offset():
+  """A split LayerNorm's variance does not cancel on rows far from 0 (mean 1000, std 1):
+  its chunks' sums are shifted by the first chunk's mean. E[x^2] - E[x]^2 in f32 is off
+  by ~6% here."""
+  from pallas_norm import reference
+  from pallas_norm.kernels import forward
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(1000.0 + rng.standard_normal((3, 1000)), jnp.float32)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", 2, 256, 4, chunk_n=64)
+  _, mean, rstd = forward.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0,
+                                       subtract_mean=True, config=cfg,
+                                       interpret=jax.default_backend() != "gpu")
+  xd = np.asarray(x, np.float64)
+  np.testing.assert_allclose(np.asarray(mean), xd.mean(1), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(rstd), 1 / np.sqrt(xd.var(1) + 1e-5), rtol=1e-4)
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
@@ -241,27 +262,29 @@ def test_heuristic_modes():
   assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev) == "multi_wave_reload"
   # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
   # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
-  # Triton backend keep reload up to 32768 and persistent beyond (LayerNorm up to
-  # 131072, then split over 4096-wide programs of 1 warp, up to 4096 x SMs).
+  # Triton backend keep reload up to 32768; LayerNorm splits beyond, over 4096-wide
+  # programs of 1 warp in 1024-wide chunks (split_chunks.txt), up to 4096 x SMs; the
+  # Triton backend takes persistent.
   for kw in ({"subtract_mean": True}, {"backend": "triton"}):
     assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev, **kw) == "multi_wave_reload"
-    assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev, **kw) == "static_persistent"
-    long = pn_config.forward_config(1024, 131072, jnp.bfloat16, device=dev, **kw)
-    assert (long.mode, long.block_m, long.block_n, long.num_warps, long.num_programs) == (
-        "static_persistent", 1, 16384, 16, 528)
+  assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev,
+                               backend="triton") == "static_persistent"
+  long = pn_config.forward_config(1024, 131072, jnp.bfloat16, device=dev, backend="triton")
+  assert (long.mode, long.block_m, long.block_n, long.num_warps, long.num_programs) == (
+      "static_persistent", 1, 16384, 16, 528)
   long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev, backend="triton")
   assert long.mode == "static_persistent"
-  for n in (131073, 262144, 4096 * 132):
+  for n in (32769, 65536, 262144, 4096 * 132):
     split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
-    assert (split.mode, split.block_m, split.block_n, split.num_warps) == (
-        "multi_wave_cached", 1, 4096, 1)
+    assert (split.mode, split.block_m, split.block_n, split.num_warps, split.chunk_n) == (
+        "multi_wave_cached", 1, 4096, 1, 1024)
   assert pn_config.choose_mode(64, 4096 * 132 + 1, jnp.bfloat16, dev,
                                subtract_mean=True) == "static_persistent"
   assert pn_config.choose_mode(4096, 16385, jnp.bfloat16, dev) == "multi_wave_cached"
   for n in (16385, 65536, 262144, 8192 * 132):
     split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev)
-    assert (split.mode, split.block_m, split.block_n, split.num_warps) == (
-        "multi_wave_cached", 1, 8192, 4)
+    assert (split.mode, split.block_m, split.block_n, split.num_warps, split.chunk_n) == (
+        "multi_wave_cached", 1, 8192, 4, 4096)
   assert pn_config.choose_mode(64, 8192 * 132 + 1, jnp.bfloat16, dev) == "static_persistent"
   with pytest.raises(NotImplementedError, match="at most one a SM"):
     pn_config.forward_config(64, 8192 * 132 + 1, jnp.bfloat16, "multi_wave_cached", dev)
@@ -455,7 +478,8 @@ def test_empty_rows():
     (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), mode="fast"), ValueError,
      "multi_wave_reload"),
     (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), backend="cuda"), ValueError, "xla"),
-    (lambda: pallas_norm.layer_norm(jnp.ones((1, 40000)), mode="multi_wave_cached"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((1, 40000)), mode="multi_wave_cached",
+                                    backend="triton"),
      NotImplementedError, "multi_wave_reload"),
     (lambda: pallas_norm.rms_norm(jnp.ones((1, 40000)), mode="multi_wave_cached",
                                   backend="triton"),

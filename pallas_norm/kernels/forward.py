@@ -227,19 +227,35 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
 
 
-def _split_partials(x_raw, mask, k, *, n, block_n, subtract_mean):
-  """Statistics of one split (columns [k * block_n, ...)) of each row of a tile in x's
-  dtype (0 outside the mask).
+def _split_partials(chunks, k, *, n, block_n, subtract_mean):
+  """Statistics of split k (columns [k * block_n, ...)) of each row of a row block.
 
-  RMSNorm: (sum of squares, None). LayerNorm: (mean, M2) of the split's elements.
+  ``chunks`` is the split as a list of (x tile in x's dtype with 0 outside the mask,
+  mask) pairs, in column order.
+  RMSNorm: (sum of squares, None). LayerNorm: (mean, M2) of the split's elements, from
+  sums of x - c, where c is the mean of the first chunk (the shifted-data formula: c is
+  close to the split's mean, so M2 = sum(d^2) - sum(d)^2 / n_k does not cancel; with a
+  single chunk sum(d) is ~0 and this is the two-pass formula).
   """
-  x = x_raw.astype(_F32)
+  def add(acc, v):
+    return v if acc is None else acc + v
+
   if not subtract_mean:
-    return jnp.sum(x * x, axis=1), None
+    s2 = None
+    for x_raw, _ in chunks:
+      x = x_raw.astype(_F32)
+      s2 = add(s2, jnp.sum(x * x, axis=1))
+    return s2, None
+  chunk_n = chunks[0][0].shape[1]
+  n0 = jnp.minimum(chunk_n, n - k * block_n).astype(_F32)  # >= 1: split k exists
+  shift = jnp.sum(chunks[0][0].astype(_F32), axis=1) / n0
+  s1 = s2 = None
+  for x_raw, mask in chunks:  # one chunk at a time: fewer f32 values live
+    d = _where0(mask, x_raw.astype(_F32) - shift[:, None])
+    s1 = add(s1, jnp.sum(d, axis=1))
+    s2 = add(s2, jnp.sum(d * d, axis=1))
   nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)
-  cmean = jnp.sum(x, axis=1) / nk
-  xc = _where0(mask, x - cmean[:, None])
-  return cmean, jnp.sum(xc * xc, axis=1)
+  return shift + s1 / nk, s2 - s1 * (s1 / nk)
 
 
 def _slot_tile(rows, row_mask, num_splits, num_threads):
@@ -276,13 +292,14 @@ def _combine_splits(p1, p2, ks, *, n, eps, block_n):
 
 def _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
                  rstd_ref, scale_ref, bias_ref, scale_offset):
-  """Normalise a split held in registers; split 0 writes the row statistics."""
+  """Normalise a chunk of a split held in registers; the first chunk of split 0 writes
+  the row statistics (``k`` is None for the other chunks)."""
   if mean is not None:
     x = _where0(mask, x - mean[:, None])
   w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
   y = _affine(x * rstd[:, None], w, b)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-  if rstd_ref is not None:
+  if rstd_ref is not None and k is not None:
     first = k == 0
     smask = first if row_mask is None else row_mask & first
     plgpu.store(rstd_ref.at[rows], rstd, mask=smask)
@@ -359,12 +376,16 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                  return_residuals, block_m, block_n, num_splits, num_warps, max_polls,
-                  interpret):
+                  return_residuals, block_m, block_n, chunk_n, num_splits, num_warps,
+                  max_polls, interpret):
   """multi_wave_cached for rows split over ``num_splits`` programs (block_n < N).
 
   Program p = rb * num_splits + k holds columns [k * block_n, (k + 1) * block_n) of
-  row block rb in registers, so x is read from memory once and y written once:
+  row block rb in registers, so x is read from memory once and y written once. It
+  holds them as block_n / chunk_n separate [block_m, chunk_n] tiles, and normalises
+  and stores them one after another: smaller live ranges, fewer registers, more
+  programs a SM (H200, LayerNorm [1, 4096] splits at 1 warp: 253 registers a thread
+  as one tile, 167 as four; config.py gives the times).
     1. it stores the split's partial statistics in slot [row, k];
     2. it adds 1 to the row block's arrival counter (acquire-release, GPU scope) and
        reads the counter again, at most ``max_polls`` times, until it reads
@@ -398,13 +419,30 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   m = x_ref.shape[0]
   pid = pl.program_id(0)
   rb, k = pid // num_splits, pid % num_splits
-  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
-                           rows_in_bounds=True)
-  rows, cols, row_mask, col_mask, mask = tile(k)
-  x_raw = _load(x_ref.at[rows[:, None], cols[None, :]], mask)
+  num_chunks = block_n // chunk_n
+
+  def chunk_tile(i):  # chunk i of the row: columns [i * chunk_n, (i + 1) * chunk_n)
+    rows_c, cols_c, row_mask_c, col_mask_c, mask_c = _tile_index(
+        rb, i, m, n, block_m=block_m, block_n=chunk_n, rows_in_bounds=True)
+    if col_mask_c is None and n % block_n:  # whole chunks of the last split lie past N
+      col_mask_c = cols_c < n
+      mask_c = jnp.broadcast_to(col_mask_c[None, :], (block_m, chunk_n))
+      if row_mask_c is not None:
+        mask_c = row_mask_c[:, None] & mask_c
+    return rows_c, cols_c, row_mask_c, col_mask_c, mask_c
+
+  def load_split(j):  # split j as [(x tile, mask)] chunks
+    out = []
+    for c in range(num_chunks):
+      rows_c, cols_c, _, _, mask_c = chunk_tile(j * num_chunks + c)
+      out.append((_load(x_ref.at[rows_c[:, None], cols_c[None, :]], mask_c), mask_c))
+    return out
+
   partials = functools.partial(_split_partials, n=n, block_n=block_n,
                                subtract_mean=subtract_mean)
-  s1, s2 = partials(x_raw, mask, k)
+  rows, _, row_mask, _, _ = chunk_tile(0)
+  chunks = load_split(k)
+  s1, s2 = partials(chunks, k)
   plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
   if subtract_mean:
     plgpu.store(p2_ref.at[rows, k], s2, mask=row_mask)
@@ -426,9 +464,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
 
   def recompute():  # every split's partials from x, as its own program computes them
     def body(j, tiles):
-      rows_j, cols_j, _, _, mask_j = tile(j)
-      xj = _load(x_ref.at[rows_j[:, None], cols_j[None, :]], mask_j)
-      new = [v for v in partials(xj, mask_j, j) if v is not None]
+      new = [v for v in partials(load_split(j), j) if v is not None]
       return tuple(jnp.where(ks[None, :] == j, v[:, None], t) for v, t in zip(new, tiles))
     zeros = jnp.zeros((block_m, ks.shape[0]), _F32)
     return lax.fori_loop(0, num_splits, body, (zeros,) * len(slot_refs))
@@ -436,10 +472,12 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   p1, *p2 = lax.cond(arrived >= num_splits, from_slots, recompute)
   mean, rstd = _combine_splits(p1, p2[0] if p2 else None, ks, n=n, eps=eps,
                                block_n=block_n)
-  # A second conversion of a bf16 split, so that the bf16 tile is what stays live.
-  x = _f32_again(x_raw) if x_raw.dtype == jnp.bfloat16 else x_raw.astype(_F32)
-  _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
-               rstd_ref, scale_ref, bias_ref, scale_offset)
+  for c, (x_raw, mask) in enumerate(chunks):
+    rows_c, cols_c, row_mask_c, col_mask_c, _ = chunk_tile(k * num_chunks + c)
+    # A second conversion of a bf16 split, so that the bf16 tile is what stays live.
+    x = _f32_again(x_raw) if x_raw.dtype == jnp.bfloat16 else x_raw.astype(_F32)
+    _split_store(x, mask, rows_c, cols_c, row_mask_c, col_mask_c, k if c == 0 else None,
+                 mean, rstd, y_ref, mean_ref, rstd_ref, scale_ref, bias_ref, scale_offset)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -511,7 +549,8 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
                             remedy=f"use a larger block_n (up to {_SPLIT_MAX_BLOCK_N}) or "
                                    f"mode='static_persistent'")
   num_row_blocks = cdiv(m, cfg.block_m)
-  statics = dict(statics, num_splits=num_splits, num_warps=cfg.num_warps,
+  chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
+  statics = dict(statics, chunk_n=chunk_n, num_splits=num_splits, num_warps=cfg.num_warps,
                  max_polls=0 if interpret else _SPLIT_MAX_POLLS, interpret=interpret)
   slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
            ] * (2 if sm else 1)
