@@ -135,6 +135,8 @@ class BackwardConfig:
       dy chunk by chunk for the row sums, pass 2 reloads them (from L2) for dx, and the
       partials of all cdiv(N, block_n) chunks stay in registers (the chunk loop is
       unrolled). x and dy are read from HBM once, with no exchange between programs.
+    chunk_n: with ``split_rows``, each program holds its split as ``block_n / chunk_n``
+      [block_m, chunk_n] tiles (power of 2; 0 means one tile). Ignored otherwise.
   """
 
   block_m: int
@@ -147,6 +149,7 @@ class BackwardConfig:
   num_stages: int = 1
   split_rows: bool = False
   reload_rows: bool = False
+  chunk_n: int = 0
 
   def __post_init__(self):
     if self.split_rows and self.reload_rows:
@@ -155,6 +158,8 @@ class BackwardConfig:
       v = getattr(self, f)
       if v < 1 or v & (v - 1):
         raise ValueError(f"{f}={v} must be a positive power of 2")
+    if self.chunk_n < 0 or self.chunk_n & (self.chunk_n - 1):
+      raise ValueError(f"{self.chunk_n=} must be 0 or a positive power of 2")
     if self.num_programs < 1:
       raise ValueError(f"{self.num_programs=} must be >= 1")
 
@@ -308,6 +313,13 @@ _BWD_CHUNK_N = 4096
 # slower. LayerNorm's split lost on all three shapes (16384^2 829 against 710 us), so
 # LayerNorm keeps the chunked pair.
 _BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_STAGES, _BWD_SPLIT_OCCUPANCY = 4096, 4, 3, 2
+# ... each split held as two 2048-wide chunks (backward.py's _bwd_split_kernel): 4096 x
+# 65536 572.9 us against 624.3 as one tile, 1024 x 262144 566.1 / 617.5; four chunks
+# 575.9 / 571.8; with chunks, 4 row blocks held 571.0 / 567.9, 2 held 1029 / 1420,
+# 4 programs a SM 743.7 / 566.4, 8 warps 835-880, 8192-wide splits 713-978, 2048-wide
+# 740 (H200, 2026-11-21, stage 1 + 2, median of 2-3 rounds;
+# benchmarks/results/h200_2026-11-21_split_bwd_chunks.txt).
+_BWD_SPLIT_CHUNK_N = 2048
 # Reload-row backward (Pallas backend): one program a row block walks the whole row
 # twice, the second time from L2, with every chunk's partials in registers; G = SMs.
 # H200, 2026-11-21, backward kernels (stage 1 + 2), CUPTI over rotated inputs, median
@@ -465,7 +477,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                                      else _BWD_RELOAD_RMS_MAX)
   split_rows = (wide and not reload_rows and not subtract_mean
                 and (device.platform == "cpu" or splits <= device.num_sms))
-  num_stages = 1
+  num_stages, chunk_n = 1, 0
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -489,7 +501,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   elif split_rows:  # each row split over programs that exchange their row sums
     block_n, block_m, num_warps = _BWD_SPLIT_N, 1, _BWD_SPLIT_WARPS
     num_programs = max(1, _BWD_SPLIT_OCCUPANCY * device.num_sms // splits)
-    num_stages = _BWD_SPLIT_STAGES
+    num_stages, chunk_n = _BWD_SPLIT_STAGES, _BWD_SPLIT_CHUNK_N
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
     num_programs = max(1, 2 * device.num_sms // cdiv(n, block_n))
@@ -498,7 +510,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, num_stages=num_stages,
-                        split_rows=split_rows, reload_rows=reload_rows,
+                        split_rows=split_rows, reload_rows=reload_rows, chunk_n=chunk_n,
                         **reduce_config(n, num_programs))
 
 

@@ -175,18 +175,21 @@ def test_split_rows_layer_offset():
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("m,n,block_m,block_n,num_stages,num_programs", [
-    (5, 1000, 1, 256, 1, 2),  # ragged last split, M not a multiple of G
-    (9, 1000, 2, 256, 3, 2),  # block_m 2 with a partial last row block; dx deferred
-    (7, 300, 1, 128, 2, 3),  # next row block prefetched
-    (3, 3 * 4096 + 5, 1, 4096, 3, 1),  # one group walks every row block
-    (4, 96, 4, 32, 3, 5),  # more groups than row blocks
+@pytest.mark.parametrize("m,n,block_m,block_n,num_stages,num_programs,chunk_n", [
+    (5, 1000, 1, 256, 1, 2, 0),  # ragged last split, M not a multiple of G
+    (9, 1000, 2, 256, 3, 2, 0),  # block_m 2 with a partial last row block; dx deferred
+    (9, 1000, 2, 256, 3, 2, 64),  # the split as 4 chunks, the last one ragged
+    (5, 1000, 1, 256, 3, 2, 8),  # chunks wholly past N (N a multiple of chunk_n only)
+    (7, 300, 1, 128, 2, 3, 0),  # next row block prefetched
+    (3, 3 * 4096 + 5, 1, 4096, 3, 1, 2048),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5, 0),  # more groups than row blocks
 ])
-def test_split_rows_backward(m, n, block_m, block_n, num_stages, num_programs, layer):
+def test_split_rows_backward(m, n, block_m, block_n, num_stages, num_programs, chunk_n,
+                             layer):
   """The split-row backward (backward.py's _bwd_split_kernel), any config."""
   _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
       block_m, block_n, 4, num_programs, num_stages=num_stages, split_rows=True,
-      **pn_config.reduce_config(n, num_programs)))
+      chunk_n=chunk_n, **pn_config.reduce_config(n, num_programs)))
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
@@ -319,7 +322,8 @@ def test_heuristic_modes():
   for n, g in ((32769, 29), (65536, 16), (262144, 4), (4096 * 132, 2)):
     bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev)
     assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
-            bwd.num_stages, bwd.num_programs) == (True, False, 1, 4096, 4, 3, g)
+            bwd.num_stages, bwd.num_programs, bwd.chunk_n) == (True, False, 1, 4096, 4, 3,
+                                                               g, 2048)
   assert pn_config.backward_config(3, 65536, jnp.bfloat16, device=dev).num_programs == 3
   for kw in ({"subtract_mean": True}, {"backend": "triton"}):
     bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, **kw)
