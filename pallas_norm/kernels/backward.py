@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv
-from pallas_norm.kernels.forward import (_load, _load_params, _slot_tile, _split_count,
-                                         _tile_index, _where0)
+from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _slot_tile,
+                                         _split_count, _tile_index, _where0)
 
 __all__ = ["norm_backward"]
 
@@ -343,15 +343,8 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   num_chunks = block_n // chunk_n
 
   def tile(rb, c, rows_in_bounds=False):  # chunk c of split k of row block rb
-    rows, cols, row_mask, col_mask, mask = _tile_index(
-        rb, k * num_chunks + c, m, n, block_m=block_m, block_n=chunk_n,
-        rows_in_bounds=rows_in_bounds)
-    if col_mask is None and n % block_n:  # whole chunks of the last split lie past N
-      col_mask = cols < n
-      mask = jnp.broadcast_to(col_mask[None, :], (block_m, chunk_n))
-      if row_mask is not None:
-        mask = row_mask[:, None] & mask
-    return rows, cols, row_mask, col_mask, mask
+    return _chunk_index(rb, k * num_chunks + c, m, n, block_m=block_m, block_n=block_n,
+                        chunk_n=chunk_n, rows_in_bounds=rows_in_bounds)
 
   ws = []  # scale, hoisted: one [chunk_n] f32 vector a chunk
   for c in range(num_chunks):

@@ -75,6 +75,20 @@ def _tile_index(rb, k, m, n, *, block_m, block_n, rows_in_bounds=False):
   return rows, cols, row_mask, col_mask, mask
 
 
+def _chunk_index(rb, i, m, n, *, block_m, block_n, chunk_n, rows_in_bounds=False):
+  """_tile_index of chunk i (columns [i * chunk_n, (i + 1) * chunk_n)) of a row cut into
+  block_n-wide splits of block_n / chunk_n chunks each. The column mask is kept
+  whenever block_n does not divide N: whole chunks of the last split may lie past N."""
+  rows, cols, row_mask, col_mask, mask = _tile_index(
+      rb, i, m, n, block_m=block_m, block_n=chunk_n, rows_in_bounds=rows_in_bounds)
+  if col_mask is None and n % block_n:
+    col_mask = cols < n
+    mask = jnp.broadcast_to(col_mask[None, :], (block_m, chunk_n))
+    if row_mask is not None:
+      mask = row_mask[:, None] & mask
+  return rows, cols, row_mask, col_mask, mask
+
+
 def _load(ref_at, mask, **kwargs):
   """Masked load with 0 outside the mask (or a plain load when mask is None)."""
   return plgpu.load(ref_at, mask=mask, other=None if mask is None else 0.0, **kwargs)
@@ -421,15 +435,8 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   rb, k = pid // num_splits, pid % num_splits
   num_chunks = block_n // chunk_n
 
-  def chunk_tile(i):  # chunk i of the row: columns [i * chunk_n, (i + 1) * chunk_n)
-    rows_c, cols_c, row_mask_c, col_mask_c, mask_c = _tile_index(
-        rb, i, m, n, block_m=block_m, block_n=chunk_n, rows_in_bounds=True)
-    if col_mask_c is None and n % block_n:  # whole chunks of the last split lie past N
-      col_mask_c = cols_c < n
-      mask_c = jnp.broadcast_to(col_mask_c[None, :], (block_m, chunk_n))
-      if row_mask_c is not None:
-        mask_c = row_mask_c[:, None] & mask_c
-    return rows_c, cols_c, row_mask_c, col_mask_c, mask_c
+  chunk_tile = functools.partial(_chunk_index, rb, m=m, n=n, block_m=block_m,
+                                 block_n=block_n, chunk_n=chunk_n, rows_in_bounds=True)
 
   def load_split(j):  # split j as [(x tile, mask)] chunks
     out = []
