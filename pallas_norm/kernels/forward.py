@@ -27,7 +27,10 @@ no mean/rstd are written.
 
 RMSNorm and LayerNorm share the kernels through the static ``subtract_mean`` flag.
 LayerNorm's variance is two-pass within a tile, and chunked rows combine per-chunk
-(mean, M2) pairs with Chan et al.'s parallel update; never E[x^2] - E[x]^2.
+(mean, M2) pairs with Chan et al.'s parallel update; never E[x^2] - E[x]^2 on raw x. A
+split row's (mean, M2) per split comes from sums of x - c, with c the mean of the
+split's first chunk (shifted data: c is near the split's mean, so nothing cancels),
+then Chan's update across splits.
 
 Refs end in ``_ref``; x is [M, N] and indexed with (row, col) index vectors, so the
 Triton lowering switches to 64-bit offsets by itself when x exceeds 2**32 bytes.
