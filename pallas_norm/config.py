@@ -123,14 +123,15 @@ class BackwardConfig:
     reduce_block_n: columns per stage-2 program (power of 2).
     reduce_block_g: partial rows summed per stage-2 step (power of 2).
     reduce_num_warps: warps per stage-2 program.
-    num_stages: software-pipelining depth of the stage-1 loops. With ``split_rows``,
-      the row blocks held in registers: 2 prefetches the next one, 3 also defers each
-      row block's dx by one row block.
+    num_stages: software-pipelining depth of the stage-1 loops (Triton's num_stages;
+      the split-row kernel schedules its own loads and ignores it).
     split_rows: with ``block_n < N``, split each row over cdiv(N, block_n) programs
-      that exchange their partial row sums (x and dy read once) instead of the
+      that exchange their partial row sums (x and dy read from HBM once) instead of the
       row-statistics + column-tiled pair (x and dy read twice). ``num_programs`` is
       then the number of row-block groups G; the grid is G x cdiv(N, block_n) and
       needs cdiv(N, block_n) <= the SM count.
+    split_lag: with ``split_rows``, how many row blocks ahead of its dx a program
+      publishes a row block's partial sums (>= 0); dx reloads x and dy, from L2.
     reload_rows: with ``block_n < N``, one program walks whole rows: pass 1 reads x and
       dy chunk by chunk for the row sums, pass 2 reloads them (from L2) for dx, and the
       partials of all cdiv(N, block_n) chunks stay in registers (the chunk loop is
@@ -150,6 +151,7 @@ class BackwardConfig:
   split_rows: bool = False
   reload_rows: bool = False
   chunk_n: int = 0
+  split_lag: int = 2
 
   def __post_init__(self):
     if self.split_rows and self.reload_rows:
@@ -162,6 +164,8 @@ class BackwardConfig:
       raise ValueError(f"{self.chunk_n=} must be 0 or a positive power of 2")
     if self.num_programs < 1:
       raise ValueError(f"{self.num_programs=} must be >= 1")
+    if self.split_lag < 0:
+      raise ValueError(f"{self.split_lag=} must be >= 0")
 
 
 # ---------------------------------------------------------------------------
@@ -304,40 +308,46 @@ _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Chunked backward: 4096-wide column chunks, 16 warps, G = 2 x SMs / chunks programs
 # a column (16384^2: 686 us; 4096 x 65536: 690; 1024 x 262144: 690).
 _BWD_CHUNK_N = 4096
-# Split-row backward (RMSNorm rows wider than one tile, Pallas backend): each row over
-# cdiv(N, 4096) programs at 4 warps, G = 2 x SMs / splits row-block groups, 3 row
-# blocks in registers (dx deferred one row block). H200, 2026-11-21
-# (benchmarks/results/h200_2026-11-21_sweep_split_bwd.json): 16384^2 610 us against
-# 674 for the chunked pair; 4096 x 65536 618 / 690; 1024 x 262144 609 / 683. 2048- and
-# 8192-wide splits, 8 warps, 1 or 4 programs a SM and fewer row blocks held were
-# slower. LayerNorm's split lost on all three shapes (16384^2 829 against 710 us), so
-# LayerNorm keeps the chunked pair.
-_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_STAGES, _BWD_SPLIT_OCCUPANCY = 4096, 4, 3, 2
-# ... each split held as two 2048-wide chunks (backward.py's _bwd_split_kernel): 4096 x
-# 65536 572.9 us against 624.3 as one tile, 1024 x 262144 566.1 / 617.5; four chunks
-# 575.9 / 571.8; with chunks, 4 row blocks held 571.0 / 567.9, 2 held 1029 / 1420,
-# 4 programs a SM 743.7 / 566.4, 8 warps 835-880, 8192-wide splits 713-978, 2048-wide
-# 740 (H200, 2026-11-21, stage 1 + 2, median of 2-3 rounds;
-# benchmarks/results/h200_2026-11-21_split_bwd_chunks.txt).
-_BWD_SPLIT_CHUNK_N = 2048
+# Split-row backward (rows longer than 16384, Pallas backend; both ops): each row over
+# cdiv(N, 2048) programs at 4 warps, G = 4 x SMs / splits row-block groups, each row
+# block published 2 row blocks ahead of its dx, which reloads x and dy from L2 (nothing
+# held across the wait: 96 registers a thread, against 255 for the split kept in
+# registers). H200, 2026-11-21, stage 1 + 2, CUPTI over rotated inputs, median of 10
+# (benchmarks/sweep_split_bwd.py; results/h200_2026-11-21_split_bwd_l2.json), against
+# what these shapes took before:
+#   RMSNorm   4096 x 32768 264.2 us (reload-row kernel 286.6); 4096 x 65536 527.1 and
+#             1024 x 262144 538.4 (the 4096-wide split held in registers: 560-563 in
+#             A/B rounds the same day, h200_2026-11-21_split_bwd_l2.txt).
+#   LayerNorm 4096 x 32768 342.5 us (row-statistics + column-tiled pair 360.7);
+#             4096 x 65536 691.2 (717.0); 1024 x 262144 698.8 (730.1). The split held
+#             in registers lost to the pair: 927-1755 us at 4096 x 65536.
+# 16384-wide rows keep the reload: RMSNorm 507.6 us against 526.1 split, LayerNorm
+# 587.6 / 674.7. Not kept: 2 or 3 programs a SM (RMSNorm 4096 x 65536 795.9 / 607.4
+# us), a lead of 0, 1 or 3 row blocks (1163.6 / 532.4 / 543.7; LayerNorm 1470.5 /
+# 1137.7 / 694.3), 8 warps (542.5; LayerNorm 1273.5), 4096-wide splits (572.0-585.5;
+# LayerNorm 743.0-759.1). Rows of more than SMs 2048-wide splits use the best of
+# those, 4096-wide splits at 8 warps, 2 a SM; rows of more than SMs 4096-wide splits
+# the pair.
+_BWD_SPLIT_MIN_N = 16384
+_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_OCCUPANCY, _BWD_SPLIT_LAG = 2048, 4, 4, 2
+_BWD_SPLIT_WIDE_N, _BWD_SPLIT_WIDE_WARPS, _BWD_SPLIT_WIDE_OCCUPANCY = 4096, 8, 2
 # Reload-row backward (Pallas backend): one program a row block walks the whole row
 # twice, the second time from L2, with every chunk's partials in registers; G = SMs.
 # H200, 2026-11-21, backward kernels (stage 1 + 2), CUPTI over rotated inputs, median
 # of 10 (benchmarks/sweep_reload_bwd.py; results h200_2026-11-21_sweep_reload*.json):
 #   - RMSNorm 16384^2: 507-512 us at [2, 4096] tiles, 16 warps, against 608-620 for the
-#     split-row kernel and 673 for the pair; 4096 x 32768: 287.6 us at [1, 4096], 16
-#     warps, against 312.5 split and 343.5 pair. Row blocks of 32768 elements won
-#     (16384^2 at [1, 4096]: 586 us, at [4, 4096]: 564-570).
+#     split-row kernel of then and 673 for the pair; 4096 x 32768: 287.6 us at
+#     [1, 4096], 16 warps, against 312.5 split and 343.5 pair (the split-row kernel of
+#     now takes 32768-wide rows: above). Row blocks of 32768 elements won (16384^2 at
+#     [1, 4096]: 586 us, at [4, 4096]: 564-570).
 #   - LayerNorm 16384^2: 589-597 us at [2, 2048], 8 warps, against 710-714 for the pair;
-#     at 4096 x 32768 the pair won (360.7 against 536.0), so LayerNorm's reload stops
-#     at 16384.
+#     at 4096 x 32768 the pair won (360.7 against 536.0): the reload stops at 16384.
 #   - 4096 x 65536 (64 partial registers a thread at 32 warps): 1090 us RMSNorm
 #     against 623 split; LayerNorm 2051 against 722 pair. Longer rows keep those.
 #   - Not kept: 2 programs a SM (16384^2 RMSNorm 514.8 against 507.1 us), Triton's
 #     pipeliner (num_stages 2/3: within 1%), and pass 2 of a row block interleaved with
 #     pass 1 of the next (commit de9550a, reverted: 16384^2 RMSNorm 562.2 against 511.0
 #     us, LayerNorm 803.9 against 590.4).
-_BWD_RELOAD_RMS_MAX, _BWD_RELOAD_LN_MAX = 32768, 16384
 _BWD_RELOAD_RMS_TILE_ELEMS, _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS = 32768, 4096, 16
 _BWD_RELOAD_LN_BLOCK_M, _BWD_RELOAD_LN_N, _BWD_RELOAD_LN_WARPS = 2, 2048, 8
 
@@ -464,20 +474,17 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   """Default backward launch config for an [m, n] input of ``dtype``.
 
   ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile.
-  On the Pallas backend, rows up to 32768 (RMSNorm) or 16384 (LayerNorm) take the
-  reload-row kernel; longer RMSNorm rows the split-row kernel, longer LayerNorm rows
-  the row-statistics + column-tiled pair, as do all of ``backend="triton"``'s.
+  On the Pallas backend, rows up to 16384 take the reload-row kernel and longer rows
+  the split-row kernel (while cdiv(N, 4096) <= the SM count); other long rows, and all
+  of ``backend="triton"``'s, the row-statistics + column-tiled pair.
   """
   del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
-  splits = cdiv(n, _BWD_SPLIT_N)
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
-  reload_rows = wide and bn_full <= (_BWD_RELOAD_LN_MAX if subtract_mean
-                                     else _BWD_RELOAD_RMS_MAX)
-  split_rows = (wide and not reload_rows and not subtract_mean
-                and (device.platform == "cpu" or splits <= device.num_sms))
-  num_stages, chunk_n = 1, 0
+  reload_rows = wide and bn_full <= _BWD_SPLIT_MIN_N
+  fits = lambda bn: device.platform == "cpu" or cdiv(n, bn) <= device.num_sms  # noqa: E731
+  split_rows = wide and not reload_rows and fits(_BWD_SPLIT_WIDE_N)
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -499,9 +506,12 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_n, num_warps = _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS
     num_programs = device.num_sms
   elif split_rows:  # each row split over programs that exchange their row sums
-    block_n, block_m, num_warps = _BWD_SPLIT_N, 1, _BWD_SPLIT_WARPS
-    num_programs = max(1, _BWD_SPLIT_OCCUPANCY * device.num_sms // splits)
-    num_stages, chunk_n = _BWD_SPLIT_STAGES, _BWD_SPLIT_CHUNK_N
+    block_n, num_warps, occupancy = ((_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_OCCUPANCY)
+                                     if fits(_BWD_SPLIT_N) else
+                                     (_BWD_SPLIT_WIDE_N, _BWD_SPLIT_WIDE_WARPS,
+                                      _BWD_SPLIT_WIDE_OCCUPANCY))
+    block_m = 1
+    num_programs = max(1, occupancy * device.num_sms // cdiv(n, block_n))
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
     num_programs = max(1, 2 * device.num_sms // cdiv(n, block_n))
@@ -509,8 +519,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_m = max(block_m, min(64, next_power_of_2(m)))
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
-                        num_programs=num_programs, num_stages=num_stages,
-                        split_rows=split_rows, reload_rows=reload_rows, chunk_n=chunk_n,
+                        num_programs=num_programs, split_rows=split_rows,
+                        reload_rows=reload_rows, split_lag=_BWD_SPLIT_LAG,
                         **reduce_config(n, num_programs))
 
 

@@ -175,20 +175,21 @@ def test_split_rows_layer_offset():
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("m,n,block_m,block_n,num_stages,num_programs,chunk_n", [
-    (5, 1000, 1, 256, 1, 2, 0),  # ragged last split, M not a multiple of G
-    (9, 1000, 2, 256, 3, 2, 0),  # block_m 2 with a partial last row block; dx deferred
-    (9, 1000, 2, 256, 3, 2, 64),  # the split as 4 chunks, the last one ragged
-    (5, 1000, 1, 256, 3, 2, 8),  # chunks wholly past N (N a multiple of chunk_n only)
-    (7, 300, 1, 128, 2, 3, 0),  # next row block prefetched
-    (3, 3 * 4096 + 5, 1, 4096, 3, 1, 2048),  # one group walks every row block
-    (4, 96, 4, 32, 3, 5, 0),  # more groups than row blocks
+@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs,chunk_n", [
+    (5, 1000, 1, 256, 0, 2, 0),  # ragged last split, M not a multiple of G; no lead
+    (9, 1000, 2, 256, 2, 2, 0),  # block_m 2 with a partial last row block
+    (9, 1000, 2, 256, 1, 2, 64),  # the split as 4 chunks, the last one ragged
+    (5, 1000, 1, 256, 2, 2, 8),  # chunks wholly past N (N a multiple of chunk_n only)
+    (7, 300, 1, 128, 3, 3, 0),  # a lead of 3 row blocks
+    (3, 3 * 4096 + 5, 1, 4096, 2, 1, 2048),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5, 0),  # more groups than row blocks; a lead past the last one
 ])
-def test_split_rows_backward(m, n, block_m, block_n, num_stages, num_programs, chunk_n,
+def test_split_rows_backward(m, n, block_m, block_n, split_lag, num_programs, chunk_n,
                              layer):
-  """The split-row backward (backward.py's _bwd_split_kernel), any config."""
+  """The split-row backward (backward.py's _bwd_split_kernel), any config. (On CPU the
+  kernel runs as its publish and consume phases, so the lead matters on the GPU only.)"""
   _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
-      block_m, block_n, 4, num_programs, num_stages=num_stages, split_rows=True,
+      block_m, block_n, 4, num_programs, split_lag=split_lag, split_rows=True,
       chunk_n=chunk_n, **pn_config.reduce_config(n, num_programs)))
 
 
@@ -303,36 +304,37 @@ def test_heuristic_modes():
   assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 4096, 4)
   ln = pn_config.forward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (ln.block_m, ln.block_n, ln.num_warps) == (16, 128, 2)
-  # Backward of rows wider than one tile on the Pallas backend (sweep_reload*.json):
-  # the reload-row kernel up to 32768 (RMSNorm; row blocks of 32768 elements, 4096-wide
-  # chunks, 16 warps) or 16384 (LayerNorm; [2, 2048] chunks, 8 warps), G = SMs.
+  # Backward of rows wider than one tile on the Pallas backend: the reload-row kernel
+  # up to 16384 (RMSNorm; row blocks of 32768 elements, 4096-wide chunks, 16 warps;
+  # LayerNorm; [2, 2048] chunks, 8 warps), G = SMs (sweep_reload*.json).
   def bwd_cfg(m, n, **kw):
     c = pn_config.backward_config(m, n, jnp.bfloat16, device=dev, **kw)
     return (c.reload_rows, c.split_rows, c.block_m, c.block_n, c.num_warps, c.num_programs)
 
   assert bwd_cfg(1024, 16384) == (True, False, 2, 4096, 16, 132)
   assert bwd_cfg(1024, 8193) == (True, False, 2, 4096, 16, 132)
-  assert bwd_cfg(1024, 32768) == (True, False, 1, 4096, 16, 132)
   assert bwd_cfg(1, 16384) == (True, False, 1, 4096, 16, 1)
   assert bwd_cfg(1024, 16384, subtract_mean=True) == (True, False, 2, 2048, 8, 132)
-  # Longer RMSNorm rows: split-row over 4096-wide programs at 4 warps, 2 programs a SM,
-  # 3 row blocks held (sweep_split_bwd.json), while the splits fit the SMs; else, and
-  # for longer LayerNorm rows and the Triton backend, the row-statistics +
-  # column-tiled pair.
-  for n, g in ((32769, 29), (65536, 16), (262144, 4), (4096 * 132, 2)):
-    bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev)
-    assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
-            bwd.num_stages, bwd.num_programs, bwd.chunk_n) == (True, False, 1, 4096, 4, 3,
-                                                               g, 2048)
+  # Longer rows, both ops: split-row over 2048-wide programs at 4 warps, 4 programs a
+  # SM, each row block published 2 ahead (split_bwd_l2.txt); 4096-wide at 8 warps, 2 a
+  # SM once 2048-wide splits outnumber the SMs; beyond, and on the Triton backend, the
+  # row-statistics + column-tiled pair.
+  for sm in (False, True):
+    for n, bn, nw, g in ((16385, 2048, 4, 58), (32768, 2048, 4, 33), (65536, 2048, 4, 16),
+                         (262144, 2048, 4, 4), (2048 * 132 + 1, 4096, 8, 3),
+                         (4096 * 132, 4096, 8, 2)):
+      bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=sm)
+      assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
+              bwd.num_programs, bwd.split_lag, bwd.chunk_n) == (True, False, 1, bn, nw, g,
+                                                                 2, 0)
   assert pn_config.backward_config(3, 65536, jnp.bfloat16, device=dev).num_programs == 3
-  for kw in ({"subtract_mean": True}, {"backend": "triton"}):
-    bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, **kw)
-    assert (bwd.split_rows, bwd.reload_rows, bwd.block_n, bwd.num_warps,
-            bwd.num_programs) == (False, False, 4096, 16, 16)
+  bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, backend="triton")
+  assert (bwd.split_rows, bwd.reload_rows, bwd.block_n, bwd.num_warps,
+          bwd.num_programs) == (False, False, 4096, 16, 16)
   assert bwd_cfg(1024, 16384, backend="triton") == (False, False, 1, 4096, 16, 66)
-  assert bwd_cfg(1024, 16385, subtract_mean=True) == (False, False, 1, 4096, 16, 52)
   for n in (8192, 4096 * 132 + 1):
-    assert bwd_cfg(1024, n)[:2] == (False, False)
+    for sm in (False, True):
+      assert bwd_cfg(1024, n, subtract_mean=sm)[:2] == (False, False)
   with pytest.raises(ValueError, match="exclusive"):
     pn_config.BackwardConfig(1, 4096, 4, 1, split_rows=True, reload_rows=True)
   from pallas_norm.kernels import jax_triton  # refuses before it needs jax-triton

@@ -290,31 +290,35 @@ def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threa
 
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                      block_m, block_n, chunk_n, num_splits, num_groups, num_warps,
-                      num_stages, phase):
-  """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once).
+                      block_m, block_n, chunk_n, num_splits, num_groups, num_warps, lag,
+                      phase):
+  """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once
+  from HBM).
 
   Program (group r, split k) owns columns [k * block_n, (k + 1) * block_n) of row
   blocks r, r + G, ... (G = ``num_groups``), so its dscale/dbias partials stay in
-  registers, as in the column-tiled kernel. For each row block it
-    1. loads its split of x and dy and stores the split's sums of x_hat * g (and g) in
-       slots [row, k], which start out _PENDING;
-    2. re-reads the row's slots until every split has stored its own (_split_slot_sums)
-       and sums them in split order, so every split gets the same bits;
-    3. writes dx from the split still in registers and adds to its partials.
-  ``num_stages`` row blocks are held in registers: 2 loads the next row block before
-  this one's wait; 3 also defers steps 2-3 of each row block by one row block (its
-  split is kept), so that a split one row block behind the others stalls no one.
-  The split is held, reduced and written as block_n / chunk_n separate column chunks
-  (and scale and the partials as as many vectors), so fewer values are live at once
-  (H200, RMSNorm 4096 x 65536: 624 us as one 4096-wide tile, 572 as two chunks).
+  registers, as in the column-tiled kernel. Row block i of the program is
+    1. published ``lag`` row blocks ahead of its dx: the program loads its split of x
+       and dy (evict_last) and stores the split's sums of x_hat * g (and g) in slots
+       [row, k], which start out _PENDING;
+    2. finished: the program re-reads the row's slots until every split has stored its
+       own (_split_slot_sums) and sums them in split order, so every split gets the
+       same bits; then it reloads its split of x and dy (from L2, where step 1 left
+       them; evict_first), writes dx and adds to its partials.
+  Nothing is held in registers across the wait, so the program is small (96 registers
+  a thread for RMSNorm [1, 2048] at 4 warps, against 255 when the split was held) and
+  four fit a SM; ``lag`` row blocks of lead mean the slots are complete by the time
+  they are read (H200 4096 x 65536 RMSNorm: 535-541 us at lag 2 against 560 with the
+  split held in registers; config.py gives the sweep).
+  The split is reduced and written as block_n / chunk_n separate column chunks (and
+  scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
   program only waits on programs of its own group that are running or will get an SM
   when an earlier group finishes: no deadlock while num_splits <= the SM count.
 
   ``phase`` "all" is the GPU kernel; interpret mode runs programs one after another,
   which the wait would deadlock, so it runs "publish" (step 1 for program (rb, k)) and
-  then "consume" (steps 2 and 3 for program (r, k), reading the published slots).
+  then "consume" (step 2 for program (r, k), reading the published slots).
   """
   refs = list(refs)
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -342,31 +346,32 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   c1_ref, c2_ref = (*slot_refs, None)[:2]
   num_chunks = block_n // chunk_n
 
-  def tile(rb, c, rows_in_bounds=False):  # chunk c of split k of row block rb
+  def tile(rb, c):  # chunk c of split k of row block rb (a valid row block)
     return _chunk_index(rb, k * num_chunks + c, m, n, block_m=block_m, block_n=block_n,
-                        chunk_n=chunk_n, rows_in_bounds=rows_in_bounds)
+                        chunk_n=chunk_n, rows_in_bounds=True)
 
   ws = []  # scale, hoisted: one [chunk_n] f32 vector a chunk
   for c in range(num_chunks):
     _, cols, _, col_mask, _ = tile(0, c)
     ws.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
 
-  def load(rb):  # [x_0, dy_0, x_1, dy_1, ...]; may be past the last row block (a
-    out = []     # prefetch): rows stay masked
-    for c in range(num_chunks):
-      rows, cols, _, _, mask = tile(rb, c)
-      out += _load_xdy(x_ref, dy_ref, rows, cols, mask)
-    return out
-
   def stats(rb):
-    rows, _, row_mask, _, _ = tile(rb, 0, rows_in_bounds=True)
+    rows, _, row_mask, _, _ = tile(rb, 0)
     return (rows, row_mask, *_row_stats(mean_ref, rstd_ref, rows, row_mask))
 
+  def load(rb, eviction_policy):  # raw [x_0, dy_0, x_1, dy_1, ...] of row block rb
+    out = []
+    for c in range(num_chunks):
+      rows, cols, _, _, mask = tile(rb, c)
+      out += _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy)
+    return out
+
   def chunk(rb, c, xdy, mean, rstd):  # (cols, mask, x_hat, dy, g) of chunk c
-    _, cols, _, _, mask = tile(rb, c, rows_in_bounds=True)
+    _, cols, _, _, mask = tile(rb, c)
     return (cols, mask, *_x_hat_g(xdy[2 * c], xdy[2 * c + 1], mask, mean, rstd, ws[c]))
 
-  def publish(rb, xdy):  # this split's share of c1 and c2 of row block rb
+  def publish(rb):  # step 1: this split's share of c1 and c2 of row block rb
+    xdy = load(rb, "evict_last")
     rows, row_mask, mean, rstd = stats(rb)
     s1 = s2 = 0.0
     for c in range(num_chunks):
@@ -378,10 +383,11 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
       plgpu.store(c2_ref.at[rows, k], _slot_bits(s2), mask=row_mask)
 
   if phase == "publish":
-    publish(r, load(r))
+    publish(r)
     return
 
-  def finish(rb, xdy, acc):  # dx of row block rb once its row sums are complete
+  def finish(rb, acc):  # step 2: dx of row block rb once its row sums are complete
+    xdy = load(rb, "evict_first")  # issued before the wait, which hides its latency
     rows, row_mask, mean, rstd = stats(rb)
     c1, c2 = _split_slot_sums(c1_ref, c2_ref, rows, row_mask, n=n, num_splits=num_splits,
                               num_threads=32 * num_warps, poll=phase == "all")
@@ -392,39 +398,20 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
       out.append(acc[2 * c] + jnp.sum(dy * x_hat, axis=0))
       out.append(acc[2 * c + 1] + jnp.sum(dy, axis=0) if db_ref is not None
                  else acc[2 * c + 1])
-    return out
-
-  # Row blocks held at once: [the previous one (lag), whose dx waits one row block
-  # for the other splits' sums,] this one [, the next one (prefetch)].
-  lag = num_stages >= 3
-  prefetch = num_stages >= 2
-  n_acc = n_held = 2 * num_chunks  # carry: the partials, then each held row block
-
-  def body(i, carry):
-    acc, held = carry[:n_acc], list(carry[n_acc:])
-    rb = r + i * num_groups
-    prev = held[:n_held] if lag else None
-    cur = held[-n_held:] if prefetch else load(rb)
-    nxt = load(rb + num_groups) if prefetch else []
-    if phase == "all":
-      publish(rb, cur)
-    if lag:
-      return (*finish(rb - num_groups, prev, acc), *cur, *nxt)
-    return (*finish(rb, cur, acc), *nxt)
+    return tuple(out)
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_groups + 1
-  zeros = (jnp.zeros((chunk_n,), _F32),) * n_acc
-  first = load(r) if prefetch else []
-  if lag:  # row block r is published before the loop, finished in its first step
+  if phase == "all":  # the first ``lag`` row blocks, published before the loop
+    for j in range(lag):
+      pl.when(j < num_steps)(functools.partial(publish, r + j * num_groups))
+
+  def body(i, acc):
+    rb = r + i * num_groups
     if phase == "all":
-      publish(r, first)
-    held = [*first, *load(r + num_groups)]
-    carry = lax.fori_loop(1, num_steps, body, (*zeros, *held))
-    accs = finish(r + (num_steps - 1) * num_groups, carry[n_acc:n_acc + n_held],
-                  carry[:n_acc])
-  else:
-    carry = lax.fori_loop(0, num_steps, body, (*zeros, *first))
-    accs = carry[:n_acc]
+      pl.when(i + lag < num_steps)(functools.partial(publish, rb + lag * num_groups))
+    return finish(rb, acc)
+
+  accs = lax.fori_loop(0, num_steps, body, (jnp.zeros((chunk_n,), _F32),) * (2 * num_chunks))
   for c in range(num_chunks):
     _, cols, _, col_mask, _ = tile(0, c)
     _store_partials(dw_ref, db_ref, r, cols, col_mask, accs[2 * c], accs[2 * c + 1])
@@ -547,8 +534,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   num_row_blocks = cdiv(m, cfg.block_m)
   chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, chunk_n=chunk_n)
-  # The kernel holds num_stages row blocks itself; Triton's own pipeliner stays off.
+                 num_warps=cfg.num_warps, lag=cfg.split_lag, chunk_n=chunk_n)
+  # Triton's own pipeliner stays off: the kernel schedules its loads itself.
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
   call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
   slot_shape = (num_row_blocks * cfg.block_m, num_splits)
