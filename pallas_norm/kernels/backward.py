@@ -301,15 +301,16 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     1. published ``lag`` row blocks ahead of its dx: the program loads its split of x
        and dy (evict_last) and stores the split's sums of x_hat * g (and g) in slots
        [row, k], which start out _PENDING;
-    2. finished: the program re-reads the row's slots until every split has stored its
-       own (_split_slot_sums) and sums them in split order, so every split gets the
-       same bits; then it reloads its split of x and dy (from L2, where step 1 left
-       them; evict_first), writes dx and adds to its partials.
+    2. finished: the program issues the reload of its split of x and dy (from L2,
+       where step 1 left them; evict_first), re-reads the row's slots until every
+       split has stored its own (_split_slot_sums) and sums them in split order, so
+       every split gets the same bits; then it writes dx and adds to its partials.
   Nothing is held in registers across the wait, so the program is small (96 registers
   a thread for RMSNorm [1, 2048] at 4 warps, against 255 when the split was held) and
   four fit a SM; ``lag`` row blocks of lead mean the slots are complete by the time
-  they are read (H200 4096 x 65536 RMSNorm: 535-541 us at lag 2 against 560 with the
-  split held in registers; config.py gives the sweep).
+  they are read (H200 4096 x 65536 RMSNorm: 527 us at lag 2 against 560 with the split
+  held in registers; with the reload issued after the wait, 696; config.py gives the
+  sweep).
   The split is reduced and written as block_n / chunk_n separate column chunks (and
   scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
