@@ -136,8 +136,9 @@ class BackwardConfig:
       dy chunk by chunk for the row sums, pass 2 reloads them (from L2) for dx, and the
       partials of all cdiv(N, block_n) chunks stay in registers (the chunk loop is
       unrolled). x and dy are read from HBM once, with no exchange between programs.
-    chunk_n: with ``split_rows``, each program holds its split as ``block_n / chunk_n``
-      [block_m, chunk_n] tiles (power of 2; 0 means one tile). Ignored otherwise.
+    chunk_n: with ``split_rows``, each program loads, reduces and writes its split as
+      ``block_n / chunk_n`` [block_m, chunk_n] tiles (power of 2; 0 means one tile).
+      Ignored otherwise.
   """
 
   block_m: int
