@@ -346,6 +346,12 @@ def _cupti_time(step, arg_sets, iters: int) -> dict:
   per_call = [sum(ms for _, ms in it) * 1e3 for it in timings]
   out = _summarise(per_call)
   out["kernels"] = [name for name, _ in timings[0]]
+  # Median of each kernel of the call, in launch order (each kernel's own median, so
+  # they need not add up to "us"; a kernel whose name moved between calls gets None).
+  names = out["kernels"]
+  same = [it for it in timings if [nm for nm, _ in it] == names]
+  out["kernel_us"] = [float(np.median([it[i][1] for it in same]) * 1e3) if same else None
+                      for i in range(len(names))]
   return out
 
 
@@ -820,7 +826,7 @@ def _progress(row: dict) -> str:
 
 _CSV_FIELDS = ("op", "pass", "m", "n", "dtype", "impl", "family", "status", "us", "us_p10",
                "us_p90", "gbs", "pct_copy", "bytes", "rotations", "iters", "timer",
-               "compile_s", "check", "check_detail", "kernels", "reason")
+               "compile_s", "check", "check_detail", "kernels", "kernel_us", "reason")
 
 
 def _out_path(args, meta: dict) -> pathlib.Path:
@@ -837,7 +843,9 @@ def _write(path: pathlib.Path, meta: dict, rows: list[dict]) -> None:
     w = csv.DictWriter(fh, fieldnames=_CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
-      w.writerow({**r, "kernels": ";".join(r.get("kernels", []))})
+      w.writerow({**r, "kernels": ";".join(r.get("kernels", [])),
+                  "kernel_us": ";".join("" if t is None else f"{t:.2f}"
+                                        for t in r.get("kernel_us", []))})
 
 
 def _finish(path: pathlib.Path, doc: dict) -> None:

@@ -191,3 +191,22 @@ def test_check_flags_a_wrong_output():
   assert bench._compare(ref.astype(jnp.bfloat16), ref, "bf16")["check"] == "ok"
   assert bench._compare(ref * 1.1, ref, "bf16")["check"] == "FAIL"
   assert bench._compare(ref.at[0, 0].set(jnp.nan), ref, "bf16")["check"] == "FAIL"
+
+
+def test_cupti_time_reports_each_kernels_median(monkeypatch):
+  """The call's time is the median of the per-call sums; each kernel gets its own median
+  (ms from the profiler, us out), in launch order."""
+  calls = [[("fwd", 0.010), ("bwd", 0.020)], [("fwd", 0.012), ("bwd", 0.030)],
+           [("fwd", 0.011), ("bwd", 0.025)]]
+
+  class FakeProfiler:
+    @staticmethod
+    def measure(fn, aggregate, iterations):
+      assert aggregate is False and iterations == 3
+      return lambda: (None, calls)
+
+  monkeypatch.setattr(bench, "_profiler", lambda: FakeProfiler)
+  out = bench._cupti_time(lambda x: x, [(1,)], 3)
+  assert out["kernels"] == ["fwd", "bwd"]
+  assert out["us"] == pytest.approx(36.0)  # sums 30, 42, 36
+  assert out["kernel_us"] == pytest.approx([11.0, 25.0])
