@@ -210,3 +210,44 @@ def test_cupti_time_reports_each_kernels_median(monkeypatch):
   assert out["kernels"] == ["fwd", "bwd"]
   assert out["us"] == pytest.approx(36.0)  # sums 30, 42, 36
   assert out["kernel_us"] == pytest.approx([11.0, 25.0])
+
+
+def _fake_tokamax_vjp(monkeypatch, with_block=True):
+  """A stand-in for tokamax's pallas_triton_vjp module: its VJP launches through
+  block.pallas_call with dx aliased onto x, as tokamax 0.0.12 does."""
+  import types
+  calls = []
+  block = types.SimpleNamespace(
+      pallas_call=lambda kernel, **kw: calls.append(kw) or kernel, other="kept")
+  tv = types.ModuleType("tokamax._src.ops.normalization.pallas_triton_vjp")
+
+  class Vjp:
+    def _fwd(self, x):
+      return tv.block.pallas_call(x, grid=(1,), input_output_aliases={1: 0}), tv.block.other
+
+  tv.PallasTritonNormalizationVjp = Vjp
+  if with_block:
+    tv.block = block
+  names = ["tokamax", "tokamax._src", "tokamax._src.ops", "tokamax._src.ops.normalization"]
+  for name in names:
+    monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+  monkeypatch.setitem(sys.modules, tv.__name__, tv)
+  monkeypatch.setattr(sys.modules[names[-1]], "pallas_triton_vjp", tv, raising=False)
+  return tv, block, calls
+
+
+def test_tokamax_vjp_without_alias_drops_only_the_alias(monkeypatch):
+  tv, block, calls = _fake_tokamax_vjp(monkeypatch)
+  vjp = bench.tokamax_vjp_without_alias()
+  assert isinstance(vjp, tv.PallasTritonNormalizationVjp)
+  assert vjp._fwd("kernel") == ("kernel", "kept")  # other attributes pass through
+  assert calls == [{"grid": (1,)}]  # same launch, no input_output_aliases
+  assert tv.block is block  # the module is restored after the trace
+  tv.PallasTritonNormalizationVjp()._fwd("kernel")  # tokamax's own VJP keeps its alias
+  assert calls[-1] == {"grid": (1,), "input_output_aliases": {1: 0}}
+
+
+def test_tokamax_vjp_without_alias_refuses_an_unknown_tokamax(monkeypatch):
+  _fake_tokamax_vjp(monkeypatch, with_block=False)
+  with pytest.raises(RuntimeError, match="dx-onto-x alias"):
+    bench.tokamax_vjp_without_alias()
