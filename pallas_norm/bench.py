@@ -77,6 +77,7 @@ import argparse  # noqa: E402
 import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
 import importlib.metadata  # noqa: E402
@@ -440,6 +441,8 @@ def tokamax_vjp_without_alias():
                        "dx-onto-x alias from; update bench.tokamax_vjp_without_alias")
 
   class NoAliasVjp(tv.PallasTritonNormalizationVjp):
+    # tokamax binds arguments by _fwd's signature: keep the original's.
+    @functools.wraps(tv.PallasTritonNormalizationVjp._fwd)
     def _fwd(self, *args, **kwargs):  # runs while the op is traced
       block = tv.block
       tv.block = _DropAliases(block)

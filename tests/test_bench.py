@@ -1,6 +1,7 @@
 """CPU tests of pallas_norm.bench: the plan, the bytes model, the output files and the
 refusal to time without a GPU. The timing itself runs only on the GPU machine."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -222,7 +223,8 @@ def _fake_tokamax_vjp(monkeypatch, with_block=True):
   tv = types.ModuleType("tokamax._src.ops.normalization.pallas_triton_vjp")
 
   class Vjp:
-    def _fwd(self, x):
+    def _fwd(self, x, *, config=None):
+      del config
       return tv.block.pallas_call(x, grid=(1,), input_output_aliases={1: 0}), tv.block.other
 
   tv.PallasTritonNormalizationVjp = Vjp
@@ -240,6 +242,8 @@ def test_tokamax_vjp_without_alias_drops_only_the_alias(monkeypatch):
   tv, block, calls = _fake_tokamax_vjp(monkeypatch)
   vjp = bench.tokamax_vjp_without_alias()
   assert isinstance(vjp, tv.PallasTritonNormalizationVjp)
+  # tokamax binds arguments by the signature of _fwd (it drops "config" from it).
+  assert list(inspect.signature(vjp._fwd).parameters) == ["x", "config"]
   assert vjp._fwd("kernel") == ("kernel", "kept")  # other attributes pass through
   assert calls == [{"grid": (1,)}]  # same launch, no input_output_aliases
   assert tv.block is block  # the module is restored after the trace
