@@ -27,6 +27,11 @@ Method (``../shared/BENCHMARKING.md``):
     does not see that copy, and the kernel then reads x from L2, where the copy left
     it. On an H200 (2026-11-21), 4096x1024 bf16: 4.26 us aliased (kernel only), 5.79 us
     without the alias (``benchmarks/results/h200_2026-11-21_tokamax_alias.txt``).
+    Its VJP writes dx over x in the same way; ``tokamax_vjp_without_alias`` launches
+    the same kernel with the same config into a buffer of its own. The step's results
+    are bitwise the same. H200, 2026-11-22, RMSNorm 32768x128 forward+backward: 13.94 us
+    aliased (kernels only), 15.30 us without; the H100: 15.17 / 17.74 us. From 4096x4096
+    up the two tie (``benchmarks/results/h200_2026-11-22_tokamax_vjp_alias.txt``).
   * torch peers: CUDA events around each call on the same rotated inputs (shared
     through DLPack), queued behind ``torch.cuda._sleep`` so the host runs ahead; the
     median. Events include the gaps between a call's kernels, which CUPTI does not.
