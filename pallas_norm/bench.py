@@ -352,11 +352,11 @@ def _cupti_time(step, arg_sets, iters: int) -> dict:
   per_call = [sum(ms for _, ms in it) * 1e3 for it in timings]
   out = _summarise(per_call)
   out["kernels"] = [name for name, _ in timings[0]]
-  # Median of each kernel of the call, in launch order (each kernel's own median, so
-  # they need not add up to "us"; a kernel whose name moved between calls gets None).
+  # Each kernel's own median, in launch order (so they need not add up to "us"), over
+  # the calls that launched the same kernels as the first.
   names = out["kernels"]
   same = [it for it in timings if [nm for nm, _ in it] == names]
-  out["kernel_us"] = [float(np.median([it[i][1] for it in same]) * 1e3) if same else None
+  out["kernel_us"] = [float(np.median([it[i][1] for it in same]) * 1e3)
                       for i in range(len(names))]
   return out
 
@@ -894,8 +894,7 @@ def _write(path: pathlib.Path, meta: dict, rows: list[dict]) -> None:
     w.writeheader()
     for r in rows:
       w.writerow({**r, "kernels": ";".join(r.get("kernels", [])),
-                  "kernel_us": ";".join("" if t is None else f"{t:.2f}"
-                                        for t in r.get("kernel_us", []))})
+                  "kernel_us": ";".join(f"{t:.2f}" for t in r.get("kernel_us", []))})
 
 
 def _finish(path: pathlib.Path, doc: dict) -> None:
