@@ -34,6 +34,7 @@ __all__ = [
     "backward_config",
     "cached_max_block_n",
     "reduce_config",
+    "split_resident_programs",
 ]
 
 MODES = ("multi_wave_reload", "multi_wave_cached", "static_persistent")
@@ -129,7 +130,7 @@ class BackwardConfig:
       that exchange their partial row sums (x and dy read from HBM once) instead of the
       row-statistics + column-tiled pair (x and dy read twice). ``num_programs`` is
       then the number of row-block groups G; the grid is G x cdiv(N, block_n) and
-      needs cdiv(N, block_n) <= the SM count.
+      needs cdiv(N, block_n) <= SMs x ``split_resident_programs(num_warps)``.
     split_lag: with ``split_rows``, how many row blocks ahead of its dx a program
       publishes a row block's partial sums (>= 0); dx reloads x and dy, from L2.
     reload_rows: with ``block_n < N``, one program walks whole rows: pass 1 reads x and
@@ -309,31 +310,39 @@ _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Chunked backward: 4096-wide column chunks, 16 warps, G = 2 x SMs / chunks programs
 # a column (16384^2: 686 us; 4096 x 65536: 690; 1024 x 262144: 690).
 _BWD_CHUNK_N = 4096
-# Split-row backward (rows longer than 16384, Pallas backend; both ops): each row over
-# cdiv(N, 2048) programs at 4 warps, G = 4 x SMs / splits row-block groups, each row
-# block published 2 row blocks ahead of its dx, which reloads x and dy from L2 (nothing
-# held across the wait: 96 registers a thread, against 255 for the split kept in
-# registers). H200, 2026-11-21, stage 1 + 2, CUPTI over rotated inputs, median of 10
-# (benchmarks/sweep_split_bwd.py; results/h200_2026-11-21_split_bwd_l2.json), against
-# what these shapes took before:
-#   RMSNorm   4096 x 32768 264.2 us (reload-row kernel 286.6); 4096 x 65536 527.1 and
-#             1024 x 262144 538.4 (the 4096-wide split held in registers: 560-563 in
-#             A/B rounds the same day, h200_2026-11-21_split_bwd_l2.txt).
-#   LayerNorm 4096 x 32768 342.5 us (row-statistics + column-tiled pair 360.7);
-#             4096 x 65536 691.2 (717.0); 1024 x 262144 698.8 (730.1). The split held
-#             in registers lost to the pair: 927-1755 us at 4096 x 65536.
-# 16384-wide rows keep the reload: RMSNorm 507.6 us against 526.1 split, LayerNorm
-# 587.6 / 674.7. Not kept: 2 or 3 programs a SM (RMSNorm 4096 x 65536 795.9 / 607.4
-# us), a lead of 0, 1 or 3 row blocks (1163.6 / 532.4 / 543.7; LayerNorm 1470.5 /
-# 1137.7 / 694.3), 8 warps (542.5; LayerNorm 1273.5), 4096-wide splits (572.0-585.5;
-# LayerNorm 743.0-759.1). Rows of more than SMs 2048-wide splits use the best of
-# those, 4096-wide splits at 8 warps, 2 a SM; rows of more than SMs 4096-wide splits
-# the pair.
-_BWD_SPLIT_MIN_N = 16384
-_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_OCCUPANCY, _BWD_SPLIT_LAG = 2048, 4, 4, 2
-_BWD_SPLIT_WIDE_N, _BWD_SPLIT_WIDE_WARPS, _BWD_SPLIT_WIDE_OCCUPANCY = 4096, 8, 2
-# Reload-row backward (Pallas backend): one program a row block walks the whole row
-# twice, the second time from L2, with every chunk's partials in registers; G = SMs.
+# Split-row backward (rows wider than one tile, Pallas backend; both ops): each row over
+# cdiv(N, W) programs of W / 512 warps (16 elements of x and of dy a thread), W the
+# narrowest of 512, 1024, 2048, ... with 4 N <= W^2 (the slots a program polls are then
+# at most a quarter of the bytes of its split), each row block published 2 row blocks
+# ahead of its dx, which reloads x and dy from L2 (nothing held across the wait).
+# Programs a SM: as many as fit by registers (ncu, H200, 2026-11-22, bf16: RMSNorm 94
+# registers a thread at 1 warp, 96 at 2, so 20 warps a SM; LayerNorm 127-128, so 16),
+# so G = that x SMs / cdiv(N, W) row-block groups; one more program a SM than fits
+# runs a second wave (RMSNorm 16384^2 at 21 programs of 1 warp: 677.7 us against 500.2).
+# H200, 2026-11-22, stage 1 + 2, CUPTI over rotated inputs, median of 5 rounds of 10
+# (benchmarks/ab_split_bwd.py; benchmarks/results/h200_2026-11-22_split_bwd_occupancy.txt),
+# against the rule before (2048-wide splits at 4 warps, 4 a SM; reload-row kernel for
+# rows up to 16384):
+#   RMSNorm   16384^2 500.2 us (reload 511.1), 8192 x 16384 252.1 (265.6),
+#             2048 x 16384 68.4 (76.0), 4096 x 32768 244.9 (264.1), 4096 x 65536 489.2
+#             (529.3), 1024 x 131072 251.8 at W = 1024 (268.8; 252.3 at W = 512),
+#             1024 x 262144 491.4 at W = 1024 (536.8; 506.3 at W = 2048, 4 warps, 5 a SM).
+#   LayerNorm 16384^2 584.5 us (reload 596.1), 2048 x 16384 81.5 (92.3), 4096 x 32768
+#             282.5 (343.7), 4096 x 65536 614.6-617.4 (690.0-696.7), 1024 x 131072 329.3
+#             at W = 1024 (355.0; 333.6 at W = 512), 1024 x 262144 659.9 at W = 1024
+#             (698.1; 683.3 at W = 2048, 2 warps; 512-wide splits, 512 of them: 1048).
+# Not kept: W = 256 (RMSNorm 16384^2 579.5 us, LayerNorm 4096 x 65536 1013.8), leads of
+# 1 and 3 row blocks (LayerNorm 16384^2 900.1 / 585.9 us, 4096 x 65536 623.7 / 621.4).
+# The split's programs wait on each other, so all of a row's must be resident at once:
+# cdiv(N, W) <= SMs x split_resident_programs(W / 512 warps), which holds whatever the
+# register count; longer rows (N > 4096 x SMs) take the row-statistics + column-tiled
+# pair.
+_BWD_SPLIT_MIN_W, _BWD_SPLIT_ELEMS_PER_WARP, _BWD_SPLIT_LAG = 512, 512, 2
+_BWD_SPLIT_RMS_WARPS_PER_SM, _BWD_SPLIT_LN_WARPS_PER_SM = 20, 16
+# Reload-row backward (Pallas backend, ``reload_rows``; the default for rows of 8193 to
+# 16384 until the split-row rule above beat it on 2026-11-22, and kept for callers):
+# one program a row block walks the whole row twice, the second time from L2, with
+# every chunk's partials in registers; G = SMs. Its best configs, as measured:
 # H200, 2026-11-21, backward kernels (stage 1 + 2), CUPTI over rotated inputs, median
 # of 10 (benchmarks/sweep_reload_bwd.py; results h200_2026-11-21_sweep_reload*.json):
 #   - RMSNorm 16384^2: 507-512 us at [2, 4096] tiles, 16 warps, against 608-620 for the
@@ -349,8 +358,6 @@ _BWD_SPLIT_WIDE_N, _BWD_SPLIT_WIDE_WARPS, _BWD_SPLIT_WIDE_OCCUPANCY = 4096, 8, 2
 #     pipeliner (num_stages 2/3: within 1%), and pass 2 of a row block interleaved with
 #     pass 1 of the next (commit de9550a, reverted: 16384^2 RMSNorm 562.2 against 511.0
 #     us, LayerNorm 803.9 against 590.4).
-_BWD_RELOAD_RMS_TILE_ELEMS, _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS = 32768, 4096, 16
-_BWD_RELOAD_LN_BLOCK_M, _BWD_RELOAD_LN_N, _BWD_RELOAD_LN_WARPS = 2, 2048, 8
 
 
 def cached_max_block_n(dtype) -> int:
@@ -470,22 +477,46 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
 
 
+def split_resident_programs(num_warps: int) -> int:
+  """Programs of ``num_warps`` warps a SM that are resident together whatever their
+  register count: 65536 registers a SM, at most 255 (256 allocated) a thread, so
+  8 / num_warps (at least 1). The split-row kernels, whose programs wait on each other,
+  split a row over at most this many programs a SM."""
+  return max(1, 8 // num_warps)
+
+
+def _bwd_split_rule(n: int, subtract_mean: bool, device: DeviceInfo):
+  """(block_n, num_warps, num_programs) of the split-row backward of N-long rows, or None
+  when its programs could not all be resident (N > 4096 x SMs)."""
+  w = _BWD_SPLIT_MIN_W
+  while 4 * n > w * w:
+    w *= 2
+  num_warps = w // _BWD_SPLIT_ELEMS_PER_WARP
+  splits = cdiv(n, w)
+  if num_warps > 32 or (device.platform != "cpu"
+                        and splits > device.num_sms * split_resident_programs(num_warps)):
+    return None
+  warps_per_sm = _BWD_SPLIT_LN_WARPS_PER_SM if subtract_mean else _BWD_SPLIT_RMS_WARPS_PER_SM
+  return w, num_warps, max(1, warps_per_sm // num_warps * device.num_sms // splits)
+
+
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                     subtract_mean: bool = False, backend: str = "pallas") -> BackwardConfig:
   """Default backward launch config for an [m, n] input of ``dtype``.
 
   ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile.
-  On the Pallas backend, rows up to 16384 take the reload-row kernel and longer rows
-  the split-row kernel (while cdiv(N, 4096) <= the SM count); other long rows, and all
-  of ``backend="triton"``'s, the row-statistics + column-tiled pair.
+  On the Pallas backend, rows wider than 8192 take the split-row kernel while all of a
+  row's programs can be resident (N <= 4096 x SMs; ``split_resident_programs``);
+  longer rows, and all of ``backend="triton"``'s wide rows, the row-statistics +
+  column-tiled pair.
   """
   del dtype
   device = device or device_info()
   bn_full = next_power_of_2(n)
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
-  reload_rows = wide and bn_full <= _BWD_SPLIT_MIN_N
-  fits = lambda bn: device.platform == "cpu" or cdiv(n, bn) <= device.num_sms  # noqa: E731
-  split_rows = wide and not reload_rows and fits(_BWD_SPLIT_WIDE_N)
+  split = _bwd_split_rule(n, subtract_mean, device) if wide else None
+  split_rows = split is not None
+  reload_rows = False  # chosen by no default: the split-row kernel beat it (above)
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -498,21 +529,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = 4 if block_n < 4096 else block_n // 256
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
-  elif reload_rows and subtract_mean:  # one program walks whole rows, twice
-    block_m = min(_BWD_RELOAD_LN_BLOCK_M, next_power_of_2(m))
-    block_n = _BWD_RELOAD_LN_N
-    num_warps, num_programs = _BWD_RELOAD_LN_WARPS, device.num_sms
-  elif reload_rows:
-    block_m = max(1, min(_BWD_RELOAD_RMS_TILE_ELEMS // bn_full, next_power_of_2(m)))
-    block_n, num_warps = _BWD_RELOAD_RMS_N, _BWD_RELOAD_RMS_WARPS
-    num_programs = device.num_sms
   elif split_rows:  # each row split over programs that exchange their row sums
-    block_n, num_warps, occupancy = ((_BWD_SPLIT_N, _BWD_SPLIT_WARPS, _BWD_SPLIT_OCCUPANCY)
-                                     if fits(_BWD_SPLIT_N) else
-                                     (_BWD_SPLIT_WIDE_N, _BWD_SPLIT_WIDE_WARPS,
-                                      _BWD_SPLIT_WIDE_OCCUPANCY))
+    block_n, num_warps, num_programs = split
     block_m = 1
-    num_programs = max(1, occupancy * device.num_sms // cdiv(n, block_n))
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
     num_programs = max(1, 2 * device.num_sms // cdiv(n, block_n))

@@ -304,29 +304,29 @@ def test_heuristic_modes():
   assert (ln.block_m, ln.block_n, ln.num_warps) == (2, 4096, 4)
   ln = pn_config.forward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (ln.block_m, ln.block_n, ln.num_warps) == (16, 128, 2)
-  # Backward of rows wider than one tile on the Pallas backend: the reload-row kernel
-  # up to 16384 (RMSNorm; row blocks of 32768 elements, 4096-wide chunks, 16 warps;
-  # LayerNorm; [2, 2048] chunks, 8 warps), G = SMs (sweep_reload*.json).
+  # Backward of rows wider than one tile on the Pallas backend, both ops: the split-row
+  # kernel, cdiv(N, W) programs of W / 512 warps, W the narrowest power of 2 >= 512 with
+  # 4 N <= W^2, 20 (RMSNorm) or 16 (LayerNorm) warps a SM, each row block published 2
+  # ahead (h200_2026-11-22_split_bwd_occupancy.txt), while every program of a row can be
+  # resident (cdiv(N, W) <= SMs x 8 / warps, so N <= 4096 x SMs); beyond, and on the
+  # Triton backend, the row-statistics + column-tiled pair.
   def bwd_cfg(m, n, **kw):
     c = pn_config.backward_config(m, n, jnp.bfloat16, device=dev, **kw)
     return (c.reload_rows, c.split_rows, c.block_m, c.block_n, c.num_warps, c.num_programs)
 
-  assert bwd_cfg(1024, 16384) == (True, False, 2, 4096, 16, 132)
-  assert bwd_cfg(1024, 8193) == (True, False, 2, 4096, 16, 132)
-  assert bwd_cfg(1, 16384) == (True, False, 1, 4096, 16, 1)
-  assert bwd_cfg(1024, 16384, subtract_mean=True) == (True, False, 2, 2048, 8, 132)
-  # Longer rows, both ops: split-row over 2048-wide programs at 4 warps, 4 programs a
-  # SM, each row block published 2 ahead (split_bwd_l2.txt); 4096-wide at 8 warps, 2 a
-  # SM once 2048-wide splits outnumber the SMs; beyond, and on the Triton backend, the
-  # row-statistics + column-tiled pair.
-  for sm in (False, True):
-    for n, bn, nw, g in ((16385, 2048, 4, 58), (32768, 2048, 4, 33), (65536, 2048, 4, 16),
-                         (262144, 2048, 4, 4), (2048 * 132 + 1, 4096, 8, 3),
-                         (4096 * 132, 4096, 8, 2)):
+  for n, bn, nw, g_rms, g_ln in ((8193, 512, 1, 155, 124), (16384, 512, 1, 82, 66),
+                                 (32768, 512, 1, 41, 33), (65536, 512, 1, 20, 16),
+                                 (65537, 1024, 2, 20, 16), (262144, 1024, 2, 5, 4),
+                                 (262145, 2048, 4, 5, 4), (4096 * 132, 2048, 4, 2, 2)):
+    for sm, g in ((False, g_rms), (True, g_ln)):
       bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=sm)
       assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
               bwd.num_programs, bwd.split_lag, bwd.chunk_n) == (True, False, 1, bn, nw, g,
-                                                                 2, 0)
+                                                                 2, 0), (n, sm)
+  assert bwd_cfg(1, 16384) == (False, True, 1, 512, 1, 1)
+  assert pn_config.split_resident_programs(1) == 8
+  assert pn_config.split_resident_programs(4) == 2
+  assert pn_config.split_resident_programs(16) == 1
   assert pn_config.backward_config(3, 65536, jnp.bfloat16, device=dev).num_programs == 3
   bwd = pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev, backend="triton")
   assert (bwd.split_rows, bwd.reload_rows, bwd.block_n, bwd.num_warps,
@@ -339,12 +339,11 @@ def test_heuristic_modes():
     pn_config.BackwardConfig(1, 4096, 4, 1, split_rows=True, reload_rows=True)
   from pallas_norm.kernels import jax_triton  # refuses before it needs jax-triton
   x = jnp.zeros((4, 8), jnp.float32)
-  for n in (65536, 16384):  # split-row, reload-row
+  for cfg in (pn_config.backward_config(1024, 65536, jnp.bfloat16, device=dev),
+              pn_config.BackwardConfig(1, 4096, 16, 132, reload_rows=True)):
     with pytest.raises(NotImplementedError, match="Pallas-only"):
       jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
-                               subtract_mean=False,
-                               config=pn_config.backward_config(1024, n, jnp.bfloat16,
-                                                                device=dev),
+                               subtract_mean=False, config=cfg,
                                interpret=True, scale_dtype=None, bias_dtype=None)
   # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4
   # programs, rounded down to a power of 2 for RMSNorm (narrow_bwd_programs.json).

@@ -20,13 +20,14 @@ never [M, N]:
     persistent [G, N / block_n] grid: program (r, k) owns column chunk k for row
     blocks r, r + G, ..., so its partials again stay in registers. x and dy are read
     twice, and there is no read-modify-write of partials;
-  - reload rows (``config.reload_rows``, block_n < N; the default for rows up to 32768
-    (RMSNorm) or 16384 (LayerNorm)), ``pallas_norm_bwd_reload``: G programs walk whole
+  - reload rows (``config.reload_rows``, block_n < N; no default picks it since the
+    split-row rule of 2026-11-22), ``pallas_norm_bwd_reload``: G programs walk whole
     rows, pass 1 for c1 and c2, pass 2 reloading x and dy from L2 for dx, with every
     chunk's partials in registers, so x and dy come from HBM once
     (``_bwd_reload_kernel``);
-  - split rows (``config.split_rows``, block_n < N; RMSNorm's default for longer rows),
-    ``pallas_norm_bwd_split``: each row over cdiv(N, block_n) programs that exchange
+  - split rows (``config.split_rows``, block_n < N; the default for rows wider than one
+    tile, up to 4096 x SMs), ``pallas_norm_bwd_split``: each row over cdiv(N, block_n)
+    programs that exchange
     their shares of c1 (and c2) through slots in global memory, so x and dy are read
     once (``_bwd_split_kernel``).
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
@@ -44,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv
+from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _slot_tile,
                                          _split_count, _tile_index, _where0)
 
@@ -305,17 +306,19 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
        where step 1 left them; evict_first), re-reads the row's slots until every
        split has stored its own (_split_slot_sums) and sums them in split order, so
        every split gets the same bits; then it writes dx and adds to its partials.
-  Nothing is held in registers across the wait, so the program is small (96 registers
-  a thread for RMSNorm [1, 2048] at 4 warps, against 255 when the split was held) and
-  four fit a SM; ``lag`` row blocks of lead mean the slots are complete by the time
-  they are read (H200 4096 x 65536 RMSNorm: 527 us at lag 2 against 560 with the split
-  held in registers; with the reload issued after the wait, 696; config.py gives the
-  sweep).
+  Nothing is held in registers across the wait, so the program is small (ncu, H200:
+  96 registers a thread for RMSNorm [1, 2048] at 4 warps, against 255 when the split
+  was held; 94 for [1, 512] at 1 warp, 127 for LayerNorm's) and many fit a SM;
+  ``lag`` row blocks of lead mean the slots are complete by the time they are read
+  (H200 4096 x 65536 RMSNorm at [1, 2048], 4 warps: 527 us at lag 2 against 560 with
+  the split held in registers; with the reload issued after the wait, 696; config.py
+  gives the sweeps).
   The split is reduced and written as block_n / chunk_n separate column chunks (and
   scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
   program only waits on programs of its own group that are running or will get an SM
-  when an earlier group finishes: no deadlock while num_splits <= the SM count.
+  when an earlier group finishes: no deadlock while a row's num_splits programs can all
+  be resident at once (``config.split_resident_programs`` a SM).
 
   ``phase`` "all" is the GPU kernel; interpret mode runs programs one after another,
   which the wait would deadlock, so it runs "publish" (step 1 for program (rb, k)) and
@@ -471,8 +474,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
 
   Raises:
-    NotImplementedError: ``split_rows`` with more splits than the device has SMs
-      (``cdiv(N, config.block_n) > SMs``).
+    NotImplementedError: ``split_rows`` with more splits than can surely be resident
+      (``cdiv(N, config.block_n) > SMs x config.split_resident_programs(num_warps)``).
   """
   m, n = x.shape
   cfg = config
@@ -531,7 +534,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   m, n = out_shape[0].shape
   sm = statics["subtract_mean"]
   num_splits = _split_count(n, cfg.block_n, interpret, what="the split-row backward",
-                            remedy="use a larger block_n or split_rows=False")
+                            remedy="use a larger block_n or split_rows=False",
+                            per_sm=split_resident_programs(cfg.num_warps))
   num_row_blocks = cdiv(m, cfg.block_m)
   chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,

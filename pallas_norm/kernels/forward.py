@@ -597,18 +597,20 @@ _SPLIT_MAX_POLLS = 256
 _SPLIT_MAX_BLOCK_N = 16384
 
 
-def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: str) -> int:
-  """cdiv(N, block_n), the programs one row is split over; at most the SM count, since
-  they wait on each other (no limit in interpret mode).
+def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: str,
+                 per_sm: int = 1) -> int:
+  """cdiv(N, block_n), the programs one row is split over; at most ``per_sm`` x the SM
+  count, the programs that are surely resident together, since they wait on each other
+  (no limit in interpret mode).
 
   Raises:
-    NotImplementedError: more splits than SMs, naming ``what`` and the ``remedy``.
+    NotImplementedError: more splits than that, naming ``what`` and the ``remedy``.
   """
   num_splits = cdiv(n, block_n)
-  max_splits = 1 << 30 if interpret else device_info().num_sms
+  max_splits = 1 << 30 if interpret else device_info().num_sms * per_sm
   if num_splits > max_splits:
     raise NotImplementedError(
         f"{what} splits a row over cdiv(N, block_n) programs that wait on each other, at "
-        f"most one a SM ({max_splits}): N={n} with block_n={block_n} needs {num_splits}; "
-        f"{remedy}")
+        f"most {'one' if per_sm == 1 else per_sm} a SM ({max_splits}): N={n} with "
+        f"block_n={block_n} needs {num_splits}; {remedy}")
   return num_splits

@@ -1,0 +1,110 @@
+"""A/B of backward configs (stage 1 + 2), rounds interleaved, on rotated inputs.
+
+  python benchmarks/ab_split_bwd.py {rms|layer} ROUNDS SHAPES CFGS
+
+SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
+  default                       config.backward_config's pick
+  split:bn,nw,occ,stages,chunk[,lag[,bm]]
+                                split-row kernel, G = occ x SMs / cdiv(N, bn)
+  reload:bm,bn,nw,occ           reload-row kernel, G = occ x SMs
+  pair:bn,nw,occ                row-statistics + column-tiled pair
+Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed
+per round), inputs rotated over >= 256 MiB; dx and dscale checked against the XLA
+reference. With PN_NOLIMIT=1, split configs may have more splits than
+``split_resident_programs`` allows (for sweeps only: such a grid may deadlock).
+The measurement behind config.py's _BWD_SPLIT_* rule.
+"""
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import sweep  # noqa: E402
+
+from pallas_norm import config as C, reference  # noqa: E402
+from pallas_norm.kernels import backward  # noqa: E402
+
+if os.environ.get("PN_NOLIMIT"):
+  backward._split_count = lambda n, bn, interp, **k: -(-n // bn)
+
+
+def _config(kind, a, m, n, sm, sms):
+  if kind == "default":
+    return C.backward_config(m, n, jnp.bfloat16, subtract_mean=sm)
+  if kind == "split":
+    bn, nw, occ, st, ch, *rest = a
+    bm = rest[1] if len(rest) > 1 else 1
+    g = min(-(-m // bm), max(1, occ * sms // -(-n // bn)))
+    return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
+                            num_stages=st, split_rows=True, chunk_n=ch,
+                            split_lag=rest[0] if rest else 2, **C.reduce_config(n, g))
+  if kind == "reload":
+    bm, bn, nw, occ = a
+    g = min(-(-m // bm), occ * sms)
+    return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
+                            reload_rows=True, **C.reduce_config(n, g))
+  if kind == "pair":
+    bn, nw, occ = a
+    g = max(1, occ * sms // -(-n // bn))
+    return C.BackwardConfig(block_m=1, block_n=bn, num_warps=nw, num_programs=g,
+                            **C.reduce_config(n, g))
+  raise SystemExit(f"unknown config kind {kind!r}")
+
+
+def main():
+  op, rounds, shapes, cfgs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+  dt = getattr(jnp, os.environ.get("DT", "bfloat16"))
+  sm = op == "layer"
+  sms = C.device_info().num_sms
+  print(jax.devices()[0].device_kind, sms, flush=True)
+  warm = jnp.ones((1 << 28,), jnp.float32)
+  t0 = time.time()
+  while time.time() - t0 < 3:
+    jax.block_until_ready(warm * 2)
+  for shape in shapes.split(","):
+    m, n = map(int, shape.split("x"))
+    nbytes = m * n * jnp.dtype(dt).itemsize
+    reps = max(2, -(-4 * (64 << 20) // nbytes))
+    key = jax.random.PRNGKey(0)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (m, n), dt) for i in range(reps)]
+    dys = [jax.random.normal(jax.random.fold_in(key, 99 + i), (m, n), dt) for i in range(reps)]
+    scale = jnp.ones((n,), jnp.bfloat16) * 1.25
+    bias = jnp.ones((n,), jnp.bfloat16) * 0.5 if sm else None
+    f = lambda x, s, b: reference.norm(x, s, b, eps=1e-5, subtract_mean=sm)  # noqa: E731
+    stats = [f(x, scale, bias) for x in xs]
+    _, pull = jax.vjp(lambda x, s: f(x, s, bias)[0], xs[0], scale)
+    dxr, dsr = [a.astype(jnp.float32) for a in pull(dys[0])]
+    fns = {}
+    for cs in cfgs.split(";"):
+      kind, _, args = cs.partition(":")
+      cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
+      fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
+          dy, x, scale, mean, rstd, has_bias=sm, scale_offset=0.0, subtract_mean=sm,
+          config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16))
+      try:
+        out = fn(dys[0], xs[0], stats[0][1], stats[0][2])
+      except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
+        print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      err = float(jnp.max(jnp.abs(out[0].astype(jnp.float32) - dxr)))
+      errs = float(jnp.max(jnp.abs(out[1].astype(jnp.float32) - dsr))
+                   / (jnp.max(jnp.abs(dsr)) + 1e-9))
+      fns[cs] = (fn, err, errs)
+    ins = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)]
+    res = {c: [] for c in fns}
+    for _ in range(rounds):
+      for c, (fn, *_) in fns.items():
+        res[c].append(sweep._time(fn, ins, 10))
+    for c, (_, err, errs) in fns.items():
+      med = np.median(res[c])
+      print(f"bwd {op} {shape} {c:26s} {med:7.1f}us {3 * nbytes / med / 1e3:6.0f}GB/s "
+            f"rounds {[round(t, 1) for t in res[c]]} dx_err={err:.3g} ds_rel={errs:.2g}",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
