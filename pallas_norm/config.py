@@ -88,6 +88,14 @@ class ForwardConfig:
       programs), the columns of one load: each program holds its split as
       ``block_n / chunk_n`` [block_m, chunk_n] tiles (power of 2; 0 means one tile).
       Ignored by the other modes.
+    split_rows: for ``static_persistent`` with ``block_n < N``, split each row over
+      cdiv(N, block_n) programs that exchange their partial statistics (x read from
+      HBM once; reloaded from L2) instead of walking the row in chunks.
+      ``num_programs`` is then the number of row-block groups G; the grid is
+      G x cdiv(N, block_n) and needs cdiv(N, block_n) <= SMs x
+      ``split_resident_programs(num_warps)``. Pallas backend only.
+    split_lag: with ``split_rows``, how many row blocks ahead of its normalisation a
+      program publishes a row block's partial statistics (>= 0).
   """
 
   mode: str
@@ -97,6 +105,8 @@ class ForwardConfig:
   num_programs: int = 0
   num_stages: int = 1
   chunk_n: int = 0
+  split_rows: bool = False
+  split_lag: int = 2
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -109,6 +119,10 @@ class ForwardConfig:
       raise ValueError(f"{self.chunk_n=} must be 0 or a positive power of 2")
     if self.num_warps not in (1, 2, 4, 8, 16, 32):
       raise ValueError(f"{self.num_warps=} must be a power of 2 in [1, 32]")
+    if self.split_rows and self.mode != "static_persistent":
+      raise ValueError(f"split_rows is a static_persistent option, not {self.mode}'s")
+    if self.split_lag < 0:
+      raise ValueError(f"{self.split_lag=} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,6 +157,66 @@ def test_split_rows_forward(m, n, block_m, block_n, chunk_n, layer):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs", [
+    (5, 1000, 1, 256, 0, 2),  # ragged last split, M not a multiple of G; no lead
+    (9, 1000, 2, 256, 2, 2),  # block_m 2 with a partial last row block
+    (7, 300, 1, 128, 3, 3),  # a lead of 3 row blocks
+    (3, 3 * 4096 + 5, 1, 4096, 2, 1),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5),  # more groups than row blocks; a lead past the last one
+])
+@pytest.mark.parametrize("return_residuals", [True, False], ids=["res", "nores"])
+def test_split_persistent_forward(m, n, block_m, block_n, split_lag, num_programs, layer,
+                                  return_residuals):
+  """static_persistent with split_rows (forward.py's _split_persistent_kernel), any
+  config. (On CPU the kernel runs as its publish and consume phases.)"""
+  from pallas_norm import reference
+  from pallas_norm.kernels import forward
+  x, scale, bias, _ = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
+  cfg = pn_config.ForwardConfig("static_persistent", block_m, block_n, 4, num_programs,
+                                split_rows=True, split_lag=split_lag)
+  got = forward.norm_forward(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
+                             subtract_mean=layer, config=cfg,
+                             interpret=jax.default_backend() != "gpu",
+                             return_residuals=return_residuals)
+  want = reference.norm(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
+                        subtract_mean=layer)
+  (y, mean, rstd), (y_ref, mean_ref, rstd_ref) = got, want
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=2e-5, atol=2e-5)
+  if not return_residuals:
+    assert mean is None and rstd is None
+    return
+  assert (mean is None) == (not layer)
+  for g, w in [(rstd, rstd_ref)] + ([(mean, mean_ref)] if layer else []):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_split_persistent_forward_matches_split():
+  """The persistent split and multi_wave_cached's split combine the same partials in the
+  same order: the same bits of y, mean and rstd (bf16, LayerNorm, rows far from 0)."""
+  from pallas_norm.kernels import forward
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(100.0 + rng.standard_normal((6, 1000)), jnp.bfloat16)
+  scale = jnp.asarray(rng.standard_normal(1000), jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(1000), jnp.bfloat16)
+  interpret = jax.default_backend() != "gpu"
+  outs = [forward.norm_forward(x, scale, bias, eps=1e-5, scale_offset=0.0,
+                               subtract_mean=True, config=cfg, interpret=interpret)
+          for cfg in (pn_config.ForwardConfig("multi_wave_cached", 1, 256, 4),
+                      pn_config.ForwardConfig("static_persistent", 1, 256, 4, 2,
+                                              split_rows=True))]
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_split_rows_config_errors():
+  with pytest.raises(ValueError, match="static_persistent option"):
+    pn_config.ForwardConfig("multi_wave_cached", 1, 256, 4, split_rows=True)
+  with pytest.raises(ValueError, match="split_lag"):
+    pn_config.ForwardConfig("static_persistent", 1, 256, 4, 2, split_rows=True,
+                            split_lag=-1)
+
+
 def test_split_rows_layer_offset():
   """A split LayerNorm's variance does not cancel on rows far from 0 (mean 1000, std 1):
   its chunks' sums are shifted by the first chunk's mean. E[x^2] - E[x]^2 in f32 is off
@@ -345,6 +405,11 @@ def test_heuristic_modes():
       jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
                                subtract_mean=False, config=cfg,
                                interpret=True, scale_dtype=None, bias_dtype=None)
+  with pytest.raises(NotImplementedError, match="Pallas-only"):
+    jax_triton.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
+                            config=pn_config.ForwardConfig("static_persistent", 1, 4, 1, 1,
+                                                           split_rows=True),
+                            interpret=True)
   # Backward, narrow rows (sweep_bwd_narrow.json): [16, 128] tiles, 2 warps, SMs x 4
   # programs, rounded down to a power of 2 for RMSNorm (narrow_bwd_programs.json).
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev)

@@ -46,8 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
-from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _slot_tile,
-                                         _split_count, _tile_index, _where0)
+from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _slot_bits,
+                                         _split_count, _split_rows_call, _split_rows_loop,
+                                         _split_rows_refs, _split_slot_tiles, _tile_index,
+                                         _where0)
 
 __all__ = ["norm_backward"]
 
@@ -253,43 +255,6 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
                     db[k] if db else None)
 
 
-# Split-row slots are int32 bit patterns of f32 partial sums. _PENDING marks a slot not
-# yet written: a NaN the kernels never store, since they store every NaN as _NAN_BITS
-# (the hardware's own NaN is 0x7FFFFFFF, hence the rewrite).
-_PENDING, _NAN_BITS = 0x7FFFFFFF, 0x7FC00000
-
-
-def _slot_bits(v):
-  """f32 -> int32 bit pattern, NaN rewritten to _NAN_BITS so that it is never _PENDING."""
-  return jnp.where(v != v, jnp.int32(_NAN_BITS), lax.bitcast_convert_type(v, jnp.int32))
-
-
-def _split_slot_sums(c1_ref, c2_ref, rows, row_mask, *, n, num_splits, num_threads,
-                     poll):
-  """(c1, c2) [block_m] of whole rows: their ``num_splits`` slots summed in split order.
-
-  With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
-  data is its own flag, so publishing is one plain store and waiting one round trip
-  once the row is complete, with no atomics or fences that would stall on this
-  program's loads in flight. The slot tile is the forward's (``_slot_tile``).
-  """
-  ks, mask = _slot_tile(rows, row_mask, num_splits, num_threads)
-  refs = (c1_ref,) if c2_ref is None else (c1_ref, c2_ref)
-
-  def load():  # int32 [block_m, width] each, 0 (+0.0) past the last split
-    return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=mask, other=0,
-                            volatile=poll) for r in refs)
-
-  def pending(tiles):
-    return sum(jnp.sum((t == _PENDING).astype(jnp.int32)) for t in tiles) > 0
-
-  tiles = load()
-  if poll:
-    tiles = lax.while_loop(pending, lambda _: load(), tiles)
-  sums = [jnp.sum(lax.bitcast_convert_type(t, _F32), axis=1) / n for t in tiles]
-  return sums[0], sums[1] if c2_ref is not None else None
-
-
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                       block_m, block_n, chunk_n, num_splits, num_groups, num_warps, lag,
                       phase):
@@ -304,7 +269,7 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
        [row, k], which start out _PENDING;
     2. finished: the program issues the reload of its split of x and dy (from L2,
        where step 1 left them; evict_first), re-reads the row's slots until every
-       split has stored its own (_split_slot_sums) and sums them in split order, so
+       split has stored its own (_split_slot_tiles) and sums them in split order, so
        every split gets the same bits; then it writes dx and adds to its partials.
   Nothing is held in registers across the wait, so the program is small (ncu, H200:
   96 registers a thread for RMSNorm [1, 2048] at 4 warps, against 255 when the split
@@ -330,23 +295,12 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
   m = x_ref.shape[0]
-  n_slots = 2 if subtract_mean else 1
-  if phase == "publish":
-    slot_refs = refs[:n_slots]
-    r, k = pl.program_id(0), pl.program_id(1)  # r is the row block here
-  elif phase == "consume":
-    slot_refs, refs = refs[:n_slots], refs[n_slots:]
-    r, k = pl.program_id(0), pl.program_id(1)
-  else:
-    refs = refs[1 + n_slots:]  # the zeroed ticket and _PENDING slots, aliased below
-  if phase != "publish":
-    dx_ref = refs.pop(0)
-    dw_ref = refs.pop(0) if has_scale else None
-    db_ref = refs.pop(0) if has_bias else None
-  if phase == "all":
-    ticket_ref, *slot_refs = refs
-    ticket = plgpu.atomic_add(ticket_ref, 0, jnp.int32(1))
-    r, k = ticket // num_splits, ticket % num_splits
+  slot_refs, outs, r, k = _split_rows_refs(refs, 2 if subtract_mean else 1, num_splits,
+                                           phase)
+  if outs:
+    dx_ref = outs.pop(0)
+    dw_ref = outs.pop(0) if has_scale else None
+    db_ref = outs.pop(0) if has_bias else None
   c1_ref, c2_ref = (*slot_refs, None)[:2]
   num_chunks = block_n // chunk_n
 
@@ -386,15 +340,12 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     if subtract_mean:
       plgpu.store(c2_ref.at[rows, k], _slot_bits(s2), mask=row_mask)
 
-  if phase == "publish":
-    publish(r)
-    return
-
   def finish(rb, acc):  # step 2: dx of row block rb once its row sums are complete
     xdy = load(rb, "evict_first")  # issued before the wait, which hides its latency
     rows, row_mask, mean, rstd = stats(rb)
-    c1, c2 = _split_slot_sums(c1_ref, c2_ref, rows, row_mask, n=n, num_splits=num_splits,
-                              num_threads=32 * num_warps, poll=phase == "all")
+    _, tiles = _split_slot_tiles(slot_refs, rows, row_mask, num_splits=num_splits,
+                                 num_threads=32 * num_warps, poll=phase == "all")
+    c1, c2 = (*(jnp.sum(t, axis=1) / n for t in tiles), None)[:2]
     out = []  # [dscale_0, dbias_0, dscale_1, ...] partials
     for c in range(num_chunks):
       cols, mask, x_hat, dy, g = chunk(rb, c, xdy, mean, rstd)
@@ -404,18 +355,11 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
                  else acc[2 * c + 1])
     return tuple(out)
 
-  num_steps = (cdiv(m, block_m) - 1 - r) // num_groups + 1
-  if phase == "all":  # the first ``lag`` row blocks, published before the loop
-    for j in range(lag):
-      pl.when(j < num_steps)(functools.partial(publish, r + j * num_groups))
-
-  def body(i, acc):
-    rb = r + i * num_groups
-    if phase == "all":
-      pl.when(i + lag < num_steps)(functools.partial(publish, rb + lag * num_groups))
-    return finish(rb, acc)
-
-  accs = lax.fori_loop(0, num_steps, body, (jnp.zeros((chunk_n,), _F32),) * (2 * num_chunks))
+  accs = _split_rows_loop(r, cdiv(m, block_m), num_groups=num_groups, lag=lag, phase=phase,
+                          publish=publish, finish=finish,
+                          init=(jnp.zeros((chunk_n,), _F32),) * (2 * num_chunks))
+  if phase == "publish":
+    return
   for c in range(num_chunks):
     _, cols, _, col_mask, _ = tile(0, c)
     _store_partials(dw_ref, db_ref, r, cols, col_mask, accs[2 * c], accs[2 * c + 1])
@@ -540,28 +484,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
                  num_warps=cfg.num_warps, lag=cfg.split_lag, chunk_n=chunk_n)
-  # Triton's own pipeliner stays off: the kernel schedules its loads itself.
-  params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
-  call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
-  slot_shape = (num_row_blocks * cfg.block_m, num_splits)
-  n_slots = 2 if sm else 1
-  if interpret:
-    c = call(functools.partial(_bwd_split_kernel, phase="publish", **statics),
-             out_shape=[jax.ShapeDtypeStruct(slot_shape, jnp.int32)] * n_slots,
-             grid=(num_row_blocks, num_splits),
-             name="pallas_norm_bwd_split_publish")(*inputs)
-    outs = call(functools.partial(_bwd_split_kernel, phase="consume", **statics),
-                out_shape=out_shape, grid=(g, num_splits),
-                name="pallas_norm_bwd_split")(*inputs, *c)
-  else:
-    sync = [jnp.zeros((1,), jnp.int32)]  # the ticket counter
-    sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
-    first = len(inputs)
-    outs = call(functools.partial(_bwd_split_kernel, phase="all", **statics),
-                out_shape=[*out_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sync)],
-                grid=(g * num_splits,),
-                input_output_aliases={first + i: len(out_shape) + i for i in range(len(sync))},
-                name="pallas_norm_bwd_split")(*inputs, *sync)
-    outs = outs[:len(out_shape)]
-  return outs
-
+  return _split_rows_call(functools.partial(_bwd_split_kernel, **statics), inputs, out_shape,
+                          num_row_blocks=num_row_blocks, block_m=cfg.block_m,
+                          num_splits=num_splits, num_groups=g, n_slots=2 if sm else 1,
+                          num_warps=cfg.num_warps, interpret=interpret,
+                          name="pallas_norm_bwd_split")

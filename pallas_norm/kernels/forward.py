@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, device_info,
-                                next_power_of_2)
+                                next_power_of_2, split_resident_programs)
 
 __all__ = ["norm_forward"]
 
@@ -490,6 +490,192 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
                  mean, rstd, y_ref, mean_ref, rstd_ref, scale_ref, bias_ref, scale_offset)
 
 
+# ------------------------------------------------------- persistent split-row machinery
+# Used by _split_persistent_kernel here and backward.py's _bwd_split_kernel: G groups of
+# num_splits programs; program (group r, split k) owns columns [k * block_n, ...) of row
+# blocks r, r + G, ... It publishes a row block's partial statistics in slots [row, k]
+# ``lag`` row blocks ahead, and finishes a row block once all its row's slots are
+# written, reloading its split from L2 (nothing is held in registers across the wait).
+
+# Slots are int32 bit patterns of f32 partial sums. _PENDING marks a slot not yet
+# written: a NaN the kernels never store, since they store every NaN as _NAN_BITS (the
+# hardware's own NaN is 0x7FFFFFFF, hence the rewrite).
+_PENDING, _NAN_BITS = 0x7FFFFFFF, 0x7FC00000
+
+
+def _slot_bits(v):
+  """f32 -> int32 bit pattern, NaN rewritten to _NAN_BITS so that it is never _PENDING."""
+  return jnp.where(v != v, jnp.int32(_NAN_BITS), lax.bitcast_convert_type(v, jnp.int32))
+
+
+def _split_slot_tiles(slot_refs, rows, row_mask, *, num_splits, num_threads, poll):
+  """(ks, [f32 [block_m, width] tile of each slot ref]) of ``rows``, 0 past the last
+  split.
+
+  With ``poll`` the slots are re-read (volatile, from L2) until none is _PENDING: the
+  data is its own flag, so publishing is one plain store and waiting one round trip
+  once the row is complete, with no atomics or fences that would stall on this
+  program's loads in flight. The slot tile is _slot_tile's.
+  """
+  ks, mask = _slot_tile(rows, row_mask, num_splits, num_threads)
+
+  def load():  # int32 [block_m, width] each, 0 (+0.0) past the last split
+    return tuple(plgpu.load(r.at[rows[:, None], ks[None, :]], mask=mask, other=0,
+                            volatile=poll) for r in slot_refs)
+
+  def pending(tiles):
+    return sum(jnp.sum((t == _PENDING).astype(jnp.int32)) for t in tiles) > 0
+
+  tiles = load()
+  if poll:
+    tiles = lax.while_loop(pending, lambda _: load(), tiles)
+  return ks, [lax.bitcast_convert_type(t, _F32) for t in tiles]
+
+
+def _split_rows_refs(refs, n_slots, num_splits, phase):
+  """(slot refs, output refs, r, k) of a persistent split-row kernel, from its refs
+  after its own inputs.
+
+  ``phase`` "all" (the GPU kernel): refs are the zeroed ticket and the _PENDING slots
+  (inputs), the outputs, then the ticket and slots again (outputs aliased to those
+  inputs); (r, k) come from the ticket counter in the order programs start, so a
+  waiting program only waits on programs of its own group that are running or will get
+  an SM when an earlier group finishes: no deadlock while a row's num_splits programs
+  can all be resident (config.split_resident_programs a SM). Interpret mode runs
+  programs one after another, which the wait would deadlock, so it runs "publish"
+  (refs: the slots, outputs; r is a row block) then "consume" (refs: the slots, inputs;
+  then the outputs).
+  """
+  if phase == "publish":
+    return refs[:n_slots], [], pl.program_id(0), pl.program_id(1)
+  if phase == "consume":
+    return refs[:n_slots], refs[n_slots:], pl.program_id(0), pl.program_id(1)
+  refs = refs[1 + n_slots:]
+  outs, (ticket_ref, *slot_refs) = refs[:-1 - n_slots], refs[-1 - n_slots:]
+  ticket = plgpu.atomic_add(ticket_ref, 0, jnp.int32(1))
+  return slot_refs, outs, ticket // num_splits, ticket % num_splits
+
+
+def _split_rows_loop(r, num_row_blocks, *, num_groups, lag, phase, publish, finish, init):
+  """Row blocks r, r + G, ... of group r: each published ``lag`` row blocks ahead of its
+  finish (``finish(rb, carry) -> carry``); returns the last carry. In phase "publish"
+  r is a row block, which is published alone (returns None)."""
+  if phase == "publish":
+    publish(r)
+    return None
+  num_steps = (num_row_blocks - 1 - r) // num_groups + 1
+  if phase == "all":  # the first ``lag`` row blocks, published before the loop
+    for j in range(lag):
+      pl.when(j < num_steps)(functools.partial(publish, r + j * num_groups))
+
+  def body(i, carry):
+    rb = r + i * num_groups
+    if phase == "all":
+      pl.when(i + lag < num_steps)(functools.partial(publish, rb + lag * num_groups))
+    return finish(rb, carry)
+
+  return lax.fori_loop(0, num_steps, body, init)
+
+
+def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_splits,
+                     num_groups, n_slots, num_warps, interpret, name):
+  """pallas_call of a persistent split-row ``kernel`` (taking ``phase``): its outputs."""
+  slot_shape = (num_row_blocks * block_m, num_splits)
+  # Triton's own pipeliner stays off: the kernels schedule their loads themselves.
+  call = functools.partial(pl.pallas_call, interpret=interpret,
+                           compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                                                num_stages=1))
+  if interpret:
+    slots = call(functools.partial(kernel, phase="publish"),
+                 out_shape=[jax.ShapeDtypeStruct(slot_shape, jnp.int32)] * n_slots,
+                 grid=(num_row_blocks, num_splits), name=f"{name}_publish")(*inputs)
+    return call(functools.partial(kernel, phase="consume"), out_shape=out_shape,
+                grid=(num_groups, num_splits), name=name)(*inputs, *slots)
+  sync = [jnp.zeros((1,), jnp.int32)]  # the ticket counter
+  sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
+  first = len(inputs)
+  outs = call(functools.partial(kernel, phase="all"),
+              out_shape=[*out_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sync)],
+              grid=(num_groups * num_splits,),
+              input_output_aliases={first + i: len(out_shape) + i for i in range(len(sync))},
+              name=name)(*inputs, *sync)
+  return outs[:len(out_shape)]
+
+
+def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale,
+                             has_bias, return_residuals, block_m, block_n, num_splits,
+                             num_groups, num_warps, lag, phase):
+  """static_persistent with ``split_rows``: each row over ``num_splits`` programs, x read
+  once from HBM and nothing held across the wait.
+
+  Program (group r, split k) owns columns [k * block_n, (k + 1) * block_n) of row
+  blocks r, r + G, ... (G = ``num_groups``), with scale and bias loaded once. Row
+  block i of the program is
+    1. published ``lag`` row blocks ahead: the program loads its split of x
+       (evict_last) and stores the split's statistics (RMSNorm: its sum of squares;
+       LayerNorm: its mean and M2, _split_partials) in slots [row, k];
+    2. finished: it reloads its split of x (from L2, where step 1 left it;
+       evict_first), reads the row's slots until every split has stored its own, and
+       combines them in split order (_combine_splits: every split gets the same bits,
+       the ones multi_wave_cached's split gets), normalises and stores y; split 0
+       stores mean and rstd.
+  This is the split-row backward's schedule (backward.py's _bwd_split_kernel) without
+  dy; the machinery is _split_rows_refs / _split_rows_loop / _split_rows_call.
+  """
+  refs = list(refs)
+  scale_ref = refs.pop(0) if has_scale else None
+  bias_ref = refs.pop(0) if has_bias else None
+  n_slots = 2 if subtract_mean else 1
+  slot_refs, outs, r, k = _split_rows_refs(refs, n_slots, num_splits, phase)
+  y_ref = mean_ref = rstd_ref = None
+  if outs:
+    y_ref = outs.pop(0)
+    mean_ref = outs.pop(0) if subtract_mean and return_residuals else None
+    rstd_ref = outs.pop(0) if return_residuals else None
+  m = x_ref.shape[0]
+  tile = functools.partial(_tile_index, k=k, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)  # the loop visits valid row blocks only
+
+  def load(rb, eviction_policy):
+    rows, cols, row_mask, col_mask, mask = tile(rb)
+    x = _load(x_ref.at[rows[:, None], cols[None, :]], mask, eviction_policy=eviction_policy)
+    return rows, cols, row_mask, col_mask, mask, x
+
+  def publish(rb):
+    rows, _, row_mask, _, mask, x = load(rb, "evict_last")
+    parts = _split_partials([(x, mask)], k, n=n, block_n=block_n,
+                            subtract_mean=subtract_mean)
+    for ref, v in zip(slot_refs, parts):
+      plgpu.store(ref.at[rows, k], _slot_bits(v), mask=row_mask)
+
+  w = b = None
+  if phase != "publish":
+    _, cols, _, col_mask, _ = tile(0)
+    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)  # hoisted
+
+  def finish(rb, carry):
+    rows, cols, row_mask, _, mask, x = load(rb, "evict_first")
+    ks, tiles = _split_slot_tiles(slot_refs, rows, row_mask, num_splits=num_splits,
+                                  num_threads=32 * num_warps, poll=phase == "all")
+    mean, rstd = _combine_splits(tiles[0], tiles[1] if subtract_mean else None, ks, n=n,
+                                 eps=eps, block_n=block_n)
+    x = x.astype(_F32)
+    if mean is not None:
+      x = _where0(mask, x - mean[:, None])
+    y = _affine(x * rstd[:, None], w, b)
+    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
+    if rstd_ref is not None:
+      first = k == 0
+      smask = first if row_mask is None else row_mask & first
+      plgpu.store(rstd_ref.at[rows], rstd, mask=smask)
+      if mean_ref is not None:
+        plgpu.store(mean_ref.at[rows], mean, mask=smask)
+    return carry
+
+  _split_rows_loop(r, cdiv(m, block_m), num_groups=num_groups, lag=lag, phase=phase,
+                   publish=publish, finish=finish, init=jnp.int32(0))
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -523,6 +709,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     return _split_forward(x, scale, bias, statics, cfg, interpret)
+  if cfg.mode == "static_persistent" and cfg.split_rows and cfg.block_n < n:
+    return _split_persistent_forward(x, scale, bias, statics, cfg, interpret)
   if cfg.mode == "multi_wave_cached":
     kernel, grid, name = _cached_kernel, num_row_blocks, "pallas_norm_fwd_cached"
   elif cfg.mode == "multi_wave_reload":
@@ -580,6 +768,33 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
       interpret=interpret,
       name="pallas_norm_fwd_split")(*inputs)
   y, *stats = res[:len(outs)]
+  if not return_residuals:
+    return y, None, None
+  return (y, *stats) if sm else (y, None, *stats)
+
+
+def _split_persistent_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool):
+  """static_persistent with the row split over cdiv(N, block_n) programs
+  (_split_persistent_kernel)."""
+  m, n = x.shape
+  sm = statics["subtract_mean"]
+  return_residuals = statics["return_residuals"]
+  num_splits = _split_count(n, cfg.block_n, interpret, what="static_persistent with split_rows",
+                            remedy="use a larger block_n or split_rows=False",
+                            per_sm=split_resident_programs(cfg.num_warps))
+  num_row_blocks = cdiv(m, cfg.block_m)
+  num_groups = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+  statics = dict(statics, num_splits=num_splits, num_groups=num_groups,
+                 num_warps=cfg.num_warps, lag=cfg.split_lag)
+  outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
+  if return_residuals:
+    outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
+  inputs = [a for a in (x, scale, bias) if a is not None]
+  y, *stats = _split_rows_call(
+      functools.partial(_split_persistent_kernel, **statics), inputs, outs,
+      num_row_blocks=num_row_blocks, block_m=cfg.block_m, num_splits=num_splits,
+      num_groups=num_groups, n_slots=2 if sm else 1, num_warps=cfg.num_warps,
+      interpret=interpret, name="pallas_norm_fwd_split_persistent")
   if not return_residuals:
     return y, None, None
   return (y, *stats) if sm else (y, None, *stats)

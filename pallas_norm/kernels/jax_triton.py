@@ -179,9 +179,14 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
     RMSNorm, both are None without ``return_residuals``.
 
   Raises:
+    NotImplementedError: ``config.split_rows`` (that long-row kernel is Pallas-only).
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
+  if config.split_rows:
+    raise NotImplementedError(
+        "ForwardConfig(split_rows=True) is Pallas-only; backend='triton' walks rows wider "
+        "than block_n in chunks (split_rows=False)")
   _jax_triton()
   st = _FwdStatic(float(eps), float(scale_offset), bool(subtract_mean), config,
                   bool(return_residuals))
