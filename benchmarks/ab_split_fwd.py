@@ -1,0 +1,104 @@
+"""A/B of forward configs (with residuals, as under jax.vjp), rounds interleaved, on
+rotated inputs.
+
+  python benchmarks/ab_split_fwd.py {rms|layer} ROUNDS SHAPES CFGS
+
+SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
+  default                 config.forward_config's pick
+  psplit:bn,nw,occ[,lag]  static_persistent with split_rows: G = occ x SMs / cdiv(N, bn)
+  cached:bn,nw,chunk      multi_wave_cached split over cdiv(N, bn) programs
+  persistent:bn,nw,occ    static_persistent walking rows in bn-wide chunks, occ x SMs
+  reload:bn,nw            multi_wave_reload
+Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed per
+round), inputs rotated over >= 256 MiB; GB/s = 2 x M x N x itemsize / time; y and rstd
+checked against the XLA reference. With PN_NOLIMIT=1, split configs may have more
+splits than ``split_resident_programs`` allows (sweeps only: such a grid may deadlock).
+The measurement behind config.py's forward split-row rule.
+"""
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import sweep  # noqa: E402
+
+from pallas_norm import config as C, reference  # noqa: E402
+from pallas_norm.kernels import forward  # noqa: E402
+
+if os.environ.get("PN_NOLIMIT"):
+  forward._split_count = lambda n, bn, interp, **k: -(-n // bn)
+
+
+def _config(kind, a, m, n, sm, sms):
+  if kind == "default":
+    return C.forward_config(m, n, jnp.bfloat16, subtract_mean=sm)
+  if kind == "psplit":
+    bn, nw, occ, *lag = a
+    g = min(m, max(1, occ * sms // -(-n // bn)))
+    return C.ForwardConfig("static_persistent", 1, bn, nw, g, split_rows=True,
+                           split_lag=lag[0] if lag else 2)
+  if kind == "cached":
+    bn, nw, ch = a
+    return C.ForwardConfig("multi_wave_cached", 1, bn, nw, chunk_n=ch)
+  if kind == "persistent":
+    bn, nw, occ = a
+    return C.ForwardConfig("static_persistent", 1, bn, nw, min(m, occ * sms))
+  if kind == "reload":
+    bn, nw = a
+    return C.ForwardConfig("multi_wave_reload", 1, bn, nw)
+  raise SystemExit(f"unknown config kind {kind!r}")
+
+
+def main():
+  op, rounds, shapes, cfgs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+  dt = getattr(jnp, os.environ.get("DT", "bfloat16"))
+  sm = op == "layer"
+  sms = C.device_info().num_sms
+  print(jax.devices()[0].device_kind, sms, flush=True)
+  warm = jnp.ones((1 << 28,), jnp.float32)
+  t0 = time.time()
+  while time.time() - t0 < 3:
+    jax.block_until_ready(warm * 2)
+  for shape in shapes.split(","):
+    m, n = map(int, shape.split("x"))
+    nbytes = m * n * jnp.dtype(dt).itemsize
+    reps = max(2, -(-4 * (64 << 20) // nbytes))
+    key = jax.random.PRNGKey(0)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (m, n), dt) + (3.0 if sm else 0.0)
+          for i in range(reps)]
+    scale = jnp.ones((n,), jnp.bfloat16) * 1.25
+    bias = jnp.ones((n,), jnp.bfloat16) * 0.5 if sm else None
+    y_ref, _, rstd_ref = reference.norm(xs[0], scale, bias, eps=1e-5, subtract_mean=sm)
+    fns = {}
+    for cs in cfgs.split(";"):
+      kind, _, args = cs.partition(":")
+      cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
+      fn = jax.jit(lambda x, cfg=cfg: forward.norm_forward(
+          x, scale, bias, eps=1e-5, scale_offset=0.0, subtract_mean=sm, config=cfg,
+          interpret=False))
+      try:
+        y, _, rstd = fn(xs[0])
+      except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
+        print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - y_ref.astype(jnp.float32))))
+      rerr = float(jnp.max(jnp.abs(rstd - rstd_ref) / rstd_ref))
+      fns[cs] = (fn, err, rerr)
+    ins = [(x,) for x in xs]
+    res = {c: [] for c in fns}
+    for _ in range(rounds):
+      for c, (fn, *_) in fns.items():
+        res[c].append(sweep._time(fn, ins, 10))
+    for c, (_, err, rerr) in fns.items():
+      med = np.median(res[c])
+      print(f"fwd {op} {shape} {c:26s} {med:7.1f}us {2 * nbytes / med / 1e3:6.0f}GB/s "
+            f"rounds {[round(t, 1) for t in res[c]]} y_err={err:.3g} rstd_rel={rerr:.2g}",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
