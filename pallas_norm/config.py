@@ -298,6 +298,22 @@ _SPLIT_CHUNK_N = 4096
 # benchmarks/results/h200_2026-11-21_split_chunks.txt).
 _LN_SPLIT_MIN_N = 32768
 _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS, _LN_SPLIT_CHUNK_N = 4096, 1, 1024
+# Since 2026-11-22 LayerNorm rows of 16384 < N <= 4096 x SMs take static_persistent
+# with split_rows instead (the persistent split-row forward: the split-row backward's
+# schedule, nothing held across the wait): W-wide splits of 1 warp, W = 1024 up to
+# N = 65536, else 2048, 16384 / W programs a SM (ncu, H200: 116 registers a thread at
+# W = 1024, so 16 fit; 234 at 2048, so 8). H200, 2026-11-22, bf16 forward with
+# residuals, CUPTI over rotated inputs, median of 3-5 rounds of 10
+# (benchmarks/ab_split_fwd.py; results/h200_2026-11-22_split_fwd.txt), against the
+# rule before: 4096 x 32768 176.3 us (reload 183.8), 4096 x 65536 347.3 (split above
+# 375.0), 1024 x 131072 180.8 (199.6), 1024 x 262144 386.6 (393.4; 382.2 at 2 warps).
+# Not kept: W = 512 at 20-32 a SM (4096 x 65536 414-446 us), 2048 at 12 a SM (a second
+# wave: 427.5), 4096-wide splits (402.3). At 16384^2 the reload stays (323.7 us
+# against 364.6 at best). RMSNorm's persistent split lost to the split above
+# everywhere (4096 x 65536 323.0 us at best against 292.7; 16384^2 332.6 against the
+# reload's 287.3), so RMSNorm keeps those rules.
+_LN_PSPLIT_MIN_N, _LN_PSPLIT_WIDE_N = 16384, 65536
+_LN_PSPLIT_W, _LN_PSPLIT_WIDE_W, _LN_PSPLIT_COLS_PER_SM = 1024, 2048, 16384
 # Backward: rows up to this padded length are one register tile with the partials in
 # registers; longer rows use the row-statistics + column-tiled pair. At 16384^2 the
 # single 16384-wide tile took 812 us and the pair 674-686 us.
@@ -405,6 +421,18 @@ def _splits_rows(n: int, subtract_mean: bool, backend: str, device: DeviceInfo) 
   return device.platform == "cpu" or cdiv(n, block_n) <= device.num_sms
 
 
+def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
+                         device: DeviceInfo) -> tuple[int, int] | None:
+  """(block_n, programs a SM) of LayerNorm's persistent split-row forward for N-long
+  rows, or None where it is not the pick."""
+  if not subtract_mean or backend != "pallas" or n <= _LN_PSPLIT_MIN_N:
+    return None
+  w = _LN_PSPLIT_W if n <= _LN_PSPLIT_WIDE_N else _LN_PSPLIT_WIDE_W
+  if device.platform != "cpu" and n > _LN_SPLIT_BLOCK_N * device.num_sms:
+    return None
+  return w, _LN_PSPLIT_COLS_PER_SM // w
+
+
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
                 backend: str = "pallas") -> str:
   """The mode the heuristic picks for an [m, n] input (the fastest one measured).
@@ -413,9 +441,12 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
   static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
   multi_wave_cached split over programs takes RMSNorm rows with N > 16384 (up to
-  8192 x SMs) and LayerNorm rows with N > 32768 (up to 4096 x SMs).
+  8192 x SMs), and static_persistent split over programs (``split_rows``) LayerNorm
+  rows with N > 16384 (up to 4096 x SMs).
   """
   del m, dtype
+  if _ln_persistent_split(n, subtract_mean, backend, device):
+    return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
   if n > _HEURISTIC_RELOAD_MAX:
@@ -430,8 +461,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    subtract_mean: bool = False, backend: str = "pallas") -> ForwardConfig:
   """Default forward launch config for an [m, n] input of ``dtype``.
 
-  ``subtract_mean`` (LayerNorm) picks the LayerNorm tile rule for single-tile rows;
-  ``backend`` ("pallas" or "triton") whether multi_wave_cached may split rows.
+  ``subtract_mean`` (LayerNorm) picks the LayerNorm tile rule for single-tile rows and
+  the persistent split for LayerNorm's static_persistent rows of 16384 < N <=
+  4096 x SMs; ``backend`` ("pallas" or "triton") whether rows may be split.
 
   Raises:
     ValueError: an unknown mode.
@@ -445,6 +477,12 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   bn_full = next_power_of_2(n)
+  psplit = _ln_persistent_split(n, subtract_mean, backend, device)
+  if mode == "static_persistent" and psplit:  # rows split over persistent programs
+    w, per_sm = psplit
+    block_m = 1 if device.platform != "cpu" else min(64, next_power_of_2(m))
+    num_programs = max(1, min(per_sm * device.num_sms // cdiv(n, w), cdiv(m, block_m)))
+    return ForwardConfig(mode, block_m, w, 1, num_programs, split_rows=True, split_lag=2)
   split_min_n, split_n, split_warps, split_chunk_n = _split_rule(subtract_mean)
   if mode == "multi_wave_cached" and backend == "pallas" and n > split_min_n:
     if not _splits_rows(n, subtract_mean, backend, device):

@@ -124,10 +124,10 @@ def test_large_n_split_rows(dtype):
 
 
 def test_large_n_split_rows_layer():
-  """LayerNorm rows longer than 32768: the heuristic splits them (4096-wide splits held
-  as 1024-wide chunks)."""
+  """LayerNorm rows longer than 16384: the heuristic splits them over persistent
+  programs (static_persistent with split_rows; 2048-wide splits past 65536)."""
   cfg = pn_config.forward_config(2, 65536 + 5, jnp.bfloat16, subtract_mean=True)
-  assert (cfg.mode, cfg.block_n, cfg.chunk_n) == ("multi_wave_cached", 4096, 1024)
+  assert (cfg.mode, cfg.block_n, cfg.split_rows) == ("static_persistent", 2048, True)
   _compare(2, 65536 + 5, "bfloat16", None, layer=True)
 
 
@@ -329,8 +329,8 @@ def test_heuristic_modes():
   # Triton backend keep reload up to 32768; LayerNorm splits beyond, over 4096-wide
   # programs of 1 warp in 1024-wide chunks (split_chunks.txt), up to 4096 x SMs; the
   # Triton backend takes persistent.
-  for kw in ({"subtract_mean": True}, {"backend": "triton"}):
-    assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev, **kw) == "multi_wave_reload"
+  assert pn_config.choose_mode(4096, 32768, jnp.bfloat16, dev,
+                               backend="triton") == "multi_wave_reload"
   assert pn_config.choose_mode(4096, 32769, jnp.bfloat16, dev,
                                backend="triton") == "static_persistent"
   long = pn_config.forward_config(1024, 131072, jnp.bfloat16, device=dev, backend="triton")
@@ -338,10 +338,24 @@ def test_heuristic_modes():
       "static_persistent", 1, 16384, 16, 528)
   long = pn_config.forward_config(1024, 262144, jnp.bfloat16, device=dev, backend="triton")
   assert long.mode == "static_persistent"
-  for n in (32769, 65536, 262144, 4096 * 132):
-    split = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
+  for n in (32769, 65536, 262144, 4096 * 132):  # LayerNorm's split when asked for
+    split = pn_config.forward_config(1024, n, jnp.bfloat16, "multi_wave_cached", dev,
+                                     subtract_mean=True)
     assert (split.mode, split.block_m, split.block_n, split.num_warps, split.chunk_n) == (
         "multi_wave_cached", 1, 4096, 1, 1024)
+  # LayerNorm rows of 16384 < N <= 4096 x SMs: static_persistent split over programs of
+  # 1 warp, 1024 wide up to 65536 (16 a SM), else 2048 wide (8 a SM)
+  # (h200_2026-11-22_split_fwd.txt); 16384 keeps the reload.
+  assert pn_config.choose_mode(4096, 16384, jnp.bfloat16, dev,
+                               subtract_mean=True) == "multi_wave_reload"
+  for n, bn, g in ((16385, 1024, 124), (32768, 1024, 66), (65536, 1024, 33),
+                   (65537, 2048, 32), (262144, 2048, 8), (4096 * 132, 2048, 4)):
+    ps = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
+    assert (ps.mode, ps.split_rows, ps.block_m, ps.block_n, ps.num_warps, ps.num_programs,
+            ps.split_lag) == ("static_persistent", True, 1, bn, 1, g, 2), n
+  ps = pn_config.forward_config(1024, 65536, jnp.bfloat16, device=dev, subtract_mean=True,
+                                backend="triton")
+  assert not ps.split_rows
   assert pn_config.choose_mode(64, 4096 * 132 + 1, jnp.bfloat16, dev,
                                subtract_mean=True) == "static_persistent"
   assert pn_config.choose_mode(4096, 16385, jnp.bfloat16, dev) == "multi_wave_cached"
