@@ -16,13 +16,11 @@ The measurement behind config.py's _BWD_SPLIT_* rule.
 """
 import os
 import sys
-import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import sweep  # noqa: E402
 
 from pallas_norm import config as C, reference  # noqa: E402
@@ -59,12 +57,7 @@ def main():
   op, rounds, shapes, cfgs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
   dt = getattr(jnp, os.environ.get("DT", "bfloat16"))
   sm = op == "layer"
-  sms = C.device_info().num_sms
-  print(jax.devices()[0].device_kind, sms, flush=True)
-  warm = jnp.ones((1 << 28,), jnp.float32)
-  t0 = time.time()
-  while time.time() - t0 < 3:
-    jax.block_until_ready(warm * 2)
+  sms = sweep.ab_warm_up()
   for shape in shapes.split(","):
     m, n = map(int, shape.split("x"))
     nbytes = m * n * jnp.dtype(dt).itemsize
@@ -93,17 +86,9 @@ def main():
       err = float(jnp.max(jnp.abs(out[0].astype(jnp.float32) - dxr)))
       errs = float(jnp.max(jnp.abs(out[1].astype(jnp.float32) - dsr))
                    / (jnp.max(jnp.abs(dsr)) + 1e-9))
-      fns[cs] = (fn, err, errs)
+      fns[cs] = (fn, f"dx_err={err:.3g} ds_rel={errs:.2g}")
     ins = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)]
-    res = {c: [] for c in fns}
-    for _ in range(rounds):
-      for c, (fn, *_) in fns.items():
-        res[c].append(sweep._time(fn, ins, 10))
-    for c, (_, err, errs) in fns.items():
-      med = np.median(res[c])
-      print(f"bwd {op} {shape} {c:26s} {med:7.1f}us {3 * nbytes / med / 1e3:6.0f}GB/s "
-            f"rounds {[round(t, 1) for t in res[c]]} dx_err={err:.3g} ds_rel={errs:.2g}",
-            flush=True)
+    sweep.ab_report(f"bwd {op} {shape}", fns, ins, rounds, 3 * nbytes)
 
 
 if __name__ == "__main__":

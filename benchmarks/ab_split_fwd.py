@@ -17,13 +17,11 @@ The measurement behind config.py's forward split-row rule.
 """
 import os
 import sys
-import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import sweep  # noqa: E402
 
 from pallas_norm import config as C, reference  # noqa: E402
@@ -57,12 +55,7 @@ def main():
   op, rounds, shapes, cfgs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
   dt = getattr(jnp, os.environ.get("DT", "bfloat16"))
   sm = op == "layer"
-  sms = C.device_info().num_sms
-  print(jax.devices()[0].device_kind, sms, flush=True)
-  warm = jnp.ones((1 << 28,), jnp.float32)
-  t0 = time.time()
-  while time.time() - t0 < 3:
-    jax.block_until_ready(warm * 2)
+  sms = sweep.ab_warm_up()
   for shape in shapes.split(","):
     m, n = map(int, shape.split("x"))
     nbytes = m * n * jnp.dtype(dt).itemsize
@@ -87,17 +80,8 @@ def main():
         continue
       err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - y_ref.astype(jnp.float32))))
       rerr = float(jnp.max(jnp.abs(rstd - rstd_ref) / rstd_ref))
-      fns[cs] = (fn, err, rerr)
-    ins = [(x,) for x in xs]
-    res = {c: [] for c in fns}
-    for _ in range(rounds):
-      for c, (fn, *_) in fns.items():
-        res[c].append(sweep._time(fn, ins, 10))
-    for c, (_, err, rerr) in fns.items():
-      med = np.median(res[c])
-      print(f"fwd {op} {shape} {c:26s} {med:7.1f}us {2 * nbytes / med / 1e3:6.0f}GB/s "
-            f"rounds {[round(t, 1) for t in res[c]]} y_err={err:.3g} rstd_rel={rerr:.2g}",
-            flush=True)
+      fns[cs] = (fn, f"y_err={err:.3g} rstd_rel={rerr:.2g}")
+    sweep.ab_report(f"fwd {op} {shape}", fns, [(x,) for x in xs], rounds, 2 * nbytes)
 
 
 if __name__ == "__main__":

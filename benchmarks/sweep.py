@@ -39,6 +39,32 @@ def _time(fn, inputs, iters):
   return bench._cupti_time(fn, inputs, iters).get("us")
 
 
+def ab_warm_up() -> int:
+  """For the A/B scripts: print the device, keep the GPU busy for 3 s (clocks up) and
+  return its SM count."""
+  sms = C.device_info().num_sms
+  print(jax.devices()[0].device_kind, sms, flush=True)
+  warm = jnp.ones((1 << 28,), jnp.float32)
+  t0 = time.time()
+  while time.time() - t0 < 3:
+    jax.block_until_ready(warm * 2)
+  return sms
+
+
+def ab_report(tag, fns, ins, rounds, nbytes_moved):
+  """For the A/B scripts: time each of ``fns`` ({name: (fn, checks text)}) over the
+  rotated ``ins``, ``rounds`` rounds of 10 calls interleaved over the configs, and print
+  a line each: the median of the rounds, GB/s on ``nbytes_moved`` and every round."""
+  res = {c: [] for c in fns}
+  for _ in range(rounds):
+    for c, (fn, _) in fns.items():
+      res[c].append(_time(fn, ins, 10))
+  for c, (_, checks) in fns.items():
+    med = np.median(res[c])
+    print(f"{tag} {c:26s} {med:7.1f}us {nbytes_moved / med / 1e3:6.0f}GB/s "
+          f"rounds {[round(t, 1) for t in res[c]]} {checks}", flush=True)
+
+
 def _tiles(m, bn, sizes):
   """Row-block sizes block_m giving tiles of ``sizes`` elements (block_m <= M)."""
   return sorted({max(1, t // bn) for t in sizes if max(1, t // bn) <= C.next_power_of_2(m)})
