@@ -10,24 +10,20 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
   pair:bn,nw,occ                row-statistics + column-tiled pair
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed
 per round), inputs rotated over >= 256 MiB; dx and dscale checked against the XLA
-reference. With PN_NOLIMIT=1, split configs may have more splits than
-``split_resident_programs`` allows (for sweeps only: such a grid may deadlock).
+reference. PN_NOLIMIT=1: see sweep.ab_warm_up.
 The measurement behind config.py's _BWD_SPLIT_* rule.
 """
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep  # noqa: E402  (sets XLA_FLAGS before jax starts a backend)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import sweep  # noqa: E402
 
 from pallas_norm import config as C, reference  # noqa: E402
 from pallas_norm.kernels import backward  # noqa: E402
-
-if os.environ.get("PN_NOLIMIT"):
-  backward._split_count = lambda n, bn, interp, **k: -(-n // bn)
 
 
 def _config(kind, a, m, n, sm, sms):

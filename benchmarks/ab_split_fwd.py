@@ -11,24 +11,20 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
   reload:bn,nw            multi_wave_reload
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed per
 round), inputs rotated over >= 256 MiB; GB/s = 2 x M x N x itemsize / time; y and rstd
-checked against the XLA reference. With PN_NOLIMIT=1, split configs may have more
-splits than ``split_resident_programs`` allows (sweeps only: such a grid may deadlock).
+checked against the XLA reference. PN_NOLIMIT=1: see sweep.ab_warm_up.
 The measurement behind config.py's forward split-row rule.
 """
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep  # noqa: E402  (sets XLA_FLAGS before jax starts a backend)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import sweep  # noqa: E402
 
 from pallas_norm import config as C, reference  # noqa: E402
 from pallas_norm.kernels import forward  # noqa: E402
-
-if os.environ.get("PN_NOLIMIT"):
-  forward._split_count = lambda n, bn, interp, **k: -(-n // bn)
 
 
 def _config(kind, a, m, n, sm, sms):
