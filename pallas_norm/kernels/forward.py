@@ -307,13 +307,14 @@ def _combine_splits(p1, p2, ks, *, n, eps, block_n):
   return mean, lax.rsqrt(m2 / n + _F32(eps))
 
 
-def _split_store(x, mask, rows, cols, row_mask, col_mask, k, mean, rstd, y_ref, mean_ref,
-                 rstd_ref, scale_ref, bias_ref, scale_offset):
-  """Normalise a chunk of a split held in registers; the first chunk of split 0 writes
-  the row statistics (``k`` is None for the other chunks)."""
+def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, rstd_ref,
+                 params):
+  """Normalise a chunk of a split (f32) and store it; split 0 writes the row statistics
+  (``k`` is None for the chunks that do not). ``params()`` gives (w, b), as in
+  _single_tile."""
   if mean is not None:
     x = _where0(mask, x - mean[:, None])
-  w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
+  w, b = params()
   y = _affine(x * rstd[:, None], w, b)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
   if rstd_ref is not None and k is not None:
@@ -486,8 +487,10 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
     rows_c, cols_c, row_mask_c, col_mask_c, _ = chunk_tile(k * num_chunks + c)
     # A second conversion of a bf16 split, so that the bf16 tile is what stays live.
     x = _f32_again(x_raw) if x_raw.dtype == jnp.bfloat16 else x_raw.astype(_F32)
-    _split_store(x, mask, rows_c, cols_c, row_mask_c, col_mask_c, k if c == 0 else None,
-                 mean, rstd, y_ref, mean_ref, rstd_ref, scale_ref, bias_ref, scale_offset)
+    params = functools.partial(_load_params, scale_ref, bias_ref, cols_c, col_mask_c,
+                               scale_offset)
+    _split_store(x, mask, rows_c, cols_c, row_mask_c, k if c == 0 else None, mean, rstd,
+                 y_ref, mean_ref, rstd_ref, params)
 
 
 # ------------------------------------------------------- persistent split-row machinery
@@ -659,17 +662,8 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
                                   num_threads=32 * num_warps, poll=phase == "all")
     mean, rstd = _combine_splits(tiles[0], tiles[1] if subtract_mean else None, ks, n=n,
                                  eps=eps, block_n=block_n)
-    x = x.astype(_F32)
-    if mean is not None:
-      x = _where0(mask, x - mean[:, None])
-    y = _affine(x * rstd[:, None], w, b)
-    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-    if rstd_ref is not None:
-      first = k == 0
-      smask = first if row_mask is None else row_mask & first
-      plgpu.store(rstd_ref.at[rows], rstd, mask=smask)
-      if mean_ref is not None:
-        plgpu.store(mean_ref.at[rows], mean, mask=smask)
+    _split_store(x.astype(_F32), mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref,
+                 rstd_ref, lambda: (w, b))
     return carry
 
   _split_rows_loop(r, cdiv(m, block_m), num_groups=num_groups, lag=lag, phase=phase,
