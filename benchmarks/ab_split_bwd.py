@@ -4,8 +4,9 @@
 
 SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
   default                       config.backward_config's pick
-  split:bn,nw,occ,stages,chunk[,lag[,bm]]
-                                split-row kernel, G = occ x SMs / cdiv(N, bn)
+  split:bn,nw,occ,stages,chunk[,lag[,bm[,early]]]
+                                split-row kernel, G = occ x SMs / cdiv(N, bn);
+                                early 1 sets split_early_publish
   reload:bm,bn,nw,occ           reload-row kernel, G = occ x SMs
   pair:bn,nw,occ                row-statistics + column-tiled pair
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed
@@ -35,7 +36,9 @@ def _config(kind, a, m, n, sm, sms):
     g = min(-(-m // bm), max(1, occ * sms // -(-n // bn)))
     return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
                             num_stages=st, split_rows=True, chunk_n=ch,
-                            split_lag=rest[0] if rest else 2, **C.reduce_config(n, g))
+                            split_lag=rest[0] if rest else 2,
+                            split_early_publish=bool(rest[2]) if len(rest) > 2 else False,
+                            **C.reduce_config(n, g))
   if kind == "reload":
     bm, bn, nw, occ = a
     g = min(-(-m // bm), occ * sms)

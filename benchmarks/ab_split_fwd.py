@@ -5,7 +5,9 @@ rotated inputs.
 
 SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
   default                 config.forward_config's pick
-  psplit:bn,nw,occ[,lag]  static_persistent with split_rows: G = occ x SMs / cdiv(N, bn)
+  psplit:bn,nw,occ[,lag[,early]]
+                          static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
+                          early 1 sets split_early_publish
   cached:bn,nw,chunk      multi_wave_cached split over cdiv(N, bn) programs
   persistent:bn,nw,occ    static_persistent walking rows in bn-wide chunks, occ x SMs
   reload:bn,nw            multi_wave_reload
@@ -31,10 +33,11 @@ def _config(kind, a, m, n, sm, sms):
   if kind == "default":
     return C.forward_config(m, n, jnp.bfloat16, subtract_mean=sm)
   if kind == "psplit":
-    bn, nw, occ, *lag = a
+    bn, nw, occ, *rest = a
     g = min(m, max(1, occ * sms // -(-n // bn)))
     return C.ForwardConfig("static_persistent", 1, bn, nw, g, split_rows=True,
-                           split_lag=lag[0] if lag else 2)
+                           split_lag=rest[0] if rest else 2,
+                           split_early_publish=bool(rest[1]) if len(rest) > 1 else False)
   if kind == "cached":
     bn, nw, ch = a
     return C.ForwardConfig("multi_wave_cached", 1, bn, nw, chunk_n=ch)

@@ -96,6 +96,10 @@ class ForwardConfig:
       ``split_resident_programs(num_warps)``. Pallas backend only.
     split_lag: with ``split_rows``, how many row blocks ahead of its normalisation a
       program publishes a row block's partial statistics (>= 0).
+    split_early_publish: with ``split_rows`` and ``split_lag >= 1``, a program issues
+      the loads of the row block it publishes before it normalises the one ``split_lag``
+      behind, and reduces them after: those HBM loads are in flight across the wait
+      on the other splits, held in registers.
   """
 
   mode: str
@@ -107,6 +111,7 @@ class ForwardConfig:
   chunk_n: int = 0
   split_rows: bool = False
   split_lag: int = 2
+  split_early_publish: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -121,8 +126,15 @@ class ForwardConfig:
       raise ValueError(f"{self.num_warps=} must be a power of 2 in [1, 32]")
     if self.split_rows and self.mode != "static_persistent":
       raise ValueError(f"split_rows is a static_persistent option, not {self.mode}'s")
-    if self.split_lag < 0:
-      raise ValueError(f"{self.split_lag=} must be >= 0")
+    _check_split_lag(self)
+
+
+def _check_split_lag(cfg):
+  if cfg.split_lag < 0:
+    raise ValueError(f"{cfg.split_lag=} must be >= 0")
+  if cfg.split_early_publish and not (cfg.split_rows and cfg.split_lag >= 1):
+    raise ValueError(f"split_early_publish needs split_rows and split_lag >= 1 (got "
+                     f"{cfg.split_rows=}, {cfg.split_lag=})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +159,10 @@ class BackwardConfig:
       needs cdiv(N, block_n) <= SMs x ``split_resident_programs(num_warps)``.
     split_lag: with ``split_rows``, how many row blocks ahead of its dx a program
       publishes a row block's partial sums (>= 0); dx reloads x and dy, from L2.
+    split_early_publish: with ``split_rows`` and ``split_lag >= 1``, a program issues
+      the loads of the row block it publishes before the dx of the one ``split_lag``
+      behind, and reduces them after: those HBM loads are in flight across the wait
+      on the other splits, held in registers.
     reload_rows: with ``block_n < N``, one program walks whole rows: pass 1 reads x and
       dy chunk by chunk for the row sums, pass 2 reloads them (from L2) for dx, and the
       partials of all cdiv(N, block_n) chunks stay in registers (the chunk loop is
@@ -168,6 +184,7 @@ class BackwardConfig:
   reload_rows: bool = False
   chunk_n: int = 0
   split_lag: int = 2
+  split_early_publish: bool = False
 
   def __post_init__(self):
     if self.split_rows and self.reload_rows:
@@ -180,8 +197,7 @@ class BackwardConfig:
       raise ValueError(f"{self.chunk_n=} must be 0 or a positive power of 2")
     if self.num_programs < 1:
       raise ValueError(f"{self.num_programs=} must be >= 1")
-    if self.split_lag < 0:
-      raise ValueError(f"{self.split_lag=} must be >= 0")
+    _check_split_lag(self)
 
 
 # ---------------------------------------------------------------------------
@@ -312,6 +328,12 @@ _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS, _LN_SPLIT_CHUNK_N = 4096, 1, 1024
 # against 364.6 at best). RMSNorm's persistent split lost to the split above
 # everywhere (4096 x 65536 323.0 us at best against 292.7; 16384^2 332.6 against the
 # reload's 287.3), so RMSNorm keeps those rules.
+# Each program issues the loads of the row block it publishes before it normalises the
+# one 2 behind, and reduces them after (split_early_publish): H200, 2026-11-22, same
+# method, 3-5 rounds (results/h200_2026-11-22_split_early_publish.txt): 1024 x 262144
+# 362.8-363.8 us against 390.9-392.6, 4096 x 65536 347.4-347.7 against 351.5-351.8;
+# at a lead of 3, 362.4 / 348.9. RMSNorm's persistent split stayed behind with it
+# (4096 x 65536 322.7 us at best against 297.0; 16384^2 369.4 against 291.1).
 _LN_PSPLIT_MIN_N, _LN_PSPLIT_WIDE_N = 16384, 65536
 _LN_PSPLIT_W, _LN_PSPLIT_WIDE_W, _LN_PSPLIT_COLS_PER_SM = 1024, 2048, 16384
 # Backward: rows up to this padded length are one register tile with the partials in
@@ -369,6 +391,24 @@ _BWD_CHUNK_N = 4096
 # pair.
 _BWD_SPLIT_MIN_W, _BWD_SPLIT_ELEMS_PER_WARP, _BWD_SPLIT_LAG = 512, 512, 2
 _BWD_SPLIT_RMS_WARPS_PER_SM, _BWD_SPLIT_LN_WARPS_PER_SM = 20, 16
+# LayerNorm rows of 32768 < N where the rule above gives W <= 1024 (N <= 262144): W =
+# 1024 at 1 warp (32 elements of x and dy a thread), 8 programs a SM (all that
+# split_resident_programs(1) guarantees), each row block published 3 ahead with
+# split_early_publish: its loads issued before the dx of the row block 3 behind and
+# reduced after it, in flight across the wait. H200, 2026-11-22, stage 1 + 2, same
+# method, 3 rounds (results/h200_2026-11-22_split_early_publish.txt): 4096 x 65536
+# 552.3-552.5 us against 616.0-619.7 for the rule above, 1024 x 262144 584.3-584.8
+# against 666.6-668.1; at 4096 x 32768 (286.9 / 286.2), 16384^2 (587.7 / 584.8) and
+# 2048 x 16384 (81.7 / 81.7) it ties, so those keep the rule above. Not kept: leads of
+# 2 and 4 (4096 x 65536 568.9 / 566.6 us), 7 a SM (590.9), 9 a SM (a second wave:
+# 904.7), 2048-wide splits at 1 or 2 warps (3627.7 / 724.9), 512-wide at 8 a SM
+# (797.0), the same splits without the early publish (577.9; 1024 x 262144 700.9).
+# RMSNorm lost with it: 16384^2 519.9 us against 501.9 with its own rule, 4096 x 65536
+# 511.8 / 496.3; 1024-wide at 8-12 a SM 515-802. So did LayerNorm's own rule with it
+# (4096 x 65536 917.1 us: the held loads push its 128 registers a thread past 4
+# programs a SM).
+_BWD_SPLIT_LN_EARLY_MIN_N, _BWD_SPLIT_LN_EARLY_W, _BWD_SPLIT_LN_EARLY_LAG = 32768, 1024, 3
+_BWD_SPLIT_LN_EARLY_WARPS_PER_SM = 8
 # Reload-row backward (Pallas backend, ``reload_rows``; the default for rows of 8193 to
 # 16384 until the split-row rule above beat it on 2026-11-22, and kept for callers):
 # one program a row block walks the whole row twice, the second time from L2, with
@@ -482,7 +522,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     w, per_sm = psplit
     block_m = 1 if device.platform != "cpu" else min(64, next_power_of_2(m))
     num_programs = max(1, min(per_sm * device.num_sms // cdiv(n, w), cdiv(m, block_m)))
-    return ForwardConfig(mode, block_m, w, 1, num_programs, split_rows=True, split_lag=2)
+    return ForwardConfig(mode, block_m, w, 1, num_programs, split_rows=True, split_lag=2,
+                         split_early_publish=True)
   split_min_n, split_n, split_warps, split_chunk_n = _split_rule(subtract_mean)
   if mode == "multi_wave_cached" and backend == "pallas" and n > split_min_n:
     if not _splits_rows(n, subtract_mean, backend, device):
@@ -538,18 +579,23 @@ def split_resident_programs(num_warps: int) -> int:
 
 
 def _bwd_split_rule(n: int, subtract_mean: bool, device: DeviceInfo):
-  """(block_n, num_warps, num_programs) of the split-row backward of N-long rows, or None
-  when its programs could not all be resident (N > 4096 x SMs)."""
+  """(block_n, num_warps, num_programs, split_lag, split_early_publish) of the split-row
+  backward of N-long rows, or None when its programs could not all be resident
+  (N > 4096 x SMs)."""
   w = _BWD_SPLIT_MIN_W
   while 4 * n > w * w:
     w *= 2
+  lag, early = _BWD_SPLIT_LAG, False
+  warps_per_sm = _BWD_SPLIT_LN_WARPS_PER_SM if subtract_mean else _BWD_SPLIT_RMS_WARPS_PER_SM
   num_warps = w // _BWD_SPLIT_ELEMS_PER_WARP
+  if subtract_mean and _BWD_SPLIT_LN_EARLY_MIN_N < n and w <= _BWD_SPLIT_LN_EARLY_W:
+    w, num_warps, lag, early = _BWD_SPLIT_LN_EARLY_W, 1, _BWD_SPLIT_LN_EARLY_LAG, True
+    warps_per_sm = _BWD_SPLIT_LN_EARLY_WARPS_PER_SM
   splits = cdiv(n, w)
   if num_warps > 32 or (device.platform != "cpu"
                         and splits > device.num_sms * split_resident_programs(num_warps)):
     return None
-  warps_per_sm = _BWD_SPLIT_LN_WARPS_PER_SM if subtract_mean else _BWD_SPLIT_RMS_WARPS_PER_SM
-  return w, num_warps, max(1, warps_per_sm // num_warps * device.num_sms // splits)
+  return w, num_warps, max(1, warps_per_sm // num_warps * device.num_sms // splits), lag, early
 
 
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
@@ -558,9 +604,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
 
   ``subtract_mean`` (LayerNorm) and ``backend`` matter for rows wider than one tile.
   On the Pallas backend, rows wider than 8192 take the split-row kernel while all of a
-  row's programs can be resident (N <= 4096 x SMs; ``split_resident_programs``);
-  longer rows, and all of ``backend="triton"``'s wide rows, the row-statistics +
-  column-tiled pair.
+  row's programs can be resident (N <= 4096 x SMs; ``split_resident_programs``),
+  LayerNorm's rows of 32768 < N <= 262144 with ``split_early_publish``; longer rows,
+  and all of ``backend="triton"``'s wide rows, the row-statistics + column-tiled pair.
   """
   del dtype
   device = device or device_info()
@@ -569,6 +615,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None
   split_rows = split is not None
   reload_rows = False  # chosen by no default: the split-row kernel beat it (above)
+  lag, early = _BWD_SPLIT_LAG, False
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -582,7 +629,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     num_warps = 4 if block_n < 4096 else block_n // 256
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
   elif split_rows:  # each row split over programs that exchange their row sums
-    block_n, num_warps, num_programs = split
+    block_n, num_warps, num_programs, lag, early = split
     block_m = 1
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, 16
@@ -592,7 +639,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split_rows,
-                        reload_rows=reload_rows, split_lag=_BWD_SPLIT_LAG,
+                        reload_rows=reload_rows, split_lag=lag, split_early_publish=early,
                         **reduce_config(n, num_programs))
 
 

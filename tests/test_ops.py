@@ -158,23 +158,27 @@ def test_split_rows_forward(m, n, block_m, block_n, chunk_n, layer):
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs", [
-    (5, 1000, 1, 256, 0, 2),  # ragged last split, M not a multiple of G; no lead
-    (9, 1000, 2, 256, 2, 2),  # block_m 2 with a partial last row block
-    (7, 300, 1, 128, 3, 3),  # a lead of 3 row blocks
-    (3, 3 * 4096 + 5, 1, 4096, 2, 1),  # one group walks every row block
-    (4, 96, 4, 32, 3, 5),  # more groups than row blocks; a lead past the last one
+@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs,early", [
+    (5, 1000, 1, 256, 0, 2, False),  # ragged last split, M not a multiple of G; no lead
+    (9, 1000, 2, 256, 2, 2, False),  # block_m 2 with a partial last row block
+    (9, 1000, 2, 256, 2, 2, True),  # the same, publish loads issued early
+    (7, 300, 1, 128, 3, 3, False),  # a lead of 3 row blocks
+    (7, 300, 1, 128, 1, 3, True),  # a lead of 1, early
+    (3, 3 * 4096 + 5, 1, 4096, 2, 1, True),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5, True),  # more groups than row blocks; a lead past the last one
 ])
 @pytest.mark.parametrize("return_residuals", [True, False], ids=["res", "nores"])
-def test_split_persistent_forward(m, n, block_m, block_n, split_lag, num_programs, layer,
-                                  return_residuals):
+def test_split_persistent_forward(m, n, block_m, block_n, split_lag, num_programs, early,
+                                  layer, return_residuals):
   """static_persistent with split_rows (forward.py's _split_persistent_kernel), any
-  config. (On CPU the kernel runs as its publish and consume phases.)"""
+  config. (On CPU the kernel runs as its publish and consume phases, so the lead and
+  split_early_publish matter on the GPU only.)"""
   from pallas_norm import reference
   from pallas_norm.kernels import forward
   x, scale, bias, _ = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
   cfg = pn_config.ForwardConfig("static_persistent", block_m, block_n, 4, num_programs,
-                                split_rows=True, split_lag=split_lag)
+                                split_rows=True, split_lag=split_lag,
+                                split_early_publish=early)
   got = forward.norm_forward(x, scale, bias if layer else None, eps=1e-5, scale_offset=0.5,
                              subtract_mean=layer, config=cfg,
                              interpret=jax.default_backend() != "gpu",
@@ -215,6 +219,16 @@ def test_split_rows_config_errors():
   with pytest.raises(ValueError, match="split_lag"):
     pn_config.ForwardConfig("static_persistent", 1, 256, 4, 2, split_rows=True,
                             split_lag=-1)
+  with pytest.raises(ValueError, match="split_early_publish needs split_rows"):
+    pn_config.ForwardConfig("static_persistent", 1, 256, 4, 2, split_early_publish=True)
+  with pytest.raises(ValueError, match="split_lag >= 1"):
+    pn_config.ForwardConfig("static_persistent", 1, 256, 4, 2, split_rows=True,
+                            split_lag=0, split_early_publish=True)
+  with pytest.raises(ValueError, match="split_early_publish needs split_rows"):
+    pn_config.BackwardConfig(1, 256, 4, 2, reload_rows=True, split_early_publish=True)
+  with pytest.raises(ValueError, match="split_lag >= 1"):
+    pn_config.BackwardConfig(1, 256, 4, 2, split_rows=True, split_lag=0,
+                             split_early_publish=True)
 
 
 def test_split_rows_layer_offset():
@@ -235,22 +249,25 @@ def test_split_rows_layer_offset():
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs,chunk_n", [
-    (5, 1000, 1, 256, 0, 2, 0),  # ragged last split, M not a multiple of G; no lead
-    (9, 1000, 2, 256, 2, 2, 0),  # block_m 2 with a partial last row block
-    (9, 1000, 2, 256, 1, 2, 64),  # the split as 4 chunks, the last one ragged
-    (5, 1000, 1, 256, 2, 2, 8),  # chunks wholly past N (N a multiple of chunk_n only)
-    (7, 300, 1, 128, 3, 3, 0),  # a lead of 3 row blocks
-    (3, 3 * 4096 + 5, 1, 4096, 2, 1, 2048),  # one group walks every row block
-    (4, 96, 4, 32, 3, 5, 0),  # more groups than row blocks; a lead past the last one
+@pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs,chunk_n,early", [
+    (5, 1000, 1, 256, 0, 2, 0, False),  # ragged last split, M not a multiple of G; no lead
+    (9, 1000, 2, 256, 2, 2, 0, False),  # block_m 2 with a partial last row block
+    (9, 1000, 2, 256, 2, 2, 0, True),  # the same, publish loads issued early
+    (9, 1000, 2, 256, 1, 2, 64, False),  # the split as 4 chunks, the last one ragged
+    (9, 1000, 2, 256, 1, 2, 64, True),  # the same, early, a lead of 1
+    (5, 1000, 1, 256, 2, 2, 8, False),  # chunks wholly past N (N a multiple of chunk_n only)
+    (7, 300, 1, 128, 3, 3, 0, True),  # a lead of 3 row blocks (LayerNorm's long rows)
+    (3, 3 * 4096 + 5, 1, 4096, 2, 1, 2048, False),  # one group walks every row block
+    (4, 96, 4, 32, 3, 5, 0, True),  # more groups than row blocks; a lead past the last one
 ])
 def test_split_rows_backward(m, n, block_m, block_n, split_lag, num_programs, chunk_n,
-                             layer):
+                             early, layer):
   """The split-row backward (backward.py's _bwd_split_kernel), any config. (On CPU the
-  kernel runs as its publish and consume phases, so the lead matters on the GPU only.)"""
+  kernel runs as its publish and consume phases, so the lead and split_early_publish
+  matter on the GPU only.)"""
   _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
       block_m, block_n, 4, num_programs, split_lag=split_lag, split_rows=True,
-      chunk_n=chunk_n, **pn_config.reduce_config(n, num_programs)))
+      chunk_n=chunk_n, split_early_publish=early, **pn_config.reduce_config(n, num_programs)))
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
@@ -352,7 +369,8 @@ def test_heuristic_modes():
                    (65537, 2048, 32), (262144, 2048, 8), (4096 * 132, 2048, 4)):
     ps = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
     assert (ps.mode, ps.split_rows, ps.block_m, ps.block_n, ps.num_warps, ps.num_programs,
-            ps.split_lag) == ("static_persistent", True, 1, bn, 1, g, 2), n
+            ps.split_lag, ps.split_early_publish) == ("static_persistent", True, 1, bn, 1,
+                                                      g, 2, True), n
   ps = pn_config.forward_config(1024, 65536, jnp.bfloat16, device=dev, subtract_mean=True,
                                 backend="triton")
   assert not ps.split_rows
@@ -388,15 +406,21 @@ def test_heuristic_modes():
     c = pn_config.backward_config(m, n, jnp.bfloat16, device=dev, **kw)
     return (c.reload_rows, c.split_rows, c.block_m, c.block_n, c.num_warps, c.num_programs)
 
-  for n, bn, nw, g_rms, g_ln in ((8193, 512, 1, 155, 124), (16384, 512, 1, 82, 66),
-                                 (32768, 512, 1, 41, 33), (65536, 512, 1, 20, 16),
-                                 (65537, 1024, 2, 20, 16), (262144, 1024, 2, 5, 4),
-                                 (262145, 2048, 4, 5, 4), (4096 * 132, 2048, 4, 2, 2)):
-    for sm, g in ((False, g_rms), (True, g_ln)):
+  # LayerNorm rows of 32768 < N <= 262144 instead: 1024-wide splits of 1 warp, 8 a SM,
+  # published 3 ahead with split_early_publish (split_early_publish.txt).
+  ln_early = (1024, 1, 3, True)
+  for n, rms, ln in (
+      (8193, (512, 1, 155), (512, 1, 124)), (16384, (512, 1, 82), (512, 1, 66)),
+      (32768, (512, 1, 41), (512, 1, 33)), (32769, (512, 1, 40), (1024, 1, 32)),
+      (65536, (512, 1, 20), (1024, 1, 16)), (65537, (1024, 2, 20), (1024, 1, 16)),
+      (262144, (1024, 2, 5), (1024, 1, 4)), (262145, (2048, 4, 5), (2048, 4, 4)),
+      (4096 * 132, (2048, 4, 2), (2048, 4, 2))):
+    for sm, (bn, nw, g) in ((False, rms), (True, ln)):
+      lag, early = ln_early[2:] if sm and bn == 1024 and n > 32768 else (2, False)
       bwd = pn_config.backward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=sm)
       assert (bwd.split_rows, bwd.reload_rows, bwd.block_m, bwd.block_n, bwd.num_warps,
-              bwd.num_programs, bwd.split_lag, bwd.chunk_n) == (True, False, 1, bn, nw, g,
-                                                                 2, 0), (n, sm)
+              bwd.num_programs, bwd.split_lag, bwd.split_early_publish, bwd.chunk_n) == (
+                  True, False, 1, bn, nw, g, lag, early, 0), (n, sm)
   assert bwd_cfg(1, 16384) == (False, True, 1, 512, 1, 1)
   assert pn_config.split_resident_programs(1) == 8
   assert pn_config.split_resident_programs(4) == 2

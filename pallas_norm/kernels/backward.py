@@ -257,7 +257,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                       block_m, block_n, chunk_n, num_splits, num_groups, num_warps, lag,
-                      phase):
+                      early, phase):
   """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once
   from HBM).
 
@@ -278,6 +278,10 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   (H200 4096 x 65536 RMSNorm at [1, 2048], 4 warps: 527 us at lag 2 against 560 with
   the split held in registers; with the reload issued after the wait, 696; config.py
   gives the sweeps).
+  With ``early`` (``BackwardConfig.split_early_publish``) step 1's loads are issued
+  before step 2 of the row block ``lag`` behind and reduced after it
+  (_split_rows_loop): the HBM loads are in flight across the wait, at the price of
+  holding them in registers (LayerNorm's rule, config.py).
   The split is reduced and written as block_n / chunk_n separate column chunks (and
   scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting
@@ -331,14 +335,17 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   def publish(rb):  # step 1: this split's share of c1 and c2 of row block rb
     xdy = load(rb, "evict_last")
     rows, row_mask, mean, rstd = stats(rb)
-    s1 = s2 = 0.0
-    for c in range(num_chunks):
-      _, _, x_hat, _, g = chunk(rb, c, xdy, mean, rstd)
-      s1 = s1 + jnp.sum(x_hat * g, axis=1)
-      s2 = s2 + jnp.sum(g, axis=1)
-    plgpu.store(c1_ref.at[rows, k], _slot_bits(s1), mask=row_mask)
-    if subtract_mean:
-      plgpu.store(c2_ref.at[rows, k], _slot_bits(s2), mask=row_mask)
+
+    def complete():
+      s1 = s2 = 0.0
+      for c in range(num_chunks):
+        _, _, x_hat, _, g = chunk(rb, c, xdy, mean, rstd)
+        s1 = s1 + jnp.sum(x_hat * g, axis=1)
+        s2 = s2 + jnp.sum(g, axis=1)
+      plgpu.store(c1_ref.at[rows, k], _slot_bits(s1), mask=row_mask)
+      if subtract_mean:
+        plgpu.store(c2_ref.at[rows, k], _slot_bits(s2), mask=row_mask)
+    return complete
 
   def finish(rb, acc):  # step 2: dx of row block rb once its row sums are complete
     xdy = load(rb, "evict_first")  # issued before the wait, which hides its latency
@@ -356,7 +363,7 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     return tuple(out)
 
   accs = _split_rows_loop(r, cdiv(m, block_m), num_groups=num_groups, lag=lag, phase=phase,
-                          publish=publish, finish=finish,
+                          publish=publish, finish=finish, early=early,
                           init=(jnp.zeros((chunk_n,), _F32),) * (2 * num_chunks))
   if phase == "publish":
     return
@@ -483,7 +490,8 @@ def _split_stage1(inputs, out_shape, statics, has_bias, g, cfg: BackwardConfig,
   num_row_blocks = cdiv(m, cfg.block_m)
   chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
   statics = dict(statics, has_bias=has_bias, num_splits=num_splits, num_groups=g,
-                 num_warps=cfg.num_warps, lag=cfg.split_lag, chunk_n=chunk_n)
+                 num_warps=cfg.num_warps, lag=cfg.split_lag, chunk_n=chunk_n,
+                 early=cfg.split_early_publish)
   return _split_rows_call(functools.partial(_bwd_split_kernel, **statics), inputs, out_shape,
                           num_row_blocks=num_row_blocks, block_m=cfg.block_m,
                           num_splits=num_splits, num_groups=g, n_slots=2 if sm else 1,

@@ -559,22 +559,38 @@ def _split_rows_refs(refs, n_slots, num_splits, phase):
   return slot_refs, outs, ticket // num_splits, ticket % num_splits
 
 
-def _split_rows_loop(r, num_row_blocks, *, num_groups, lag, phase, publish, finish, init):
+def _split_rows_loop(r, num_row_blocks, *, num_groups, lag, phase, publish, finish, init,
+                     early=False):
   """Row blocks r, r + G, ... of group r: each published ``lag`` row blocks ahead of its
   finish (``finish(rb, carry) -> carry``); returns the last carry. In phase "publish"
-  r is a row block, which is published alone (returns None)."""
+  r is a row block, which is published alone (returns None).
+
+  ``publish(rb)`` issues row block rb's loads and returns a thunk that reduces them and
+  stores the slots. Step i publishes row block i + lag then finishes row block i; with
+  ``early`` (and lag >= 1) it issues the publish's loads, finishes row block i, and only
+  then reduces and stores them, so those loads (from HBM) are in flight across the
+  finish's wait. That holds them in registers across it; the last ``lag`` steps load
+  the group's last row block again (from L2) and store nothing. No deadlock either way:
+  step i's wait needs row block i published, which every program of the group does at
+  step i - lag at the latest, after its own wait on row block i - lag.
+  """
   if phase == "publish":
-    publish(r)
+    publish(r)()
     return None
   num_steps = (num_row_blocks - 1 - r) // num_groups + 1
   if phase == "all":  # the first ``lag`` row blocks, published before the loop
     for j in range(lag):
-      pl.when(j < num_steps)(functools.partial(publish, r + j * num_groups))
+      pl.when(j < num_steps)(lambda j=j: publish(r + j * num_groups)())
 
   def body(i, carry):
     rb = r + i * num_groups
+    if phase == "all" and early and lag >= 1:
+      complete = publish(r + jnp.minimum(i + lag, num_steps - 1) * num_groups)
+      carry = finish(rb, carry)
+      pl.when(i + lag < num_steps)(complete)
+      return carry
     if phase == "all":
-      pl.when(i + lag < num_steps)(functools.partial(publish, rb + lag * num_groups))
+      pl.when(i + lag < num_steps)(lambda: publish(rb + lag * num_groups)())
     return finish(rb, carry)
 
   return lax.fori_loop(0, num_steps, body, init)
@@ -607,7 +623,7 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
 
 def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale,
                              has_bias, return_residuals, block_m, block_n, num_splits,
-                             num_groups, num_warps, lag, phase):
+                             num_groups, num_warps, lag, early, phase):
   """static_persistent with ``split_rows``: each row over ``num_splits`` programs, x read
   once from HBM and nothing held across the wait.
 
@@ -622,6 +638,8 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
        combines them in split order (_combine_splits: every split gets the same bits,
        the ones multi_wave_cached's split gets), normalises and stores y; split 0
        stores mean and rstd.
+  With ``early`` (``ForwardConfig.split_early_publish``) step 1's loads are issued
+  before step 2 of the row block ``lag`` behind and reduced after it (_split_rows_loop).
   This is the split-row backward's schedule (backward.py's _bwd_split_kernel) without
   dy; the machinery is _split_rows_refs / _split_rows_loop / _split_rows_call.
   """
@@ -646,10 +664,13 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 
   def publish(rb):
     rows, _, row_mask, _, mask, x = load(rb, "evict_last")
-    parts = _split_partials([(x, mask)], k, n=n, block_n=block_n,
-                            subtract_mean=subtract_mean)
-    for ref, v in zip(slot_refs, parts):
-      plgpu.store(ref.at[rows, k], _slot_bits(v), mask=row_mask)
+
+    def complete():
+      parts = _split_partials([(x, mask)], k, n=n, block_n=block_n,
+                              subtract_mean=subtract_mean)
+      for ref, v in zip(slot_refs, parts):
+        plgpu.store(ref.at[rows, k], _slot_bits(v), mask=row_mask)
+    return complete
 
   w = b = None
   if phase != "publish":
@@ -667,7 +688,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
     return carry
 
   _split_rows_loop(r, cdiv(m, block_m), num_groups=num_groups, lag=lag, phase=phase,
-                   publish=publish, finish=finish, init=jnp.int32(0))
+                   publish=publish, finish=finish, init=jnp.int32(0), early=early)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -779,7 +800,7 @@ def _split_persistent_forward(x, scale, bias, statics, cfg: ForwardConfig, inter
   num_row_blocks = cdiv(m, cfg.block_m)
   num_groups = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
   statics = dict(statics, num_splits=num_splits, num_groups=num_groups,
-                 num_warps=cfg.num_warps, lag=cfg.split_lag)
+                 num_warps=cfg.num_warps, lag=cfg.split_lag, early=cfg.split_early_publish)
   outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   if return_residuals:
     outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
