@@ -8,6 +8,7 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
                                 split-row kernel, G = occ x SMs / cdiv(N, bn);
                                 early 1 sets split_early_publish
   reload:bm,bn,nw,occ           reload-row kernel, G = occ x SMs
+  tile:bm,bn,nw,occ             single-tile persistent kernel (bn >= N), G = occ x SMs
   pair:bn,nw,occ                row-statistics + column-tiled pair
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed
 per round), inputs rotated over >= 256 MiB; dx and dscale checked against the XLA
@@ -44,6 +45,11 @@ def _config(kind, a, m, n, sm, sms):
     g = min(-(-m // bm), occ * sms)
     return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
                             reload_rows=True, **C.reduce_config(n, g))
+  if kind == "tile":
+    bm, bn, nw, occ = a
+    g = min(-(-m // bm), occ * sms)
+    return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
+                            **C.reduce_config(n, g))
   if kind == "pair":
     bn, nw, occ = a
     g = max(1, occ * sms // -(-n // bn))

@@ -362,6 +362,17 @@ _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # Chunked backward: 4096-wide column chunks, 16 warps, G = 2 x SMs / chunks programs
 # a column (16384^2: 686 us; 4096 x 65536: 690; 1024 x 262144: 690).
 _BWD_CHUNK_N = 4096
+# LayerNorm single tiles of 4096 and 8192 (padded) take 16 warps and 1 program a SM
+# instead (more registers a thread for its two row sums and two partials): H200,
+# 2026-11-22, stage 1 + 2, CUPTI over rotated inputs, median of 3 rounds of 10
+# (benchmarks/ab_split_bwd.py "tile:..."; results/h200_2026-11-22_ln_bwd_tile.txt):
+# 8192 x 5120 97.9 us against 112.2 for the "Backward grid" and "Backward warps" rules
+# above (32 warps, SMs programs), 4096 x 8192 68.5 / 73.9, 8192^2 126.4 / 136.2;
+# 8192 x 4096 75.5 against 81.9 (16 warps, 2 x SMs), 4096 x 4096 41.6 / 47.7. Not kept: 8 warps at 2-3 a SM (104-147 us at
+# 8192 wide), [2, 8192] at 32 warps (387.2: spills), [2, 4096] at 16 warps 2 a SM
+# (74.8 / 43.3, a tie at 8192 x 4096). RMSNorm keeps the rule above (8192 x 5120 80.5
+# us against 83.4 at 16 warps; 8192^2 108.8 / 113.7).
+_BWD_LN_TILE_MIN_BLOCK_N, _BWD_LN_TILE_WARPS = 4096, 16
 # Split-row backward (rows wider than one tile, Pallas backend; both ops): each row over
 # cdiv(N, W) programs of W / 512 warps (16 elements of x and of dy a thread), W the
 # narrowest of 512, 1024, 2048, ... with 4 N <= W^2 (the slots a program polls are then
@@ -628,6 +639,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     block_m = max(1, min(_BWD_TILE_ELEMS // block_n, next_power_of_2(m)))
     num_warps = 4 if block_n < 4096 else block_n // 256
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
+    if subtract_mean and block_n >= _BWD_LN_TILE_MIN_BLOCK_N:
+      num_warps, num_programs = _BWD_LN_TILE_WARPS, device.num_sms
   elif split_rows:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1

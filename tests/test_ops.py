@@ -455,6 +455,17 @@ def test_heuristic_modes():
   assert (bwd.reduce_block_g, bwd.reduce_block_n) == (512, 16)  # one unpadded tile
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)
+  # Backward, single tiles (config.py): RMSNorm block_n / 256 warps (4 under 4096), 2
+  # programs a SM up to 4096 wide, else 1; LayerNorm's 4096- and 8192-wide tiles 16
+  # warps, 1 a SM (ln_bwd_tile.txt).
+  for n, rms, ln in ((2048, (2, 2048, 4, 264), (2, 2048, 4, 264)),
+                     (4096, (1, 4096, 16, 264), (1, 4096, 16, 132)),
+                     (5120, (1, 8192, 32, 132), (1, 8192, 16, 132)),
+                     (8192, (1, 8192, 32, 132), (1, 8192, 16, 132))):
+    for sm, want in ((False, rms), (True, ln)):
+      bwd = pn_config.backward_config(8192, n, jnp.bfloat16, device=dev, subtract_mean=sm)
+      assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == want, (n, sm)
+      assert not (bwd.split_rows or bwd.reload_rows)
   rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
   assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
   forced = pn_config.forward_config(1024, 262144, jnp.bfloat16, "multi_wave_reload", dev)
