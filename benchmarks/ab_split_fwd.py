@@ -9,6 +9,7 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
                           early 1 sets split_early_publish
   cached:bn,nw,chunk      multi_wave_cached split over cdiv(N, bn) programs
+  tile:bm,bn,nw           multi_wave_cached, [bm, bn] tiles (bn >= N)
   persistent:bn,nw,occ    static_persistent walking rows in bn-wide chunks, occ x SMs
   reload:bn,nw            multi_wave_reload
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed per
@@ -41,6 +42,9 @@ def _config(kind, a, m, n, sm, sms):
   if kind == "cached":
     bn, nw, ch = a
     return C.ForwardConfig("multi_wave_cached", 1, bn, nw, chunk_n=ch)
+  if kind == "tile":
+    bm, bn, nw = a
+    return C.ForwardConfig("multi_wave_cached", bm, bn, nw)
   if kind == "persistent":
     bn, nw, occ = a
     return C.ForwardConfig("static_persistent", 1, bn, nw, min(m, occ * sms))
