@@ -195,6 +195,23 @@ def test_split_persistent_forward(m, n, block_m, block_n, split_lag, num_program
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_forward_without_residuals(layer, block_m):
+  """A plain forward returns no mean/rstd, and the same y as the forward with them
+  (one-row and packed-row tiles)."""
+  from pallas_norm.kernels import forward
+  x, scale, bias, _ = _inputs(10, 96, "float32", layer=layer, mean=3.0 if layer else 0.0)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", block_m, 128, 4)
+  outs = [forward.norm_forward(x, scale, bias if layer else None, eps=1e-5,
+                               scale_offset=0.0, subtract_mean=layer, config=cfg,
+                               interpret=jax.default_backend() != "gpu",
+                               return_residuals=res) for res in (False, True)]
+  assert outs[0][1] is None and outs[0][2] is None
+  assert outs[1][2] is not None and (outs[1][1] is None) == (not layer)
+  np.testing.assert_array_equal(np.asarray(outs[0][0]), np.asarray(outs[1][0]))
+
+
 def test_split_persistent_forward_matches_split():
   """The persistent split and multi_wave_cached's split combine the same partials in the
   same order: the same bits of y, mean and rstd (bf16, LayerNorm, rows far from 0)."""
