@@ -368,10 +368,12 @@ _BWD_CHUNK_N = 4096
 # (benchmarks/ab_split_bwd.py "tile:..."; results/h200_2026-11-22_ln_bwd_tile.txt):
 # 8192 x 5120 97.9 us against 112.2 for the "Backward grid" and "Backward warps" rules
 # above (32 warps, SMs programs), 4096 x 8192 68.5 / 73.9, 8192^2 126.4 / 136.2;
-# 8192 x 4096 75.5 against 81.9 (16 warps, 2 x SMs), 4096 x 4096 41.6 / 47.7. Not kept: 8 warps at 2-3 a SM (104-147 us at
-# 8192 wide), [2, 8192] at 32 warps (387.2: spills), [2, 4096] at 16 warps 2 a SM
-# (74.8 / 43.3, a tie at 8192 x 4096). RMSNorm keeps the rule above (8192 x 5120 80.5
-# us against 83.4 at 16 warps; 8192^2 108.8 / 113.7).
+# 8192 x 4096 75.5 against 81.9 (16 warps, 2 x SMs), 4096 x 4096 41.6 / 47.7; a rerun
+# on another H200 gave the same. Not kept: 8 warps at 2-3 a SM (104-147 us at 8192
+# wide), [2, 8192] at 32 warps (387.2: spills), [2, 4096] at 16 warps 2 a SM (74.8 /
+# 43.3, a tie at 8192 x 4096); 2048-wide tiles keep [2, 2048] at 4 warps (8 warps was
+# 2-4% faster: 35.7 / 36.4 us at 8192 x 2048, unconfirmed). RMSNorm keeps the rule
+# above (8192 x 5120 80.5 us against 83.4 at 16 warps; 8192^2 108.8 / 113.7).
 _BWD_LN_TILE_MIN_BLOCK_N, _BWD_LN_TILE_WARPS = 4096, 16
 # Split-row backward (rows wider than one tile, Pallas backend; both ops): each row over
 # cdiv(N, W) programs of W / 512 warps (16 elements of x and of dy a thread), W the
