@@ -270,6 +270,28 @@ _PERSISTENT_OCCUPANCY = 4
 # 361.6 / 419.6 us (benchmarks/results/h200_2026-11-21_sweep_long.json).
 _HEURISTIC_RELOAD_MAX = 32768
 _PERSISTENT_CHUNK_N_LARGE = 16384
+# Rows padded to 16384 (Pallas backend): static_persistent with the row as one
+# [1, 16384] tile, scale/bias hoisted, the next row prefetched, one program a SM;
+# RMSNorm for N > 12288 at 32 warps, LayerNorm for N > 8192 at 16 warps. The Pallas
+# launch leaves little L1 (README, "The two backends"), so a multi-wave program
+# re-reads its 32 KB of scale from L2 for every row; hoisted, it is read once a
+# program. H200, 2026-11-22, bf16 forward with residuals, CUPTI over rotated inputs,
+# median of 3 rounds of 10 (benchmarks/ab_split_fwd.py "persistent:16384,W,1";
+# results/h200_2026-11-22_fwd_persistent_tile.txt), against multi_wave_reload
+# (8192-wide chunks, 16 warps):
+#   RMSNorm   16384^2 274.6 us (291.8; 16 warps 278.0), 4096 x 16384 71.2 (77.0),
+#             16384 x 12288 211.5 (213.5, a tie: 12288 keeps the reload),
+#             8192 x 10240 95.0 (90.8).
+#   LayerNorm 16384^2 295.5 us at 16 warps (327.4; 32 warps 300.4), 4096 x 16384 76.9
+#             (86.6), 16384 x 12288 224.1 (263.4), 8192 x 10240 99.8 (120.9).
+# Not kept (same runs): the reload keeping its last chunks in registers instead of
+# reloading them (RMSNorm 16384^2 280.3-285.2 us; LayerNorm with both 8192-wide
+# chunks kept 309.9-313.1), [2, 8192] reload tiles (290.2-351.6 us), and LayerNorm
+# 8192 x 5120 as five 1024-wide tiles instead of one 8192-wide one (47.8-49.2 us
+# against 47.1; branch exp/cached-chunks).
+_PERSISTENT_TILE_N = 16384
+_RMS_PERSISTENT_TILE_MIN_N, _RMS_PERSISTENT_TILE_WARPS = 12288, 32
+_LN_PERSISTENT_TILE_MIN_N, _LN_PERSISTENT_TILE_WARPS = 8192, 16
 # RMSNorm rows longer than this (N > 16384), on the Pallas backend, go to
 # multi_wave_cached split over cdiv(N, 8192) programs (each holds an 8192-wide split in
 # registers at 4 warps; they exchange partial sums of squares through global memory),
@@ -486,6 +508,16 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
+def _persistent_tile_warps(n: int, subtract_mean: bool, backend: str) -> int | None:
+  """num_warps of the [1, 16384] static_persistent tile for N-long rows, or None where
+  it is not the pick."""
+  if backend != "pallas" or next_power_of_2(n) != _PERSISTENT_TILE_N:
+    return None
+  if subtract_mean:
+    return _LN_PERSISTENT_TILE_WARPS if n > _LN_PERSISTENT_TILE_MIN_N else None
+  return _RMS_PERSISTENT_TILE_WARPS if n > _RMS_PERSISTENT_TILE_MIN_N else None
+
+
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
                 backend: str = "pallas") -> str:
   """The mode the heuristic picks for an [m, n] input (the fastest one measured).
@@ -493,12 +525,16 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
   static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
-  multi_wave_cached split over programs takes RMSNorm rows with N > 16384 (up to
-  8192 x SMs), and static_persistent split over programs (``split_rows``) LayerNorm
-  rows with N > 16384 (up to 4096 x SMs).
+  static_persistent with the row as one [1, 16384] tile takes RMSNorm rows of
+  12288 < N <= 16384 and LayerNorm rows of 8192 < N <= 16384, multi_wave_cached
+  split over programs RMSNorm rows with N > 16384 (up to 8192 x SMs), and
+  static_persistent split over programs (``split_rows``) LayerNorm rows with
+  N > 16384 (up to 4096 x SMs).
   """
   del m, dtype
   if _ln_persistent_split(n, subtract_mean, backend, device):
+    return "static_persistent"
+  if _persistent_tile_warps(n, subtract_mean, backend):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -546,6 +582,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
+  tile_warps = _persistent_tile_warps(n, subtract_mean, backend)
+  if mode == "static_persistent" and tile_warps:  # the row as one hoisted-scale tile
+    block_m = 1 if device.platform != "cpu" else min(64, next_power_of_2(m))
+    num_programs = max(1, min(device.num_sms, cdiv(m, block_m)))
+    return ForwardConfig(mode, block_m, _PERSISTENT_TILE_N, tile_warps, num_programs)
   if n <= _HEURISTIC_RELOAD_MAX:
     chunk = _RELOAD_CHUNK_N_SMALL
   elif mode == "static_persistent":

@@ -357,7 +357,21 @@ def test_heuristic_modes():
   # Measured on the H200 (config.py): cached wins up to N = 8192, reload up to 32768,
   # persistent with 16384-wide chunks beyond.
   assert pn_config.choose_mode(32768, 128, jnp.bfloat16, dev) == "multi_wave_cached"
-  assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev) == "multi_wave_reload"
+  assert pn_config.choose_mode(16384, 12288, jnp.bfloat16, dev) == "multi_wave_reload"
+  assert pn_config.choose_mode(16384, 16384, jnp.bfloat16, dev,
+                               backend="triton") == "multi_wave_reload"
+  # Rows padded to 16384 on the Pallas backend (fwd_persistent_tile.txt): one hoisted
+  # [1, 16384] tile a static_persistent program, one program a SM; RMSNorm for
+  # N > 12288 at 32 warps, LayerNorm for N > 8192 at 16 warps.
+  for n, sm, warps in ((12289, False, 32), (16384, False, 32), (8193, True, 16),
+                       (16384, True, 16)):
+    assert pn_config.choose_mode(16384, n, jnp.bfloat16, dev,
+                                 subtract_mean=sm) == "static_persistent"
+    pt = pn_config.forward_config(16384, n, jnp.bfloat16, device=dev, subtract_mean=sm)
+    assert (pt.mode, pt.block_m, pt.block_n, pt.num_warps, pt.num_programs,
+            pt.split_rows) == ("static_persistent", 1, 16384, warps, 132, False), (n, sm)
+  pt = pn_config.forward_config(100, 16384, jnp.bfloat16, device=dev)
+  assert pt.num_programs == 100  # no more programs than rows
   # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
   # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
   # Triton backend keep reload up to 32768; LayerNorm splits beyond, over 4096-wide
@@ -379,9 +393,9 @@ def test_heuristic_modes():
         "multi_wave_cached", 1, 4096, 1, 1024)
   # LayerNorm rows of 16384 < N <= 4096 x SMs: static_persistent split over programs of
   # 1 warp, 1024 wide up to 65536 (16 a SM), else 2048 wide (8 a SM)
-  # (h200_2026-11-22_split_fwd.txt); 16384 keeps the reload.
-  assert pn_config.choose_mode(4096, 16384, jnp.bfloat16, dev,
-                               subtract_mean=True) == "multi_wave_reload"
+  # (h200_2026-11-22_split_fwd.txt); 16384 takes the [1, 16384] tile above.
+  assert pn_config.choose_mode(4096, 8192, jnp.bfloat16, dev,
+                               subtract_mean=True) == "multi_wave_cached"
   for n, bn, g in ((16385, 1024, 124), (32768, 1024, 66), (65536, 1024, 33),
                    (65537, 2048, 32), (262144, 2048, 8), (4096 * 132, 2048, 4)):
     ps = pn_config.forward_config(1024, n, jnp.bfloat16, device=dev, subtract_mean=True)
