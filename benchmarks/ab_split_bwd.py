@@ -2,7 +2,9 @@
 
   python benchmarks/ab_split_bwd.py {rms|layer} ROUNDS SHAPES CFGS
 
-SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
+SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, with
+"@nocg" or "@cgall" appended to trace it with the x/dy loads' cache modifier off
+(_compat.py) or on for all of them (sweep.ab_first_call):
   default                       config.backward_config's pick
   split:bn,nw,occ,stages,chunk[,lag[,bm[,early]]]
                                 split-row kernel, G = occ x SMs / cdiv(N, bn);
@@ -79,12 +81,13 @@ def main():
     fns = {}
     for cs in cfgs.split(";"):
       kind, _, args = cs.partition(":")
+      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
       cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
       fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
           dy, x, scale, mean, rstd, has_bias=sm, scale_offset=0.0, subtract_mean=sm,
           config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16))
       try:
-        out = fn(dys[0], xs[0], stats[0][1], stats[0][2])
+        out = sweep.ab_first_call(cs, fn, dys[0], xs[0], stats[0][1], stats[0][2])
       except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
         print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue

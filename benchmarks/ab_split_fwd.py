@@ -3,7 +3,9 @@ rotated inputs.
 
   python benchmarks/ab_split_fwd.py {rms|layer} ROUNDS SHAPES CFGS
 
-SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of
+SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, with
+"@nocg" or "@cgall" appended to trace it with the x/dy loads' cache modifier off
+(_compat.py) or on for all of them (sweep.ab_first_call):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
@@ -72,12 +74,13 @@ def main():
     fns = {}
     for cs in cfgs.split(";"):
       kind, _, args = cs.partition(":")
+      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
       cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
       fn = jax.jit(lambda x, cfg=cfg: forward.norm_forward(
           x, scale, bias, eps=1e-5, scale_offset=0.0, subtract_mean=sm, config=cfg,
           interpret=False))
       try:
-        y, _, rstd = fn(xs[0])
+        y, _, rstd = sweep.ab_first_call(cs, fn, xs[0])
       except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
         print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue

@@ -54,6 +54,29 @@ def ab_warm_up() -> int:
   return sms
 
 
+def ab_first_call(cfg_text, fn, *args):
+  """For the A/B scripts: the first (tracing) call of ``fn``. A config ending in
+  "@nocg" is traced with the x/dy loads' cache modifier off (kernels/_compat.py); one
+  ending in "@cgall" with every x/dy load ".cg", its L1 eviction policy dropped."""
+  if cfg_text.endswith("@nocg"):
+    patches = [(forward, "stream_cache_modifier", lambda: None)]
+  elif cfg_text.endswith("@cgall"):
+    def load_cg(ref_at, mask, eviction_policy=None):
+      del eviction_policy
+      return forward._load(ref_at, mask, cache_modifier=forward.stream_cache_modifier())
+    patches = [(forward, "_load_stream", load_cg), (backward, "_load_stream", load_cg)]
+  else:
+    return fn(*args)
+  saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+  for mod, name, value in patches:
+    setattr(mod, name, value)
+  try:
+    return fn(*args)
+  finally:
+    for mod, name, value in saved:
+      setattr(mod, name, value)
+
+
 def ab_report(tag, fns, ins, rounds, nbytes_moved):
   """For the A/B scripts: time each of ``fns`` ({name: (fn, checks text)}) over the
   rotated ``ins``, ``rounds`` rounds of 10 calls interleaved over the configs, and print

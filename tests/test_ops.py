@@ -734,3 +734,21 @@ def test_int64_offsets_past_2_31_elements(mode):
       x, rstd_all)
   tol = 4 * ULP["bfloat16"] * math.sqrt(m) * (1 + np.abs(_f64(ds_ref)))
   assert (np.abs(_f64(ds) - _f64(ds_ref)) <= tol).all()
+
+
+def test_stream_cache_modifier_lowers_for_cuda():
+  # x and dy are loaded with ".cg" (kernels/_compat.py), which JAX's Pallas Triton
+  # lowering refuses with a KeyError unless the fix applies. Lowering for CUDA runs on
+  # a CPU-only machine, so this checks the fix against the installed jax; a None here
+  # means the kernels lost the modifier (slower on the GPU, h200_2026-11-22_load_cg.txt).
+  from pallas_norm.kernels import _compat, forward
+  assert _compat.stream_cache_modifier() == ".cg"
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
+  for mode in ("multi_wave_cached", "multi_wave_reload"):
+    cfg = pn_config.ForwardConfig(mode, 4, 1024 if mode == "multi_wave_cached" else 256, 4)
+    fn = jax.jit(lambda x, w, cfg=cfg: forward.norm_forward(
+        x, w, None, eps=1e-6, scale_offset=0.0, subtract_mean=False, config=cfg,
+        interpret=False))
+    text = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallas_norm_fwd" in text

@@ -46,10 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
-from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _slot_bits,
-                                         _split_count, _split_rows_call, _split_rows_loop,
-                                         _split_rows_refs, _split_slot_tiles, _tile_index,
-                                         _where0)
+from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
+                                         _slot_bits, _split_count, _split_rows_call,
+                                         _split_rows_loop, _split_rows_refs,
+                                         _split_slot_tiles, _tile_index, _where0)
 
 __all__ = ["norm_backward"]
 
@@ -89,8 +89,8 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0):
 def _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy=None):
   """Raw x and dy tiles (their own dtype); masked elements do not touch memory."""
   idx = (rows[:, None], cols[None, :])
-  return (_load(x_ref.at[idx], mask, eviction_policy=eviction_policy),
-          _load(dy_ref.at[idx], mask, eviction_policy=eviction_policy))
+  return (_load_stream(x_ref.at[idx], mask, eviction_policy=eviction_policy),
+          _load_stream(dy_ref.at[idx], mask, eviction_policy=eviction_policy))
 
 
 def _x_hat_g(x, dy, mask, mean, rstd, w):

@@ -48,6 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, device_info,
                                 next_power_of_2, split_resident_programs)
+from pallas_norm.kernels._compat import stream_cache_modifier
 
 __all__ = ["norm_forward"]
 
@@ -97,13 +98,22 @@ def _load(ref_at, mask, **kwargs):
   return plgpu.load(ref_at, mask=mask, other=None if mask is None else 0.0, **kwargs)
 
 
+def _load_stream(ref_at, mask, eviction_policy=None):
+  """_load of x (or dy), data read from HBM once a row block: cached in L2 only
+  (``_compat.stream_cache_modifier``), unless an L1 ``eviction_policy`` is asked for
+  (ptxas refuses ".cg" with ".evict_last"/".evict_first")."""
+  if eviction_policy is not None:
+    return _load(ref_at, mask, eviction_policy=eviction_policy)
+  return _load(ref_at, mask, cache_modifier=stream_cache_modifier())
+
+
 def _where0(mask, a):
   return a if mask is None else jnp.where(mask, a, 0.0)
 
 
 def _load_tile(ref, rows, cols, mask, eviction_policy=None):
-  return _load(ref.at[rows[:, None], cols[None, :]], mask,
-               eviction_policy=eviction_policy).astype(_F32)  # [block_m, block_n] f32
+  return _load_stream(ref.at[rows[:, None], cols[None, :]], mask,
+                      eviction_policy=eviction_policy).astype(_F32)  # [block_m, block_n] f32
 
 
 def _f32_again(x_raw):
@@ -147,7 +157,7 @@ def _load_row_block(x_ref, rb, *, n, block_m, block_n):
   """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
   rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                        block_n=block_n)
-  return _load(x_ref.at[rows[:, None], cols[None, :]], mask)
+  return _load_stream(x_ref.at[rows[:, None], cols[None, :]], mask)
 
 
 def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None):
@@ -192,8 +202,10 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   def stats_body(k, carry):
     mean, acc = carry  # [block_m] f32: running mean (LayerNorm) and M2 / sum of squares
     rows, cols, _, _, mask = tile(k)
-    # evict_last: this chunk is read again by pass 2.
-    x = _load_tile(x_ref, rows, cols, mask, eviction_policy="evict_last")
+    # Cached in L2 only (".cg"), like pass 2's reload: with the L1 eviction hints of
+    # before (evict_last here, evict_first there), which ptxas refuses with ".cg",
+    # RMSNorm 16384^2 took 288.0 us against 275.2 (H200, load_cg.txt).
+    x = _load_tile(x_ref, rows, cols, mask)
     if not subtract_mean:
       # acc is [block_m, block_n]: squares are summed across the row once, after the
       # last chunk, not once a chunk.
@@ -227,7 +239,7 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
     # Walk the chunks backwards: the last ones read by pass 1 are the likeliest to
     # still be in L2.
     rows, cols, _, col_mask, mask = tile(num_chunks - 1 - j)
-    x = _load_tile(x_ref, rows, cols, mask, eviction_policy="evict_first")
+    x = _load_tile(x_ref, rows, cols, mask)
     if subtract_mean:
       x = x - mean[:, None]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
@@ -446,7 +458,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
     out = []
     for c in range(num_chunks):
       rows_c, cols_c, _, _, mask_c = chunk_tile(j * num_chunks + c)
-      out.append((_load(x_ref.at[rows_c[:, None], cols_c[None, :]], mask_c), mask_c))
+      out.append((_load_stream(x_ref.at[rows_c[:, None], cols_c[None, :]], mask_c), mask_c))
     return out
 
   partials = functools.partial(_split_partials, n=n, block_n=block_n,
@@ -659,7 +671,8 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 
   def load(rb, eviction_policy):
     rows, cols, row_mask, col_mask, mask = tile(rb)
-    x = _load(x_ref.at[rows[:, None], cols[None, :]], mask, eviction_policy=eviction_policy)
+    x = _load_stream(x_ref.at[rows[:, None], cols[None, :]], mask,
+                     eviction_policy=eviction_policy)
     return rows, cols, row_mask, col_mask, mask, x
 
   def publish(rb):

@@ -1,0 +1,66 @@
+"""Workarounds for JAX's Pallas Triton lowering.
+
+``stream_cache_modifier()``: the cache modifier of the kernels' x and dy loads, data
+read from HBM for one row block and not reused by the program's SM.
+
+``ld.global.cg`` caches a load in L2 only, not in L1. XLA launches Pallas kernels
+preferring shared memory (README, "The two backends"), which leaves about 23 KB of
+each SM's L1 to the loads; with ``.cg`` the streamed x and dy no longer pass through
+it, and scale/bias (read by every row) stay there. H200, 2026-11-22, bf16 forward,
+default configs, CUPTI over rotated inputs (benchmarks/ab_split_fwd.py;
+benchmarks/results/h200_2026-11-22_load_cg.txt): RMSNorm 8192^2 70.1 us against 72.2,
+16384^2 270.3 / 276.1, 8192 x 5120 44.0 / 44.7; LayerNorm 8192 x 5120 46.8 / 47.7,
+16384^2 288.1 / 295.5.
+
+``pallas.triton.load(..., cache_modifier=".cg")`` is what asks for it, and JAX's
+lowering accepts only ".ca" and ".cg" there but then looks the string up in a table
+keyed "ca", "cg", ... (jax 0.10.2 and 0.11.2: ``KeyError: '.cg'``). This module adds the
+dotted spellings to that table, then checks by lowering a one-load kernel for CUDA
+(which works on a CPU-only machine too). If the table is not there, or the lowering
+still fails, the kernels load without a cache modifier (``None``): slower on the GPU,
+same results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_CG = ".cg"
+
+
+def _lowers(cache_modifier: str) -> bool:
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = plgpu.load(x_ref, cache_modifier=cache_modifier)
+
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                        compiler_params=plgpu.CompilerParams(num_warps=1))
+  try:
+    jax.jit(call).trace(jax.ShapeDtypeStruct((16,), jnp.float32)).lower(
+        lowering_platforms=("cuda",))
+  except Exception:  # noqa: BLE001 (any failure means: do not use it)
+    return False
+  return True
+
+
+@functools.cache
+def stream_cache_modifier() -> str | None:
+  """".cg" where JAX's Pallas Triton lowering can lower it (after the fix above), else
+  None. Computed once a process, at the first kernel trace."""
+  if _lowers(_CG):
+    return _CG
+  try:
+    from jax._src.pallas.triton import lowering
+    table = lowering._STR_TO_CACHE_MODIFIER  # noqa: SLF001 (the fix needs it)
+  except (ImportError, AttributeError):
+    return None
+  if not isinstance(table, dict) or "cg" not in table:
+    return None
+  for key, value in list(table.items()):
+    if not key.startswith("."):
+      table.setdefault("." + key, value)
+  return _CG if _lowers(_CG) else None
