@@ -111,9 +111,8 @@ def _where0(mask, a):
   return a if mask is None else jnp.where(mask, a, 0.0)
 
 
-def _load_tile(ref, rows, cols, mask, eviction_policy=None):
-  return _load_stream(ref.at[rows[:, None], cols[None, :]], mask,
-                      eviction_policy=eviction_policy).astype(_F32)  # [block_m, block_n] f32
+def _load_tile(ref, rows, cols, mask):
+  return _load_stream(ref.at[rows[:, None], cols[None, :]], mask).astype(_F32)  # f32 tile
 
 
 def _f32_again(x_raw):
