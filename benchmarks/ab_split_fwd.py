@@ -10,13 +10,15 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, wit
   psplit:bn,nw,occ[,lag[,early]]
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
                           early 1 sets split_early_publish
-  cached:bn,nw,chunk      multi_wave_cached split over cdiv(N, bn) programs
+  cached:bn,nw,chunk[,bm] multi_wave_cached split over cdiv(N, bn) programs, [bm, bn]
+                          splits (bm 1 unless given)
   tile:bm,bn,nw           multi_wave_cached, [bm, bn] tiles (bn >= N)
   persistent:bn,nw,occ    static_persistent walking rows in bn-wide chunks, occ x SMs
   reload:bn,nw            multi_wave_reload
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed per
 round), inputs rotated over >= 256 MiB; GB/s = 2 x M x N x itemsize / time; y and rstd
-checked against the XLA reference. PN_NOLIMIT=1: see sweep.ab_warm_up.
+checked against the XLA reference. PN_NOLIMIT=1: see sweep.ab_warm_up. PN_BIAS=0 or 1
+overrides whether there is a bias (by default LayerNorm has one, RMSNorm none).
 The measurement behind config.py's forward split-row rule.
 """
 import os
@@ -42,8 +44,8 @@ def _config(kind, a, m, n, sm, sms):
                            split_lag=rest[0] if rest else 2,
                            split_early_publish=bool(rest[1]) if len(rest) > 1 else False)
   if kind == "cached":
-    bn, nw, ch = a
-    return C.ForwardConfig("multi_wave_cached", 1, bn, nw, chunk_n=ch)
+    bn, nw, ch, *bm = a
+    return C.ForwardConfig("multi_wave_cached", bm[0] if bm else 1, bn, nw, chunk_n=ch)
   if kind == "tile":
     bm, bn, nw = a
     return C.ForwardConfig("multi_wave_cached", bm, bn, nw)
@@ -69,7 +71,8 @@ def main():
     xs = [jax.random.normal(jax.random.fold_in(key, i), (m, n), dt) + (3.0 if sm else 0.0)
           for i in range(reps)]
     scale = jnp.ones((n,), jnp.bfloat16) * 1.25
-    bias = jnp.ones((n,), jnp.bfloat16) * 0.5 if sm else None
+    with_bias = bool(int(os.environ.get("PN_BIAS", int(sm))))
+    bias = jnp.ones((n,), jnp.bfloat16) * 0.5 if with_bias else None
     y_ref, _, rstd_ref = reference.norm(xs[0], scale, bias, eps=1e-5, subtract_mean=sm)
     fns = {}
     for cs in cfgs.split(";"):

@@ -158,6 +158,29 @@ def test_split_rows_forward(m, n, block_m, block_n, chunk_n, layer):
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("max_polls", [None, 0], ids=["polls", "nopolls"])
+def test_split_rows_fallback_same_bits(layer, max_polls, monkeypatch):
+  """multi_wave_cached's split: a program that stops waiting computes the row's
+  statistics itself, chunk by chunk (the fallback); a program that reads the slots gets
+  the same bits. With no scale or bias, y = (x - mean) * rstd: every split's y is
+  checked bit for bit against that, from the mean/rstd that split 0 stored (two f32
+  ops, nothing to contract). On CPU each row block's last program reads the slots and
+  the others fall back; on the GPU, with max_polls 0 (nopolls), every program that
+  arrives before its row is complete falls back."""
+  from pallas_norm.kernels import forward
+  if max_polls is not None:
+    monkeypatch.setattr(forward, "_SPLIT_MAX_POLLS", max_polls)
+  x, _, _, _ = _inputs(6, 1000, "float32", layer=layer, mean=100.0 if layer else 0.0)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", 1, 256, 4, chunk_n=64)
+  y, mean, rstd = forward.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0,
+                                       subtract_mean=layer, config=cfg,
+                                       interpret=jax.default_backend() != "gpu")
+  xn = np.asarray(x)
+  xc = xn - np.asarray(mean)[:, None] if layer else xn
+  np.testing.assert_array_equal(np.asarray(y), xc * np.asarray(rstd)[:, None])
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 @pytest.mark.parametrize("m,n,block_m,block_n,split_lag,num_programs,early", [
     (5, 1000, 1, 256, 0, 2, False),  # ragged last split, M not a multiple of G; no lead
     (9, 1000, 2, 256, 2, 2, False),  # block_m 2 with a partial last row block

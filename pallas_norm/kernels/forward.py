@@ -255,33 +255,50 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
 
 
-def _split_partials(chunks, k, *, n, block_n, subtract_mean):
+def _split_partials(chunk, num_chunks, k, *, n, block_n, subtract_mean, stream=False):
   """Statistics of split k (columns [k * block_n, ...)) of each row of a row block.
 
-  ``chunks`` is the split as a list of (x tile in x's dtype with 0 outside the mask,
-  mask) pairs, in column order.
+  ``chunk(c)`` gives chunk c of the split (columns [c * chunk_n, ...) of it, c <
+  ``num_chunks``) as (x tile in x's dtype with 0 outside the mask, mask).
   RMSNorm: (sum of squares, None). LayerNorm: (mean, M2) of the split's elements, from
   sums of x - c, where c is the mean of the first chunk (the shifted-data formula: c is
   close to the split's mean, so M2 = sum(d^2) - sum(d)^2 / n_k does not cancel; with a
   single chunk sum(d) is ~0 and this is the two-pass formula).
+  With ``stream``, ``chunk`` loads the chunk and the chunks are walked in a loop, each
+  loaded where it is reduced, so that one chunk at a time is live (_split_kernel's
+  fallback); the sums are the same, in the same order.
   """
+  def walk(step, init):
+    if stream:
+      return lax.fori_loop(0, num_chunks, lambda c, acc: step(chunk(c), acc), init)
+    acc = None
+    for c in range(num_chunks):
+      acc = step(chunk(c), acc)
+    return acc
+
   def add(acc, v):
     return v if acc is None else acc + v
 
+  first = chunk(0)
+  # A loop's sums start at 0, the unrolled ones at the first chunk's: 0 + v is v but for
+  # the sign of a zero, which mean and M2 below do not keep.
+  zero = jnp.zeros((first[0].shape[0],), _F32) if stream else None
   if not subtract_mean:
-    s2 = None
-    for x_raw, _ in chunks:
-      x = x_raw.astype(_F32)
-      s2 = add(s2, jnp.sum(x * x, axis=1))
-    return s2, None
-  chunk_n = chunks[0][0].shape[1]
+    def sq(xm, s2):
+      x = xm[0].astype(_F32)
+      return add(s2, jnp.sum(x * x, axis=1))
+    return walk(sq, zero), None
+  chunk_n = first[0].shape[1]
   n0 = jnp.minimum(chunk_n, n - k * block_n).astype(_F32)  # >= 1: split k exists
-  shift = jnp.sum(chunks[0][0].astype(_F32), axis=1) / n0
-  s1 = s2 = None
-  for x_raw, mask in chunks:  # one chunk at a time: fewer f32 values live
+  shift = jnp.sum(first[0].astype(_F32), axis=1) / n0
+
+  def shifted(xm, acc):
+    x_raw, mask = xm
     d = _where0(mask, x_raw.astype(_F32) - shift[:, None])
-    s1 = add(s1, jnp.sum(d, axis=1))
-    s2 = add(s2, jnp.sum(d * d, axis=1))
+    s1, s2 = (None, None) if acc is None else acc
+    return add(s1, jnp.sum(d, axis=1)), add(s2, jnp.sum(d * d, axis=1))
+
+  s1, s2 = walk(shifted, None if zero is None else (zero, zero))
   nk = jnp.minimum(block_n, n - k * block_n).astype(_F32)
   return shift + s1 / nk, s2 - s1 * (s1 / nk)
 
@@ -422,12 +439,16 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
     3. it combines the row's slots in split order and normalises its split.
   If the counter is still short after ``max_polls`` reads, the program computes every
   split's partials itself from x (the same code on the same tiles, so the same bits)
-  instead of waiting on the others. Programs of one row block normally run together
-  (the hardware starts programs in about the order of their ids) and the fallback
-  never runs; it makes the kernel finish whatever order programs start in, with no
-  ticket counter: taking (rb, k) from one (an atomic every program starts with) cost
-  16% at 4096 x 65536 (H200: 340 against 292 us). A bf16 split stays bf16 in
-  registers across the wait (``_f32_again``: 338 against 346 us).
+  instead of waiting on the others. It loads and reduces one chunk at a time
+  (``_split_partials`` with ``stream``): whole splits loaded at once set the kernel's
+  register count (H200, ncu: LayerNorm [1, 4096] at 1 warp 167 registers a thread
+  against 128; RMSNorm 4096 x 65536 295.0 against 291.5 us, 1024 x 262144 301.0 / 296.2;
+  results/h200_2026-11-22_split_fallback_stream.txt). Programs of one row block
+  normally run together (the hardware starts programs in about the order of their ids)
+  and the fallback never runs; it makes the kernel finish whatever order programs start
+  in, with no ticket counter: taking (rb, k) from one (an atomic every program starts
+  with) cost 16% at 4096 x 65536 (H200: 340 against 292 us). A bf16 split stays bf16
+  in registers across the wait (``_f32_again``: 338 against 346 us).
 
   Interpret mode runs programs one after another, with ``max_polls`` 0 (its state
   discharge has no rule for an atomic in a loop): each row block's last program finds
@@ -453,18 +474,15 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   chunk_tile = functools.partial(_chunk_index, rb, m=m, n=n, block_m=block_m,
                                  block_n=block_n, chunk_n=chunk_n, rows_in_bounds=True)
 
-  def load_split(j):  # split j as [(x tile, mask)] chunks
-    out = []
-    for c in range(num_chunks):
-      rows_c, cols_c, _, _, mask_c = chunk_tile(j * num_chunks + c)
-      out.append((_load_stream(x_ref.at[rows_c[:, None], cols_c[None, :]], mask_c), mask_c))
-    return out
+  def load_chunk(j, c):  # chunk c of split j: (x tile, mask)
+    _, cols_c, _, _, mask_c = chunk_tile(j * num_chunks + c)
+    return _load_stream(x_ref.at[rows[:, None], cols_c[None, :]], mask_c), mask_c
 
   partials = functools.partial(_split_partials, n=n, block_n=block_n,
                                subtract_mean=subtract_mean)
   rows, _, row_mask, _, _ = chunk_tile(0)
-  chunks = load_split(k)
-  s1, s2 = partials(chunks, k)
+  chunks = [load_chunk(k, c) for c in range(num_chunks)]
+  s1, s2 = partials(lambda c: chunks[c], num_chunks, k)
   plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
   if subtract_mean:
     plgpu.store(p2_ref.at[rows, k], s2, mask=row_mask)
@@ -486,7 +504,8 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
 
   def recompute():  # every split's partials from x, as its own program computes them
     def body(j, tiles):
-      new = [v for v in partials(load_split(j), j) if v is not None]
+      load = functools.partial(load_chunk, j)
+      new = [v for v in partials(load, num_chunks, j, stream=True) if v is not None]
       return tuple(jnp.where(ks[None, :] == j, v[:, None], t) for v, t in zip(new, tiles))
     zeros = jnp.zeros((block_m, ks.shape[0]), _F32)
     return lax.fori_loop(0, num_splits, body, (zeros,) * len(slot_refs))
@@ -678,7 +697,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
     rows, _, row_mask, _, mask, x = load(rb, "evict_last")
 
     def complete():
-      parts = _split_partials([(x, mask)], k, n=n, block_n=block_n,
+      parts = _split_partials(lambda c: (x, mask), 1, k, n=n, block_n=block_n,
                               subtract_mean=subtract_mean)
       for ref, v in zip(slot_refs, parts):
         plgpu.store(ref.at[rows, k], _slot_bits(v), mask=row_mask)
