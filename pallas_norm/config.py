@@ -289,9 +289,26 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # chunks kept 309.9-313.1), [2, 8192] reload tiles (290.2-351.6 us), and LayerNorm
 # 8192 x 5120 as five 1024-wide tiles instead of one 8192-wide one (47.8-49.2 us
 # against 47.1; branch exp/cached-chunks).
-_PERSISTENT_TILE_N = 16384
-_RMS_PERSISTENT_TILE_MIN_N, _RMS_PERSISTENT_TILE_WARPS = 12288, 32
-_LN_PERSISTENT_TILE_MIN_N, _LN_PERSISTENT_TILE_WARPS = 8192, 16
+# Rows padded to 8192 (Pallas backend), H200, 2026-11-22, same method
+# (results/h200_2026-11-22_fwd_persistent_tile_8192.txt), against the multi_wave_cached
+# [1, 8192] tile (8 warps RMSNorm; LayerNorm 5120: 4 warps):
+#   RMSNorm   [1, 8192] at 16 warps, 2 programs a SM: 8192^2 68.3 us (70.2), 4096 x 8192
+#             35.4 (35.8), 2048 x 8192 18.6 (19.3), 16384 x 8192 134.7 (136.2). It lost
+#             at 8192 x 6144 (53.9 against 52.0) and 8192 x 5120 (47.6 / 44.5). 1, 3 or 4
+#             a SM, 8 or 32 warps: 69.0-79.0 us at 8192^2.
+#   LayerNorm [1, 8192] at 4 warps, 3 a SM, for N <= 5120: 8192 x 5120 46.1 us (46.9),
+#             4096 x 5120 24.8 (25.4). It lost at 8192 x 6144 (67.1 against 58.4) and
+#             8192^2 (81.0 / 75.5); 8 to 32 warps, 1 or 2 a SM: 83.1-86.0 us at 8192^2.
+# Checked on another H200 the same day, against those cached tiles: RMSNorm 4096 x 8192
+# 34.8 us (35.5), 8192^2 67.8 (68.8), 2048 x 8192 18.6 (19.2), 1024 x 8192 9.2 (9.6),
+# 8192 x 7168 60.1 (60.8); float32 4096 x 8192 68.3 (69.9), 8192 x 7168 115.2 (118.4).
+# LayerNorm 8192 x 5120 45.2 (46.4), 4096 x 5120 24.5 (25.2), 1024 x 5120 7.9 (8.2),
+# 8192 x 4608 42.4 (42.3, a tie); float32 8192 x 5120 lost (97.2 against 90.9), so
+# LayerNorm's rule is for 2-byte dtypes.
+# (rows longer than, rows up to, num_warps, programs a SM, largest itemsize); block_n is
+# the padded row.
+_RMS_PERSISTENT_TILES = ((12288, 16384, 32, 1, 4), (6144, 8192, 16, 2, 4))
+_LN_PERSISTENT_TILES = ((8192, 16384, 16, 1, 4), (4096, 5120, 4, 3, 2))
 # RMSNorm rows longer than this (N > 16384), on the Pallas backend, go to
 # multi_wave_cached split over cdiv(N, 8192) programs (each holds an 8192-wide split in
 # registers at 4 warps; they exchange partial sums of squares through global memory),
@@ -508,14 +525,18 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
-def _persistent_tile_warps(n: int, subtract_mean: bool, backend: str) -> int | None:
-  """num_warps of the [1, 16384] static_persistent tile for N-long rows, or None where
-  it is not the pick."""
-  if backend != "pallas" or next_power_of_2(n) != _PERSISTENT_TILE_N:
+def _persistent_tile(n: int, dtype, subtract_mean: bool,
+                     backend: str) -> tuple[int, int, int] | None:
+  """(block_n, num_warps, programs a SM) of the one-tile static_persistent forward for
+  N-long rows of ``dtype``, or None where it is not the pick."""
+  if backend != "pallas":
     return None
-  if subtract_mean:
-    return _LN_PERSISTENT_TILE_WARPS if n > _LN_PERSISTENT_TILE_MIN_N else None
-  return _RMS_PERSISTENT_TILE_WARPS if n > _RMS_PERSISTENT_TILE_MIN_N else None
+  itemsize = np.dtype(dtype).itemsize
+  for min_n, max_n, num_warps, per_sm, max_itemsize in (
+      _LN_PERSISTENT_TILES if subtract_mean else _RMS_PERSISTENT_TILES):
+    if min_n < n <= max_n and itemsize <= max_itemsize:
+      return next_power_of_2(max_n), num_warps, per_sm
+  return None
 
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
@@ -525,16 +546,17 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
   static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
-  static_persistent with the row as one [1, 16384] tile takes RMSNorm rows of
-  12288 < N <= 16384 and LayerNorm rows of 8192 < N <= 16384, multi_wave_cached
+  static_persistent with the row as one tile (scale/bias hoisted) takes RMSNorm rows
+  of 6144 < N <= 8192 and 12288 < N <= 16384 and LayerNorm rows of 4096 < N <= 5120
+  (2-byte dtypes) and 8192 < N <= 16384, multi_wave_cached
   split over programs RMSNorm rows with N > 16384 (up to 8192 x SMs), and
   static_persistent split over programs (``split_rows``) LayerNorm rows with
   N > 16384 (up to 4096 x SMs).
   """
-  del m, dtype
+  del m
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
-  if _persistent_tile_warps(n, subtract_mean, backend):
+  if _persistent_tile(n, dtype, subtract_mean, backend):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -582,11 +604,12 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
-  tile_warps = _persistent_tile_warps(n, subtract_mean, backend)
-  if mode == "static_persistent" and tile_warps:  # the row as one hoisted-scale tile
+  tile = _persistent_tile(n, dtype, subtract_mean, backend)
+  if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
+    block_n, num_warps, per_sm = tile
     block_m = 1 if device.platform != "cpu" else min(64, next_power_of_2(m))
-    num_programs = max(1, min(device.num_sms, cdiv(m, block_m)))
-    return ForwardConfig(mode, block_m, _PERSISTENT_TILE_N, tile_warps, num_programs)
+    num_programs = max(1, min(per_sm * device.num_sms, cdiv(m, block_m)))
+    return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
   if n <= _HEURISTIC_RELOAD_MAX:
     chunk = _RELOAD_CHUNK_N_SMALL
   elif mode == "static_persistent":

@@ -395,6 +395,24 @@ def test_heuristic_modes():
             pt.split_rows) == ("static_persistent", 1, 16384, warps, 132, False), (n, sm)
   pt = pn_config.forward_config(100, 16384, jnp.bfloat16, device=dev)
   assert pt.num_programs == 100  # no more programs than rows
+  # Rows padded to 8192 (fwd_persistent_tile_8192.txt): RMSNorm 6144 < N <= 8192 as a
+  # [1, 8192] tile at 16 warps, 2 programs a SM; LayerNorm 4096 < N <= 5120 at 4
+  # warps, 3 a SM. Both sides of each bound, and the Triton backend, stay cached.
+  for n, sm, warps, per_sm in ((6145, False, 16, 2), (8192, False, 16, 2),
+                               (4097, True, 4, 3), (5120, True, 4, 3)):
+    pt = pn_config.forward_config(8192, n, jnp.bfloat16, device=dev, subtract_mean=sm)
+    assert (pt.mode, pt.block_m, pt.block_n, pt.num_warps, pt.num_programs) == (
+        "static_persistent", 1, 8192, warps, 132 * per_sm), (n, sm)
+  for n, sm, backend, dt in ((6144, False, "pallas", jnp.bfloat16),
+                             (8192, False, "triton", jnp.bfloat16),
+                             (4096, True, "pallas", jnp.bfloat16),
+                             (5121, True, "pallas", jnp.bfloat16),
+                             (8192, True, "pallas", jnp.bfloat16),
+                             (5120, True, "triton", jnp.bfloat16),
+                             (5120, True, "pallas", jnp.float32)):  # LayerNorm: 2 bytes
+    assert pn_config.choose_mode(8192, n, dt, dev, subtract_mean=sm,
+                                 backend=backend) == "multi_wave_cached", (n, sm, backend, dt)
+  assert pn_config.choose_mode(8192, 8192, jnp.float32, dev) == "static_persistent"
   # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
   # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
   # Triton backend keep reload up to 32768; LayerNorm splits beyond, over 4096-wide
