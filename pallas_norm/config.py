@@ -305,10 +305,18 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # LayerNorm 8192 x 5120 45.2 (46.4), 4096 x 5120 24.5 (25.2), 1024 x 5120 7.9 (8.2),
 # 8192 x 4608 42.4 (42.3, a tie); float32 8192 x 5120 lost (97.2 against 90.9), so
 # LayerNorm's rule is for 2-byte dtypes.
-# (rows longer than, rows up to, num_warps, programs a SM, largest itemsize); block_n is
-# the padded row.
-_RMS_PERSISTENT_TILES = ((12288, 16384, 32, 1, 4), (6144, 8192, 16, 2, 4))
-_LN_PERSISTENT_TILES = ((8192, 16384, 16, 1, 4), (4096, 5120, 4, 3, 2))
+# On the H100 (2026-11-22, same method, 5 rounds; results/h100_2026-11-22_full_cbaf579_*
+# and h100_2026-11-22_persistent_tiles.txt) RMSNorm's tiles lose to what they replaced:
+# 8192^2 94.9 us against 91.6 cached, 4096 x 8192 48.1 / 47.1, 16384^2 379.7 / 365.8
+# reload, 4096 x 16384 98.9 / 94.1 (in the full run RMSNorm 8192^2 forward fell to 0.97
+# of tokamax); LayerNorm's 5120 tile ties or loses (8192 x 5120 61.1 / 60.2, 4096 x 5120
+# 32.2 / 32.2), and its 16384 tile wins (16384^2 374.0 / 397.7, 4096 x 16384 96.9 /
+# 103.7). So the first three rules are the H200's only (a device whose name has "H200");
+# other GPUs keep the multi-wave modes there.
+# (rows longer than, rows up to, num_warps, programs a SM, largest itemsize, the device
+# name must contain this); block_n is the padded row.
+_RMS_PERSISTENT_TILES = ((12288, 16384, 32, 1, 4, "H200"), (6144, 8192, 16, 2, 4, "H200"))
+_LN_PERSISTENT_TILES = ((8192, 16384, 16, 1, 4, ""), (4096, 5120, 4, 3, 2, "H200"))
 # RMSNorm rows longer than this (N > 16384), on the Pallas backend, go to
 # multi_wave_cached split over cdiv(N, 8192) programs (each holds an 8192-wide split in
 # registers at 4 warps; they exchange partial sums of squares through global memory),
@@ -525,16 +533,16 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
-def _persistent_tile(n: int, dtype, subtract_mean: bool,
-                     backend: str) -> tuple[int, int, int] | None:
+def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
+                     device: DeviceInfo) -> tuple[int, int, int] | None:
   """(block_n, num_warps, programs a SM) of the one-tile static_persistent forward for
-  N-long rows of ``dtype``, or None where it is not the pick."""
+  N-long rows of ``dtype`` on ``device``, or None where it is not the pick."""
   if backend != "pallas":
     return None
   itemsize = np.dtype(dtype).itemsize
-  for min_n, max_n, num_warps, per_sm, max_itemsize in (
+  for min_n, max_n, num_warps, per_sm, max_itemsize, device_has in (
       _LN_PERSISTENT_TILES if subtract_mean else _RMS_PERSISTENT_TILES):
-    if min_n < n <= max_n and itemsize <= max_itemsize:
+    if min_n < n <= max_n and itemsize <= max_itemsize and device_has in device.name:
       return next_power_of_2(max_n), num_warps, per_sm
   return None
 
@@ -546,9 +554,10 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   multi_wave_cached up to N = 8192 (narrow rows included: at 32768 x 128 it ran 5.8 us
   against 6.0 us for static_persistent), multi_wave_reload up to N = 32768,
   static_persistent (with 16384-wide chunks) beyond. On the Pallas backend,
-  static_persistent with the row as one tile (scale/bias hoisted) takes RMSNorm rows
-  of 6144 < N <= 8192 and 12288 < N <= 16384 and LayerNorm rows of 4096 < N <= 5120
-  (2-byte dtypes) and 8192 < N <= 16384, multi_wave_cached
+  static_persistent with the row as one tile (scale/bias hoisted) takes LayerNorm rows
+  of 8192 < N <= 16384 and, on an H200 only, RMSNorm rows of 6144 < N <= 8192 and
+  12288 < N <= 16384 and LayerNorm rows of 4096 < N <= 5120 (2-byte dtypes);
+  multi_wave_cached
   split over programs RMSNorm rows with N > 16384 (up to 8192 x SMs), and
   static_persistent split over programs (``split_rows``) LayerNorm rows with
   N > 16384 (up to 4096 x SMs).
@@ -556,7 +565,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   del m
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
-  if _persistent_tile(n, dtype, subtract_mean, backend):
+  if _persistent_tile(n, dtype, subtract_mean, backend, device):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -604,7 +613,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
-  tile = _persistent_tile(n, dtype, subtract_mean, backend)
+  tile = _persistent_tile(n, dtype, subtract_mean, backend, device)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
     block_m = 1 if device.platform != "cpu" else min(64, next_power_of_2(m))

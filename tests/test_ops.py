@@ -376,7 +376,7 @@ def test_property_random_shapes(m, n, mode, layer, dtype):
 
 
 def test_heuristic_modes():
-  dev = pn_config.DeviceInfo("gpu", "test", 132)
+  dev = pn_config.DeviceInfo("gpu", "NVIDIA H200", 132)
   # Measured on the H200 (config.py): cached wins up to N = 8192, reload up to 32768,
   # persistent with 16384-wide chunks beyond.
   assert pn_config.choose_mode(32768, 128, jnp.bfloat16, dev) == "multi_wave_cached"
@@ -413,6 +413,12 @@ def test_heuristic_modes():
     assert pn_config.choose_mode(8192, n, dt, dev, subtract_mean=sm,
                                  backend=backend) == "multi_wave_cached", (n, sm, backend, dt)
   assert pn_config.choose_mode(8192, 8192, jnp.float32, dev) == "static_persistent"
+  # On other GPUs (h100_2026-11-22_persistent_tiles.txt) only LayerNorm's [1, 16384]
+  # tile is taken: RMSNorm's tiles and LayerNorm's 5120 one lost on the H100.
+  h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+  for n, sm, mode in ((8192, False, "multi_wave_cached"), (16384, False, "multi_wave_reload"),
+                      (5120, True, "multi_wave_cached"), (16384, True, "static_persistent")):
+    assert pn_config.choose_mode(8192, n, jnp.bfloat16, h100, subtract_mean=sm) == mode, (n, sm)
   # RMSNorm rows > 16384 on the Pallas backend: multi_wave_cached split over 8192-wide
   # programs at 4 warps (sweep_split_rms.json), up to 8192 x SMs; LayerNorm and the
   # Triton backend keep reload up to 32768; LayerNorm splits beyond, over 4096-wide
