@@ -31,8 +31,9 @@ never [M, N]:
     their shares of c1 (and c2) through slots in global memory, so x and dy are read
     once (``_bwd_split_kernel``).
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
-the parameter's dtype, dscale's and dbias's partials in one launch. No atomic accumulates anything (the split kernel's one atomic
-hands out program numbers), so the gradients are bitwise deterministic.
+the parameter's dtype, dscale's and dbias's partials in one launch. No atomic
+accumulates anything (the split kernel's one atomic hands out program numbers), so the
+gradients are bitwise deterministic.
 """
 
 from __future__ import annotations
