@@ -4,13 +4,16 @@
 
 SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, with
 "@nocg" or "@cgall" appended to trace it with the x/dy loads' cache modifier off
-(_compat.py) or on for all of them (sweep.ab_first_call):
+(_compat.py) or on for all of them (sweep.ab_first_call), or "@r1d" to trace stage 2
+with one program a column strip for both dscale and dbias (_REDUCE_PER_PAIR off):
   default                       config.backward_config's pick
   split:bn,nw,occ,stages,chunk[,lag[,bm[,early]]]
                                 split-row kernel, G = occ x SMs / cdiv(N, bn);
                                 early 1 sets split_early_publish
   reload:bm,bn,nw,occ           reload-row kernel, G = occ x SMs
   tile:bm,bn,nw,occ             single-tile persistent kernel (bn >= N), G = occ x SMs
+  tileg:bm,bn,nw,G              the same with G programs
+  pieces:bm,nw,occ,w1,w2,...    the same, its tile cut into column pieces w1, w2, ...
   pair:bn,nw,occ                row-statistics + column-tiled pair
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed
 per round), inputs rotated over >= 256 MiB; dx and dscale checked against the XLA
@@ -52,6 +55,16 @@ def _config(kind, a, m, n, sm, sms):
     g = min(-(-m // bm), occ * sms)
     return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
                             **C.reduce_config(n, g))
+  if kind == "tileg":
+    bm, bn, nw, g = a
+    return C.BackwardConfig(block_m=bm, block_n=bn, num_warps=nw, num_programs=g,
+                            **C.reduce_config(n, g))
+  if kind == "pieces":
+    bm, nw, occ, *widths = a
+    g = min(-(-m // bm), occ * sms)
+    return C.BackwardConfig(block_m=bm, block_n=C.next_power_of_2(sum(widths)),
+                            num_warps=nw, num_programs=g, pieces=tuple(widths),
+                            **C.reduce_config(n, g))
   if kind == "pair":
     bn, nw, occ = a
     g = max(1, occ * sms // -(-n // bn))
@@ -81,13 +94,16 @@ def main():
     fns = {}
     for cs in cfgs.split(";"):
       kind, _, args = cs.partition(":")
-      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
+      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall").removesuffix("@r1d")
+                    for v in (args, kind))
       cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
       fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
           dy, x, scale, mean, rstd, has_bias=sm, scale_offset=0.0, subtract_mean=sm,
           config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16))
+      backward._REDUCE_PER_PAIR = not cs.endswith("@r1d")
       try:
-        out = sweep.ab_first_call(cs, fn, dys[0], xs[0], stats[0][1], stats[0][2])
+        out = sweep.ab_first_call(cs.removesuffix("@r1d"), fn, dys[0], xs[0], stats[0][1],
+                                  stats[0][2])
       except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
         print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
@@ -95,6 +111,7 @@ def main():
       errs = float(jnp.max(jnp.abs(out[1].astype(jnp.float32) - dsr))
                    / (jnp.max(jnp.abs(dsr)) + 1e-9))
       fns[cs] = (fn, f"dx_err={err:.3g} ds_rel={errs:.2g}")
+    backward._REDUCE_PER_PAIR = True
     ins = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)]
     sweep.ab_report(f"bwd {op} {shape}", fns, ins, rounds, 3 * nbytes)
 

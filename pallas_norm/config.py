@@ -170,6 +170,10 @@ class BackwardConfig:
     chunk_n: with ``split_rows``, each program loads, reduces and writes its split as
       ``block_n / chunk_n`` [block_m, chunk_n] tiles (power of 2; 0 means one tile).
       Ignored otherwise.
+    pieces: for a row that fits one tile (``block_n >= N``), the tile as column pieces
+      of these widths side by side from column 0 (decreasing powers of 2 summing to at
+      most block_n and covering N), e.g. (4096, 1024) for N = 5120, so that fewer lanes
+      are masked than in one 8192-wide tile. Empty: one block_n-wide tile.
   """
 
   block_m: int
@@ -185,8 +189,16 @@ class BackwardConfig:
   chunk_n: int = 0
   split_lag: int = 2
   split_early_publish: bool = False
+  pieces: tuple[int, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "pieces", tuple(self.pieces))
+    if self.pieces:
+      p = self.pieces
+      if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
+        raise ValueError(f"{self.pieces=} must be decreasing powers of 2")
+      if sum(p) > self.block_n:
+        raise ValueError(f"{self.pieces=} must fit block_n={self.block_n}")
     if self.split_rows and self.reload_rows:
       raise ValueError("split_rows and reload_rows are exclusive: pick one long-row kernel")
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):
@@ -418,10 +430,21 @@ _BWD_CHUNK_N = 4096
 # 8192 x 4096 75.5 against 81.9 (16 warps, 2 x SMs), 4096 x 4096 41.6 / 47.7; a rerun
 # on another H200 gave the same. Not kept: 8 warps at 2-3 a SM (104-147 us at 8192
 # wide), [2, 8192] at 32 warps (387.2: spills), [2, 4096] at 16 warps 2 a SM (74.8 /
-# 43.3, a tie at 8192 x 4096); 2048-wide tiles keep [2, 2048] at 4 warps (8 warps was
-# 2-4% faster: 35.7 / 36.4 us at 8192 x 2048, unconfirmed). RMSNorm keeps the rule
+# 43.3, a tie at 8192 x 4096). RMSNorm keeps the rule
 # above (8192 x 5120 80.5 us against 83.4 at 16 warps; 8192^2 108.8 / 113.7).
 _BWD_LN_TILE_MIN_BLOCK_N, _BWD_LN_TILE_WARPS = 4096, 16
+# LayerNorm rows of 2048 < N <= 3584 (padded to 4096), Pallas backend: the tile as pieces
+# (BackwardConfig.pieces: 2048 + 512 / 1024 / 1024 + 512, N rounded up to 512) at
+# 8 warps, 2 programs a SM, instead of the [1, 4096] tile at 16 warps above.
+# H200, 2026-11-22, 8192 x 3072, stage 1 + 2: 53.1 us against 71.4 (and 54.9 / 72.9
+# on another H200); [2, 4096] at 8 warps 63.9, [1, 4096] at 8 warps 75.6
+# (results/h200_2026-11-22_bwd_pieces.txt). Not kept: pieces for RMSNorm (8192 x 3072
+# 47.2 against 46.9 us; 8192 x 5120 84.8-98.1 against 81.9), or for LayerNorm rows
+# wider than 4096 (8192 x 5120 110.2-143.7 against 97.7).
+_BWD_LN_PIECES_MAX_N, _BWD_LN_PIECES_ROUND, _BWD_LN_PIECES_WARPS = 3072, 512, 8
+# LayerNorm [2, 2048] tiles, Pallas backend, take 8 warps (not 4): 8192 x 2048 33.8 us
+# against 35.3 (the same file; 35.7 against 36.4 in results/h200_2026-11-22_ln_bwd_tile.txt).
+_BWD_LN_2048_WARPS = 8
 # Split-row backward (rows wider than one tile, Pallas backend; both ops): each row over
 # cdiv(N, W) programs of W / 512 warps (16 elements of x and of dy a thread), W the
 # narrowest of 512, 1024, 2048, ... with 4 N <= W^2 (the slots a program polls are then
@@ -702,6 +725,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   split_rows = split is not None
   reload_rows = False  # chosen by no default: the split-row kernel beat it (above)
   lag, early = _BWD_SPLIT_LAG, False
+  pieces = ()
   if bn_full <= _NARROW_BLOCK_N:
     block_n = bn_full
     block_m = max(1, min(_BWD_NARROW_TILE_ELEMS // block_n, next_power_of_2(m)))
@@ -716,6 +740,12 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     num_programs = device.num_sms * (2 if block_n <= 4096 else 1)
     if subtract_mean and block_n >= _BWD_LN_TILE_MIN_BLOCK_N:
       num_warps, num_programs = _BWD_LN_TILE_WARPS, device.num_sms
+    if subtract_mean and block_n == 2048 and backend == "pallas":
+      num_warps = _BWD_LN_2048_WARPS
+    if (subtract_mean and block_n == 4096 and n <= _BWD_LN_PIECES_MAX_N
+        and backend == "pallas"):  # the Triton backend's kernel has no pieces
+      pieces = _binary_pieces(cdiv(n, _BWD_LN_PIECES_ROUND) * _BWD_LN_PIECES_ROUND)
+      block_m, num_warps, num_programs = 1, _BWD_LN_PIECES_WARPS, 2 * device.num_sms
   elif split_rows:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1
@@ -728,7 +758,12 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split_rows,
                         reload_rows=reload_rows, split_lag=lag, split_early_publish=early,
-                        **reduce_config(n, num_programs))
+                        pieces=pieces, **reduce_config(n, num_programs))
+
+
+def _binary_pieces(n: int) -> tuple[int, ...]:
+  """The powers of 2 that sum to ``n``, largest first (5120 -> (4096, 1024))."""
+  return tuple(1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
 
 
 # Stage 2 reads all G partial rows of a column strip in one tile of at most this many

@@ -324,6 +324,42 @@ def test_reload_rows_backward(m, n, block_m, block_n, num_programs, layer):
       **pn_config.reduce_config(n, num_programs)))
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,pieces,num_programs", [
+    (9, 3072, 1, (2048, 1024), 2),  # the default LayerNorm pieces, pieces inside the row
+    (7, 2500, 2, (2048, 512), 3),  # last piece ragged, partial last row block
+    (5, 1500, 4, (1024, 256, 128, 64, 32, 16), 2),  # many pieces, the last ragged
+    (3, 100, 1, (64, 32, 4), 5),  # more programs than row blocks
+])
+def test_pieces_backward(m, n, block_m, pieces, num_programs, layer):
+  """The single-tile backward with its tile as column pieces (BackwardConfig.pieces)."""
+  bn = pn_config.next_power_of_2(sum(pieces))
+  _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
+      block_m, bn, 4, num_programs, pieces=pieces, **pn_config.reduce_config(n, num_programs)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pieces_default_matches_torch(dtype):
+  """LayerNorm's default backward for 2048 < N <= 3072 cuts its tile into pieces."""
+  assert pn_config.backward_config(33, 3000, jnp.float32, subtract_mean=True).pieces
+  _compare(33, 3000, dtype, None, layer=True)
+
+
+def test_pieces_errors():
+  from pallas_norm.kernels import backward
+  for pieces, match in (((1024, 1024), "decreasing"), ((1024, 96), "decreasing"),
+                        ((2048, 1024), "fit block_n")):
+    with pytest.raises(ValueError, match=match):
+      pn_config.BackwardConfig(1, 2048, 4, 1, pieces=pieces)
+  x = jnp.zeros((4, 3000), jnp.float32)
+  for cfg in (pn_config.BackwardConfig(1, 4096, 4, 1, pieces=(2048, 512)),  # short of N
+              pn_config.BackwardConfig(1, 2048, 4, 1, pieces=(1024, 512))):  # chunked
+    with pytest.raises(ValueError, match="must cover the row"):
+      backward.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
+                             subtract_mean=False, config=cfg, interpret=True,
+                             scale_dtype=None, bias_dtype=None)
+
+
 def _check_long_row_backward(m, n, layer, cfg):
   """norm_backward with ``cfg`` against the XLA reference's vjp (dx, dscale, dbias)."""
   from pallas_norm import reference
@@ -522,6 +558,11 @@ def test_heuristic_modes():
                                subtract_mean=False, config=cfg,
                                interpret=True, scale_dtype=None, bias_dtype=None)
   with pytest.raises(NotImplementedError, match="Pallas-only"):
+    jax_triton.norm_backward(x, x, None, None, x[:, 0], has_bias=False, scale_offset=0.0,
+                             subtract_mean=False,
+                             config=pn_config.BackwardConfig(1, 4, 1, 1, pieces=(2, 1)),
+                             interpret=True, scale_dtype=None, bias_dtype=None)
+  with pytest.raises(NotImplementedError, match="Pallas-only"):
     jax_triton.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
                             config=pn_config.ForwardConfig("static_persistent", 1, 4, 1, 1,
                                                            split_rows=True),
@@ -534,16 +575,24 @@ def test_heuristic_modes():
   bwd = pn_config.backward_config(32768, 128, jnp.bfloat16, device=dev, subtract_mean=True)
   assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == (16, 128, 2, 528)
   # Backward, single tiles (config.py): RMSNorm block_n / 256 warps (4 under 4096), 2
-  # programs a SM up to 4096 wide, else 1; LayerNorm's 4096- and 8192-wide tiles 16
-  # warps, 1 a SM (ln_bwd_tile.txt).
-  for n, rms, ln in ((2048, (2, 2048, 4, 264), (2, 2048, 4, 264)),
-                     (4096, (1, 4096, 16, 264), (1, 4096, 16, 132)),
-                     (5120, (1, 8192, 32, 132), (1, 8192, 16, 132)),
-                     (8192, (1, 8192, 32, 132), (1, 8192, 16, 132))):
-    for sm, want in ((False, rms), (True, ln)):
+  # programs a SM up to 4096 wide, else 1; LayerNorm's 2048-wide tiles 8 warps, rows of
+  # 2048 < N <= 3072 as 2048 + 512 / 1024 column pieces at 8 warps, 2 a SM
+  # (bwd_pieces.txt), its 4096- and 8192-wide tiles 16 warps, 1 a SM (ln_bwd_tile.txt).
+  for n, rms, ln, ln_pieces in ((2048, (2, 2048, 4, 264), (2, 2048, 8, 264), ()),
+                                (2500, (1, 4096, 16, 264), (1, 4096, 8, 264), (2048, 512)),
+                                (3072, (1, 4096, 16, 264), (1, 4096, 8, 264), (2048, 1024)),
+                                (3584, (1, 4096, 16, 264), (1, 4096, 16, 132), ()),
+                                (4096, (1, 4096, 16, 264), (1, 4096, 16, 132), ()),
+                                (5120, (1, 8192, 32, 132), (1, 8192, 16, 132), ()),
+                                (8192, (1, 8192, 32, 132), (1, 8192, 16, 132), ())):
+    for sm, want, pieces in ((False, rms, ()), (True, ln, ln_pieces)):
       bwd = pn_config.backward_config(8192, n, jnp.bfloat16, device=dev, subtract_mean=sm)
       assert (bwd.block_m, bwd.block_n, bwd.num_warps, bwd.num_programs) == want, (n, sm)
+      assert bwd.pieces == pieces, (n, sm)
       assert not (bwd.split_rows or bwd.reload_rows)
+    triton = pn_config.backward_config(8192, n, jnp.bfloat16, device=dev,
+                                       subtract_mean=True, backend="triton")
+    assert triton.pieces == ()  # the Triton backend's kernel has no pieces
   rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
   assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
   forced = pn_config.forward_config(1024, 262144, jnp.bfloat16, "multi_wave_reload", dev)

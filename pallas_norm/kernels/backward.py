@@ -111,51 +111,84 @@ def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
     plgpu.store(db_ref.at[r, cols], db_acc, mask=col_mask)
 
 
+def _piece_index(rb, offset, width, *, m, n, block_m, rows_in_bounds=False):
+  """_tile_index of the ``width``-wide column piece at ``offset`` (a multiple of width),
+  its column mask dropped (None) when the piece lies inside the row."""
+  rows, cols, row_mask, col_mask, mask = _tile_index(
+      rb, offset // width, m, n, block_m=block_m, block_n=width,
+      rows_in_bounds=rows_in_bounds)
+  if col_mask is not None and offset + width <= n:
+    col_mask = None
+    mask = None if row_mask is None else jnp.broadcast_to(row_mask[:, None],
+                                                          (block_m, width))
+  return rows, cols, row_mask, col_mask, mask
+
+
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
-                        num_programs):
+                        num_programs, pieces=()):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
-  [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel.
+  [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel. ``pieces``
+  (single tile only): the tile as column pieces of these widths, side by side from
+  column 0, instead of one block_n-wide tile.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
-  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n)
-  _, cols, _, col_mask, _ = tile(0, k)
-  w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)  # hoisted
+  widths = tuple(pieces) or (block_n,)
+  offsets = [k * block_n + sum(widths[:i]) for i in range(len(widths))]
+  tiles = [functools.partial(_piece_index, offset=o, width=w, m=m, n=n, block_m=block_m)
+           for o, w in zip(offsets, widths)]
+  ws = []  # scale, hoisted: one [width] f32 a piece
+  for tile in tiles:
+    _, cols, _, col_mask, _ = tile(0)
+    ws.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
 
   def load(rb):  # may be past the last row block (a prefetch): rows stay masked
-    rows, _, _, _, mask = tile(rb, k)
-    return _load_xdy(x_ref, dy_ref, rows, cols, mask)
+    out = []
+    for tile in tiles:
+      rows, cols, _, _, mask = tile(rb)
+      out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask))
+    return tuple(out)
 
   def body(i, carry):
-    dw_acc, db_acc, x, dy = carry  # [block_n] f32 partials in registers; this block
+    # [width] f32 partials in registers, a (dscale, dbias) pair a piece; this block's
+    # x and dy tiles, a pair a piece.
+    accs, xdy = carry
     rb = r + i * num_programs
     # Prefetch the next row block (fully masked past the end) before this one's math.
-    x_next, dy_next = load(rb + num_programs)
-    rows, _, row_mask, _, mask = tile(rb, k, rows_in_bounds=True)
+    xdy_next = load(rb + num_programs)
+    idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
+    rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
-    x_hat, dy, g = _x_hat_g(x, dy, mask, mean, rstd, w)
+    parts = [_x_hat_g(x, dy, t[4], mean, rstd, w) for (x, dy), t, w in zip(xdy, idx, ws)]
     if c_refs is None:
-      c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
-      c2 = jnp.sum(g, axis=1) / n if mean_ref is not None else None
+      c1 = sum(jnp.sum(x_hat * g, axis=1) for x_hat, _, g in parts) / n  # [block_m]
+      c2 = None
+      if mean_ref is not None:
+        c2 = sum(jnp.sum(g, axis=1) for _, _, g in parts) / n
     else:
       c1 = _load(c_refs[0].at[rows], row_mask)
       c2 = None
       if mean_ref is not None:
         c2 = _load(c_refs[1].at[rows], row_mask)
-    _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-    return (dw_acc + jnp.sum(dy * x_hat, axis=0), db_acc + jnp.sum(dy, axis=0),
-            x_next, dy_next)
+    new_accs = []
+    for (x_hat, dy, g), t, (dw_acc, db_acc) in zip(parts, idx, accs):
+      _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd)
+      new_accs.append((dw_acc + jnp.sum(dy * x_hat, axis=0),
+                       db_acc + jnp.sum(dy, axis=0)))
+    return tuple(new_accs), xdy_next
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
-  zeros = jnp.zeros((block_n,), _F32)
-  dw_acc, db_acc, _, _ = lax.fori_loop(0, num_steps, body, (zeros, zeros, *load(r)))
-  _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
+  zeros = tuple((jnp.zeros((w,), _F32), jnp.zeros((w,), _F32)) for w in widths)
+  accs, _ = lax.fori_loop(0, num_steps, body, (zeros, load(r)))
+  for tile, (dw_acc, db_acc) in zip(tiles, accs):
+    _, cols, _, col_mask, _ = tile(0)
+    _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
 
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                           block_m, block_n, num_programs, chunked):
+                           block_m, block_n, num_programs, chunked, pieces=()):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -164,7 +197,8 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
   _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
-                      block_m=block_m, block_n=block_n, num_programs=num_programs)
+                      block_m=block_m, block_n=block_n, num_programs=num_programs,
+                      pieces=pieces)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -373,17 +407,25 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     _store_partials(dw_ref, db_ref, r, cols, col_mask, accs[2 * c], accs[2 * c + 1])
 
 
-def _reduce_kernel(*refs, block_g, block_n):
+def _reduce_kernel(*refs, block_g, block_n, per_pair):
   """out[cols] = sum over the G partial rows, in a fixed order, for each (part, out) pair
-  of ``refs`` (the parts, then the outs: dscale's and dbias's in one launch)."""
+  of ``refs`` (the parts, then the outs: dscale's and dbias's in one launch). With
+  ``per_pair``, program (j, i) sums column strip j of pair i; else program j sums strip
+  j of every pair, one after the other."""
   half = len(refs) // 2
-  for part_ref, out_ref in zip(refs[:half], refs[half:]):
-    _reduce_columns(part_ref, out_ref, block_g=block_g, block_n=block_n)
+  j = pl.program_id(0)  # read here: interpret mode cannot read it inside pl.when
+  for i, (part_ref, out_ref) in enumerate(zip(refs[:half], refs[half:])):
+    reduce = functools.partial(_reduce_columns, part_ref, out_ref, j, block_g=block_g,
+                               block_n=block_n)
+    if per_pair:
+      pl.when(pl.program_id(1) == i)(reduce)
+    else:
+      reduce()
 
 
-def _reduce_columns(part_ref, out_ref, *, block_g, block_n):
+def _reduce_columns(part_ref, out_ref, j, *, block_g, block_n):
   g_total, n = part_ref.shape
-  cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+  cols = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
   col_mask = cols < n
 
   def load(j):
@@ -399,15 +441,19 @@ def _reduce_columns(part_ref, out_ref, *, block_g, block_n):
   plgpu.store(out_ref.at[cols], jnp.sum(acc, axis=0).astype(out_ref.dtype), mask=col_mask)
 
 
+_REDUCE_PER_PAIR = True
+
+
 def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
   """[G, N] f32 each -> [N] each in its dtype, in one launch (LayerNorm's dscale and
   dbias partials together: one kernel of 2.4-3.6 us on the H200 where two took 1.8-2.4
   each; results/h200_2026-11-22_full_b6f74e7_c.json against ..._475a610.json)."""
   n = parts[0].shape[1]
   return pl.pallas_call(
-      functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n),
+      functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n,
+                        per_pair=_REDUCE_PER_PAIR),
       out_shape=[jax.ShapeDtypeStruct((n,), dt) for dt in dtypes],
-      grid=(cdiv(n, cfg.reduce_block_n),),
+      grid=(cdiv(n, cfg.reduce_block_n), len(parts) if _REDUCE_PER_PAIR else 1),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.reduce_num_warps, num_stages=1),
       interpret=interpret,
       name="pallas_norm_bwd_reduce",
@@ -435,6 +481,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
 
   Raises:
+    ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``.
     NotImplementedError: ``split_rows`` with more splits than can surely be resident
       (``cdiv(N, config.block_n) > SMs x config.split_resident_programs(num_warps)``).
   """
@@ -450,6 +497,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
   chunked = cfg.block_n < n
+  if cfg.pieces and (chunked or sum(cfg.pieces) < n):
+    raise ValueError(f"config.pieces={cfg.pieces} must cover the row (N={n}) inside one "
+                     f"tile (block_n={cfg.block_n})")
   if chunked and cfg.split_rows:
     dx, *parts = _split_stage1(inputs, out_shape, statics, has_bias, g, cfg, interpret)
   elif chunked and cfg.reload_rows:
@@ -474,7 +524,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       inputs += list(c)
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                          chunked=chunked, **statics),
+                          chunked=chunked, pieces=cfg.pieces, **statics),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,

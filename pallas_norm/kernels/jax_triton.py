@@ -302,7 +302,7 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
 
   Raises:
     NotImplementedError: ``config.split_rows`` or ``config.reload_rows`` (those
-      long-row kernels are Pallas-only).
+      long-row kernels are Pallas-only), or ``config.pieces`` (Pallas-only too).
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
@@ -311,6 +311,10 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
       raise NotImplementedError(
           f"BackwardConfig({flag}=True) is Pallas-only; backend='triton' takes the "
           "row-statistics + column-tiled pair for rows wider than block_n")
+  if config.pieces:
+    raise NotImplementedError(
+        f"BackwardConfig(pieces={config.pieces}) is Pallas-only; backend='triton' takes "
+        "one block_n-wide tile")
   _jax_triton()
   st = _BwdStatic(float(scale_offset), bool(subtract_mean), bool(has_bias), config,
                   None if scale is None else jnp.dtype(scale_dtype),
