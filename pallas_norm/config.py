@@ -100,6 +100,10 @@ class ForwardConfig:
       the loads of the row block it publishes before it normalises the one ``split_lag``
       behind, and reduces them after: those HBM loads are in flight across the wait
       on the other splits, held in registers.
+    pieces: for ``multi_wave_cached`` and ``static_persistent`` rows that fit one tile
+      (``block_n >= N``), the tile as column pieces of these widths side by side from
+      column 0 (decreasing powers of 2 summing to at most block_n and covering N), e.g.
+      (4096, 1024) for N = 5120. Empty: one block_n-wide tile.
   """
 
   mode: str
@@ -112,8 +116,10 @@ class ForwardConfig:
   split_rows: bool = False
   split_lag: int = 2
   split_early_publish: bool = False
+  pieces: tuple[int, ...] = ()
 
   def __post_init__(self):
+    _check_pieces(self)
     if self.mode not in MODES:
       raise ValueError(f"{self.mode=} must be one of {MODES}")
     for f in ("block_m", "block_n"):
@@ -127,6 +133,15 @@ class ForwardConfig:
     if self.split_rows and self.mode != "static_persistent":
       raise ValueError(f"split_rows is a static_persistent option, not {self.mode}'s")
     _check_split_lag(self)
+
+
+def _check_pieces(cfg):
+  object.__setattr__(cfg, "pieces", tuple(cfg.pieces))
+  p = cfg.pieces
+  if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
+    raise ValueError(f"{cfg.pieces=} must be decreasing powers of 2")
+  if sum(p) > cfg.block_n:
+    raise ValueError(f"{cfg.pieces=} must fit block_n={cfg.block_n}")
 
 
 def _check_split_lag(cfg):
@@ -192,13 +207,7 @@ class BackwardConfig:
   pieces: tuple[int, ...] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, "pieces", tuple(self.pieces))
-    if self.pieces:
-      p = self.pieces
-      if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
-        raise ValueError(f"{self.pieces=} must be decreasing powers of 2")
-      if sum(p) > self.block_n:
-        raise ValueError(f"{self.pieces=} must fit block_n={self.block_n}")
+    _check_pieces(self)
     if self.split_rows and self.reload_rows:
       raise ValueError("split_rows and reload_rows are exclusive: pick one long-row kernel")
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):

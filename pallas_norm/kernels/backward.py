@@ -14,7 +14,8 @@ never [M, N]:
   - single tile (block_n >= N), ``pallas_norm_bwd_persistent``: G programs (about the
     SM count) each loop over row blocks with a grid stride (TileGym's persistent
     backward), prefetching the next row block; scale is loaded once and the partials
-    stay in registers across row blocks;
+    stay in registers across row blocks. With ``config.pieces`` the tile is column
+    pieces of those widths (LayerNorm 2048 < N <= 3072: 2048 + 512 or 1024);
   - chunked (block_n < N, long rows): ``pallas_norm_bwd_row_stats`` first computes
     c1 and c2 per row ([M] f32 each); then ``pallas_norm_bwd_columns`` runs a
     persistent [G, N / block_n] grid: program (r, k) owns column chunk k for row
@@ -31,7 +32,8 @@ never [M, N]:
     their shares of c1 (and c2) through slots in global memory, so x and dy are read
     once (``_bwd_split_kernel``).
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
-the parameter's dtype, dscale's and dbias's partials in one launch. No atomic
+the parameter's dtype, dscale's and dbias's partials in one launch, one program a
+(column strip, array). No atomic
 accumulates anything (the split kernel's one atomic hands out program numbers), so the
 gradients are bitwise deterministic.
 """
@@ -48,7 +50,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
-                                         _slot_bits, _split_count, _split_rows_call,
+                                         _piece_index, _piece_offsets, _slot_bits,
+                                         _split_count, _split_rows_call, _sum,
                                          _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0)
 
@@ -111,19 +114,6 @@ def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
     plgpu.store(db_ref.at[r, cols], db_acc, mask=col_mask)
 
 
-def _piece_index(rb, offset, width, *, m, n, block_m, rows_in_bounds=False):
-  """_tile_index of the ``width``-wide column piece at ``offset`` (a multiple of width),
-  its column mask dropped (None) when the piece lies inside the row."""
-  rows, cols, row_mask, col_mask, mask = _tile_index(
-      rb, offset // width, m, n, block_m=block_m, block_n=width,
-      rows_in_bounds=rows_in_bounds)
-  if col_mask is not None and offset + width <= n:
-    col_mask = None
-    mask = None if row_mask is None else jnp.broadcast_to(row_mask[:, None],
-                                                          (block_m, width))
-  return rows, cols, row_mask, col_mask, mask
-
-
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
                         num_programs, pieces=()):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
@@ -136,9 +126,8 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
   widths = tuple(pieces) or (block_n,)
-  offsets = [k * block_n + sum(widths[:i]) for i in range(len(widths))]
-  tiles = [functools.partial(_piece_index, offset=o, width=w, m=m, n=n, block_m=block_m)
-           for o, w in zip(offsets, widths)]
+  tiles = [functools.partial(_piece_index, offset=k * block_n + o, width=w, m=m, n=n,
+                             block_m=block_m) for o, w in _piece_offsets(widths)]
   ws = []  # scale, hoisted: one [width] f32 a piece
   for tile in tiles:
     _, cols, _, col_mask, _ = tile(0)
@@ -163,10 +152,10 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w) for (x, dy), t, w in zip(xdy, idx, ws)]
     if c_refs is None:
-      c1 = sum(jnp.sum(x_hat * g, axis=1) for x_hat, _, g in parts) / n  # [block_m]
+      c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g in parts]) / n  # [block_m]
       c2 = None
       if mean_ref is not None:
-        c2 = sum(jnp.sum(g, axis=1) for _, _, g in parts) / n
+        c2 = _sum([jnp.sum(g, axis=1) for _, _, g in parts]) / n
     else:
       c1 = _load(c_refs[0].at[rows], row_mask)
       c2 = None
@@ -447,7 +436,10 @@ _REDUCE_PER_PAIR = True
 def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
   """[G, N] f32 each -> [N] each in its dtype, in one launch (LayerNorm's dscale and
   dbias partials together: one kernel of 2.4-3.6 us on the H200 where two took 1.8-2.4
-  each; results/h200_2026-11-22_full_b6f74e7_c.json against ..._475a610.json)."""
+  each; results/h200_2026-11-22_full_b6f74e7_c.json against ..._475a610.json). The grid
+  is (column strips, arrays) (``_REDUCE_PER_PAIR``): LayerNorm stage 1 + 2 at 4096 x 1024
+  11.9 us against 12.6 with one program a strip summing both arrays, 32768 x 128 13.0
+  against 14.0, a tie on wider rows (results/h200_2026-11-22_bwd_pieces.txt)."""
   n = parts[0].shape[1]
   return pl.pallas_call(
       functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n,
