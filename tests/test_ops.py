@@ -391,6 +391,18 @@ def test_pieces_errors():
                              scale_dtype=None, bias_dtype=None)
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,block_n,num_programs", [
+    (5, 1000, 2, 256, 2),  # ragged last chunk, partial last row block
+    (4, 96, 4, 32, 5),  # more programs than row blocks
+])
+def test_column_pair_backward(m, n, block_m, block_n, num_programs, layer):
+  """The row-statistics + column-tiled pair (block_n < N, neither split nor reload
+  rows), which the Pallas backend takes for rows wider than 4096 x SMs."""
+  _check_long_row_backward(m, n, layer, pn_config.BackwardConfig(
+      block_m, block_n, 4, num_programs, **pn_config.reduce_config(n, num_programs)))
+
+
 def _check_long_row_backward(m, n, layer, cfg):
   """norm_backward with ``cfg`` against the XLA reference's vjp (dx, dscale, dbias)."""
   from pallas_norm import reference

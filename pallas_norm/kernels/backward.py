@@ -126,8 +126,12 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
   widths = tuple(pieces) or (block_n,)
-  tiles = [functools.partial(_piece_index, offset=k * block_n + o, width=w, m=m, n=n,
-                             block_m=block_m) for o, w in _piece_offsets(widths)]
+  if pieces:  # one tile (k = 0): static offsets
+    tiles = [functools.partial(_piece_index, offset=o, width=w, m=m, n=n, block_m=block_m)
+             for o, w in _piece_offsets(widths)]
+  else:  # column chunk k (a program id in the column-tiled pair)
+    tiles = [functools.partial(_tile_index, k=k, m=m, n=n, block_m=block_m,
+                               block_n=block_n)]
   ws = []  # scale, hoisted: one [width] f32 a piece
   for tile in tiles:
     _, cols, _, col_mask, _ = tile(0)
