@@ -264,6 +264,15 @@ _FWD_ELEMS_PER_WARP = 1024
 #     8192 rows keep 8 (8192^2 76.7 against 77.7, 4096 x 8192 40.1 / 40.6)
 #     (benchmarks/results/h200_2026-11-21_ln_wide_warps.txt). 6144 is not measured.
 _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
+# Pallas backend, re-measured 2026-11-22 (H200, benchmarks/ab_split_fwd.py, 5 rounds of
+# 10 calls; results/h200_2026-11-22_ln_fwd_tiles.txt):
+#   - [2, 2048] tiles take 4 warps, not 2: 8192 x 2048 20.3 us against 21.0, 4096 x 2048
+#     10.5 / 10.9;
+#   - rows of 2048 < N <= 3072 (padded to 4096) take one row a tile ([1, 4096], 4
+#     warps), not two: 8192 x 3072 29.0-30.1 against 31.1-31.2, 4096 x 3072 16.0 / 17.1,
+#     16384 x 3072 54.5 / 58.3, 8192 x 2560 25.8 / 27.1, float32 8192 x 3072 55.2 /
+#     56.6. Full 4096 rows keep [2, 4096] (8192 x 4096 38.1 against 38.2 for [1, 4096]).
+_LN_2048_WARPS, _LN_ONE_ROW_MAX_N = 4, 3072
 _LN_WIDE_BLOCK_N, _LN_WIDE_WARPS = 8192, 8
 _LN_WIDE_PADDED_MAX_N, _LN_WIDE_PADDED_WARPS = 5120, 4
 _NARROW_BLOCK_N, _LN_NARROW_MIN_WARPS = 256, 2
@@ -677,6 +686,10 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
                          next_power_of_2(m)))
     min_warps = _LN_NARROW_MIN_WARPS if block_n <= _NARROW_BLOCK_N else 1
     num_warps = int(min(16, max(min_warps, block_m * block_n // _LN_ELEMS_PER_WARP)))
+    if backend == "pallas" and block_n == 2048:
+      num_warps = _LN_2048_WARPS
+    if backend == "pallas" and block_n == 4096 and n <= _LN_ONE_ROW_MAX_N:
+      block_m, num_warps = 1, 4
   else:
     num_warps = _fwd_warps(block_m * block_n)
   if device.platform == "cpu":
