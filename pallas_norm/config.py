@@ -265,7 +265,8 @@ _FWD_ELEMS_PER_WARP = 1024
 #     (benchmarks/results/h200_2026-11-21_ln_wide_warps.txt). 6144 is not measured.
 _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
 # Pallas backend, re-measured 2026-11-22 (H200, benchmarks/ab_split_fwd.py, 5 rounds of
-# 10 calls; results/h200_2026-11-22_ln_fwd_tiles.txt):
+# 10 calls; results/h200_h100_2026-11-22_ln_fwd_tiles.txt; the H100 agreed: 8192 x 3072
+# 37.2 against 38.3, 8192 x 2048 25.8 / 26.4, float32 ties or wins):
 #   - [2, 2048] tiles take 4 warps, not 2: 8192 x 2048 20.3 us against 21.0, 4096 x 2048
 #     10.5 / 10.9;
 #   - rows of 2048 < N <= 3072 (padded to 4096) take one row a tile ([1, 4096], 4

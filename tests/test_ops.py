@@ -643,9 +643,9 @@ def test_heuristic_modes():
     assert triton.pieces == ()  # the Triton backend's kernel has no pieces
   rms = pn_config.forward_config(8192, 5120, jnp.bfloat16, device=dev)
   assert (rms.block_m, rms.block_n, rms.num_warps) == (1, 8192, 8)
-  # LayerNorm forward tiles on the Pallas backend (ln_fwd_tiles.txt): [2, 2048] at 4
-  # warps, rows of 2048 < N <= 3072 one a [1, 4096] tile at 4 warps, full rows of 4096
-  # two a tile; the Triton backend keeps the rule before (2 warps, 2 rows).
+  # LayerNorm forward tiles on the Pallas backend (h200_h100_2026-11-22_ln_fwd_tiles.txt):
+  # [2, 2048] at 4 warps, rows of 2048 < N <= 3072 one a [1, 4096] tile at 4 warps, full
+  # rows of 4096 two a tile; the Triton backend keeps the rule before (2 warps, 2 rows).
   for n, want in ((2048, (2, 2048, 4)), (3072, (1, 4096, 4)), (3073, (2, 4096, 4))):
     ln = pn_config.forward_config(8192, n, jnp.bfloat16, device=dev, subtract_mean=True)
     assert (ln.mode, ln.block_m, ln.block_n, ln.num_warps) == ("multi_wave_cached", *want)
