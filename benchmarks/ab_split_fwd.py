@@ -15,10 +15,6 @@ SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, wit
   tile:bm,bn,nw           multi_wave_cached, [bm, bn] tiles (bn >= N)
   persistent:bn,nw,occ    static_persistent walking rows in bn-wide chunks, occ x SMs
   reload:bn,nw            multi_wave_reload
-  cpieces:bm,nw,w1,w2,... multi_wave_cached, one tile cut into column pieces w1, w2, ...
-  ppieces:nw,occ,w1,w2,...
-                          static_persistent, occ x SMs programs, one [1, N] row as
-                          column pieces w1, w2, ... (ForwardConfig.pieces)
 Method: benchmarks/sweep.py's CUPTI kernel time (median of 10 calls a round, printed per
 round), inputs rotated over >= 256 MiB; GB/s = 2 x M x N x itemsize / time; y and rstd
 checked against the XLA reference. PN_NOLIMIT=1: see sweep.ab_warm_up. PN_BIAS=0 or 1
@@ -56,14 +52,6 @@ def _config(kind, a, m, n, sm, sms):
   if kind == "persistent":
     bn, nw, occ = a
     return C.ForwardConfig("static_persistent", 1, bn, nw, min(m, occ * sms))
-  if kind == "cpieces":
-    bm, nw, *widths = a
-    return C.ForwardConfig("multi_wave_cached", bm, C.next_power_of_2(sum(widths)), nw,
-                           pieces=tuple(widths))
-  if kind == "ppieces":
-    nw, occ, *widths = a
-    return C.ForwardConfig("static_persistent", 1, C.next_power_of_2(sum(widths)), nw,
-                           min(m, occ * sms), pieces=tuple(widths))
   if kind == "reload":
     bn, nw = a
     return C.ForwardConfig("multi_wave_reload", 1, bn, nw)

@@ -100,10 +100,6 @@ class ForwardConfig:
       the loads of the row block it publishes before it normalises the one ``split_lag``
       behind, and reduces them after: those HBM loads are in flight across the wait
       on the other splits, held in registers.
-    pieces: for ``multi_wave_cached`` and ``static_persistent`` rows that fit one tile
-      (``block_n >= N``), the tile as column pieces of these widths side by side from
-      column 0 (decreasing powers of 2 summing to at most block_n and covering N), e.g.
-      (4096, 1024) for N = 5120. Empty: one block_n-wide tile.
   """
 
   mode: str
@@ -116,10 +112,8 @@ class ForwardConfig:
   split_rows: bool = False
   split_lag: int = 2
   split_early_publish: bool = False
-  pieces: tuple[int, ...] = ()
 
   def __post_init__(self):
-    _check_pieces(self)
     if self.mode not in MODES:
       raise ValueError(f"{self.mode=} must be one of {MODES}")
     for f in ("block_m", "block_n"):
@@ -133,15 +127,6 @@ class ForwardConfig:
     if self.split_rows and self.mode != "static_persistent":
       raise ValueError(f"split_rows is a static_persistent option, not {self.mode}'s")
     _check_split_lag(self)
-
-
-def _check_pieces(cfg):
-  object.__setattr__(cfg, "pieces", tuple(cfg.pieces))
-  p = cfg.pieces
-  if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
-    raise ValueError(f"{cfg.pieces=} must be decreasing powers of 2")
-  if sum(p) > cfg.block_n:
-    raise ValueError(f"{cfg.pieces=} must fit block_n={cfg.block_n}")
 
 
 def _check_split_lag(cfg):
@@ -207,7 +192,12 @@ class BackwardConfig:
   pieces: tuple[int, ...] = ()
 
   def __post_init__(self):
-    _check_pieces(self)
+    object.__setattr__(self, "pieces", tuple(self.pieces))
+    p = self.pieces
+    if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
+      raise ValueError(f"{self.pieces=} must be decreasing powers of 2")
+    if sum(p) > self.block_n:
+      raise ValueError(f"{self.pieces=} must fit block_n={self.block_n}")
     if self.split_rows and self.reload_rows:
       raise ValueError("split_rows and reload_rows are exclusive: pick one long-row kernel")
     for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):
@@ -452,9 +442,10 @@ _BWD_CHUNK_N = 4096
 # 43.3, a tie at 8192 x 4096). RMSNorm keeps the rule
 # above (8192 x 5120 80.5 us against 83.4 at 16 warps; 8192^2 108.8 / 113.7).
 _BWD_LN_TILE_MIN_BLOCK_N, _BWD_LN_TILE_WARPS = 4096, 16
-# LayerNorm rows of 2048 < N <= 3584 (padded to 4096), Pallas backend: the tile as pieces
-# (BackwardConfig.pieces: 2048 + 512 / 1024 / 1024 + 512, N rounded up to 512) at
-# 8 warps, 2 programs a SM, instead of the [1, 4096] tile at 16 warps above.
+# LayerNorm rows of 2048 < N <= 3072 (padded to 4096), Pallas backend: the tile as pieces
+# (BackwardConfig.pieces: 2048 + 512 or 2048 + 1024, N rounded up to 512) at 8 warps,
+# 2 programs a SM, instead of the [1, 4096] tile at 16 warps above. Three pieces lost
+# (8192 x 3584, 2048 + 1024 + 512: 103.7 us against 75.1), so the rule stops at 3072.
 # H200, 2026-11-22, 8192 x 3072, stage 1 + 2: 53.1 us against 71.4 (and 54.9 / 72.9
 # on another H200); [2, 4096] at 8 warps 63.9, [1, 4096] at 8 warps 75.6
 # (results/h200_2026-11-22_bwd_pieces.txt). Not kept: pieces for RMSNorm (8192 x 3072

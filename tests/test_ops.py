@@ -338,30 +338,6 @@ def test_pieces_backward(m, n, block_m, pieces, num_programs, layer):
       block_m, bn, 4, num_programs, pieces=pieces, **pn_config.reduce_config(n, num_programs)))
 
 
-@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("mode,num_programs", [("multi_wave_cached", 0),
-                                               ("static_persistent", 3)])
-@pytest.mark.parametrize("m,n,block_m,pieces", [
-    (9, 3072, 1, (2048, 1024)),  # pieces inside the row
-    (7, 2500, 2, (2048, 512)),  # last piece ragged, partial last row block
-    (5, 1500, 4, (1024, 256, 128, 64, 32, 16)),  # many pieces
-])
-def test_pieces_forward(m, n, block_m, pieces, mode, num_programs, layer):
-  """One-tile forward with its tile as column pieces (ForwardConfig.pieces)."""
-  from pallas_norm.kernels import forward
-  x, scale, bias, _ = _inputs(m, n, "float32", layer=layer, mean=3.0 if layer else 0.0)
-  b = bias if layer else None
-  cfg = pn_config.ForwardConfig(mode, block_m, pn_config.next_power_of_2(n), 4, num_programs,
-                                pieces=pieces)
-  got = forward.norm_forward(x, scale, b, eps=1e-5, scale_offset=0.5, subtract_mean=layer,
-                             config=cfg, interpret=jax.default_backend() != "gpu")
-  (y, mean, rstd), (y_ref, mean_ref, rstd_ref) = got, reference.norm(
-      x, scale, b, eps=1e-5, scale_offset=0.5, subtract_mean=layer)
-  assert (mean is None) == (not layer)
-  for g, w in [(y, y_ref), (rstd, rstd_ref)] + ([(mean, mean_ref)] if layer else []):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pieces_default_matches_torch(dtype):
   """LayerNorm's default backward for 2048 < N <= 3072 cuts its tile into pieces."""
@@ -370,19 +346,12 @@ def test_pieces_default_matches_torch(dtype):
 
 
 def test_pieces_errors():
-  from pallas_norm.kernels import backward, forward
+  from pallas_norm.kernels import backward
   for pieces, match in (((1024, 1024), "decreasing"), ((1024, 96), "decreasing"),
                         ((2048, 1024), "fit block_n")):
     with pytest.raises(ValueError, match=match):
       pn_config.BackwardConfig(1, 2048, 4, 1, pieces=pieces)
-  with pytest.raises(ValueError, match="decreasing"):
-    pn_config.ForwardConfig("multi_wave_cached", 1, 4096, 4, pieces=(1024, 2048))
   x = jnp.zeros((4, 3000), jnp.float32)
-  for cfg in (pn_config.ForwardConfig("multi_wave_cached", 1, 4096, 4, pieces=(2048, 512)),
-              pn_config.ForwardConfig("multi_wave_reload", 1, 4096, 4, pieces=(2048, 1024))):
-    with pytest.raises(ValueError, match="must cover the row"):
-      forward.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
-                           config=cfg, interpret=True)
   for cfg in (pn_config.BackwardConfig(1, 4096, 4, 1, pieces=(2048, 512)),  # short of N
               pn_config.BackwardConfig(1, 2048, 4, 1, pieces=(1024, 512))):  # chunked
     with pytest.raises(ValueError, match="must cover the row"):
@@ -605,11 +574,6 @@ def test_heuristic_modes():
                              subtract_mean=False,
                              config=pn_config.BackwardConfig(1, 4, 1, 1, pieces=(2, 1)),
                              interpret=True, scale_dtype=None, bias_dtype=None)
-  with pytest.raises(NotImplementedError, match="Pallas-only"):
-    jax_triton.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
-                            config=pn_config.ForwardConfig("multi_wave_cached", 1, 8, 1,
-                                                           pieces=(4, 2)),
-                            interpret=True)
   with pytest.raises(NotImplementedError, match="Pallas-only"):
     jax_triton.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
                             config=pn_config.ForwardConfig("static_persistent", 1, 4, 1, 1,

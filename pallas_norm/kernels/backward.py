@@ -50,8 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
-                                         _piece_index, _piece_offsets, _slot_bits,
-                                         _split_count, _split_rows_call, _sum,
+                                         _slot_bits, _split_count, _split_rows_call,
                                          _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0)
 
@@ -114,6 +113,24 @@ def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
     plgpu.store(db_ref.at[r, cols], db_acc, mask=col_mask)
 
 
+def _piece_index(rb, offset, width, *, m, n, block_m, rows_in_bounds=False):
+  """_tile_index of the ``width``-wide column piece at static ``offset`` (a multiple of
+  width), its column mask dropped (None) when the piece lies inside the row."""
+  rows, cols, row_mask, col_mask, mask = _tile_index(
+      rb, offset // width, m, n, block_m=block_m, block_n=width,
+      rows_in_bounds=rows_in_bounds)
+  if col_mask is not None and offset + width <= n:
+    col_mask = None
+    mask = None if row_mask is None else jnp.broadcast_to(row_mask[:, None],
+                                                          (block_m, width))
+  return rows, cols, row_mask, col_mask, mask
+
+
+def _sum(terms):
+  """terms[0] + terms[1] + ..., in order (one term: itself, with no added 0)."""
+  return functools.reduce(lambda a, b: a + b, terms)
+
+
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
                         num_programs, pieces=()):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
@@ -127,8 +144,9 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   m = x_ref.shape[0]
   widths = tuple(pieces) or (block_n,)
   if pieces:  # one tile (k = 0): static offsets
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
     tiles = [functools.partial(_piece_index, offset=o, width=w, m=m, n=n, block_m=block_m)
-             for o, w in _piece_offsets(widths)]
+             for o, w in zip(offsets, widths)]
   else:  # column chunk k (a program id in the column-tiled pair)
     tiles = [functools.partial(_tile_index, k=k, m=m, n=n, block_m=block_m,
                                block_n=block_n)]

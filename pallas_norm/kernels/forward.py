@@ -79,29 +79,6 @@ def _tile_index(rb, k, m, n, *, block_m, block_n, rows_in_bounds=False):
   return rows, cols, row_mask, col_mask, mask
 
 
-def _piece_index(rb, offset, width, *, m, n, block_m, rows_in_bounds=False):
-  """_tile_index of the ``width``-wide column piece at ``offset`` (a multiple of width),
-  its column mask dropped (None) when the piece lies inside the row."""
-  rows, cols, row_mask, col_mask, mask = _tile_index(
-      rb, offset // width, m, n, block_m=block_m, block_n=width,
-      rows_in_bounds=rows_in_bounds)
-  if col_mask is not None and offset + width <= n:
-    col_mask = None
-    mask = None if row_mask is None else jnp.broadcast_to(row_mask[:, None],
-                                                          (block_m, width))
-  return rows, cols, row_mask, col_mask, mask
-
-
-def _piece_offsets(widths):
-  """(offset, width) of column pieces laid side by side from column 0."""
-  return [(sum(widths[:i]), w) for i, w in enumerate(widths)]
-
-
-def _sum(terms):
-  """terms[0] + terms[1] + ..., in order (one term: itself, with no added 0)."""
-  return functools.reduce(lambda a, b: a + b, terms)
-
-
 def _chunk_index(rb, i, m, n, *, block_m, block_n, chunk_n, rows_in_bounds=False):
   """_tile_index of chunk i (columns [i * chunk_n, (i + 1) * chunk_n)) of a row cut into
   block_n-wide splits of block_n / chunk_n chunks each. The column mask is kept
@@ -175,57 +152,40 @@ def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
 
 
-def _load_row_block(x_ref, rb, *, n, block_m, block_n, pieces=()):
-  """x tiles of row block ``rb`` in x's dtype, one a column piece (one [block_m, block_n]
-  tile without ``pieces``); rows past M are masked (no memory access)."""
-  m = x_ref.shape[0]
-  out = []
-  for o, w in _piece_offsets(tuple(pieces) or (block_n,)):
-    rows, cols, _, _, mask = _piece_index(rb, o, w, m=m, n=n, block_m=block_m)
-    out.append(_load_stream(x_ref.at[rows[:, None], cols[None, :]], mask))
-  return tuple(out)
+def _load_row_block(x_ref, rb, *, n, block_m, block_n):
+  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
+  rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
+                                       block_n=block_n)
+  return _load_stream(x_ref.at[rows[:, None], cols[None, :]], mask)
 
 
-def _piece_params(scale_ref, bias_ref, *, n, block_n, pieces, scale_offset):
-  """[(w, b)] of each column piece (``_load_params``; one for the whole tile without
-  ``pieces``)."""
-  out = []
-  for o, w in _piece_offsets(tuple(pieces) or (block_n,)):
-    _, cols, _, col_mask, _ = _piece_index(0, o, w, m=1, n=n, block_m=1)
-    out.append(_load_params(scale_ref, bias_ref, cols, col_mask, scale_offset))
-  return out
+def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None):
+  """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile.
 
-
-def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, pieces=(),
-                 x=None):
-  """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile, or as column
-  pieces of widths ``pieces`` (side by side from column 0, covering N).
-
-  ``params()`` gives [(w, b)] (one pair a piece), called once the statistics are done:
-  the multi-wave kernel loads scale/bias there, so that they are not live in registers
-  across the reductions (a [2, 8192] LayerNorm tile at 4 warps took 161 registers a
-  thread with them loaded first, against 127 for tokamax's kernel, which loads them
-  last; H200 ncu). The persistent kernel passes the values it hoisted. ``x`` is the
-  tiles when the caller already loaded them (a prefetch); else they are loaded.
+  ``params()`` gives (w, b), called once the statistics are done: the multi-wave kernel
+  loads scale/bias there, so that they are not live in registers across the reductions
+  (a [2, 8192] LayerNorm tile at 4 warps took 161 registers a thread with them loaded
+  first, against 127 for tokamax's kernel, which loads them last; H200 ncu). The
+  persistent kernel passes the values it hoisted. ``x`` is the tile when the caller
+  already loaded it (a prefetch); else it is loaded.
   """
   x_ref, y_ref, mean_ref, rstd_ref = refs
   m = x_ref.shape[0]
-  idx = [_piece_index(rb, o, w, m=m, n=n, block_m=block_m, rows_in_bounds=True)
-         for o, w in _piece_offsets(tuple(pieces) or (block_n,))]
-  rows, row_mask = idx[0][0], idx[0][2]
+  rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
+                                              rows_in_bounds=True)
   if x is None:
-    x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n, pieces=pieces)
-  xs = [t.astype(_F32) for t in x]  # [block_m, width] f32 each, 0 outside
+    x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
+  x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
   if subtract_mean:
-    mean = _sum([jnp.sum(t, axis=1) for t in xs]) / n  # [block_m]
-    xs = [_where0(i[4], t - mean[:, None]) for t, i in zip(xs, idx)]
+    mean = jnp.sum(x, axis=1) / n  # [block_m]
+    x = _where0(mask, x - mean[:, None])
   else:
     mean = None
-  var = _sum([jnp.sum(t * t, axis=1) for t in xs]) / n  # [block_m] (mean square for RMSNorm)
+  var = jnp.sum(x * x, axis=1) / n  # [block_m] (mean square for RMSNorm)
   rstd = lax.rsqrt(var + _F32(eps))
-  for t, i, (w, b) in zip(xs, idx, params()):
-    y = _affine(t * rstd[:, None], w, b)
-    plgpu.store(y_ref.at[rows[:, None], i[1][None, :]], y.astype(y_ref.dtype), mask=i[4])
+  w, b = params()
+  y = _affine(x * rstd[:, None], w, b)
+  plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
 
@@ -410,13 +370,13 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals):
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals,
-                   block_m, block_n, pieces=()):
+                   block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
-  params = functools.partial(_piece_params, scale_ref, bias_ref, n=n, block_n=block_n,
-                             pieces=pieces, scale_offset=scale_offset)
+  _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+  params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
-               block_m=block_m, block_n=block_n, pieces=pieces)
+               block_m=block_m, block_n=block_n)
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -431,26 +391,25 @@ def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        return_residuals,
-                       block_m, block_n, num_programs, pieces=()):
+                       block_m, block_n, num_programs):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
-    wb = _piece_params(scale_ref, bias_ref, n=n, block_n=block_n, pieces=pieces,
-                       scale_offset=scale_offset)
+    _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
-    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n,
-                             pieces=pieces)
+    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
 
     def body(i, x):
       rb = pid + i * num_programs
       # Prefetch the next row block before working on this one: its loads are in
       # flight during this block's reductions. Past the last block it is fully masked.
       x_next = load(rb + num_programs)
-      _single_tile(rb, io, lambda: wb, n=n, eps=eps, subtract_mean=subtract_mean,
-                   block_m=block_m, block_n=block_n, pieces=pieces, x=x)
+      _single_tile(rb, io, lambda: (w, b), n=n, eps=eps, subtract_mean=subtract_mean,
+                   block_m=block_m, block_n=block_n, x=x)
       return x_next
 
     num_steps = (num_row_blocks - 1 - pid) // num_programs + 1
@@ -784,8 +743,6 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     RMSNorm; both are None without ``return_residuals``.
 
   Raises:
-    ValueError: ``config.pieces`` that do not cover N in one tile, or with
-      multi_wave_reload.
     NotImplementedError: multi_wave_cached split over more programs than the device has
       SMs (``cdiv(N, config.block_n) > SMs``).
   """
@@ -796,12 +753,6 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
                  has_bias=bias is not None, return_residuals=return_residuals,
                  block_m=cfg.block_m, block_n=cfg.block_n)
   num_row_blocks = cdiv(m, cfg.block_m)
-  if cfg.pieces:
-    if cfg.mode == "multi_wave_reload" or cfg.block_n < n or sum(cfg.pieces) < n:
-      raise ValueError(f"config.pieces={cfg.pieces} must cover the row (N={n}) inside "
-                       f"one tile (block_n={cfg.block_n}) of multi_wave_cached or "
-                       f"static_persistent, not {cfg.mode}")
-    statics["pieces"] = cfg.pieces
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     return _split_forward(x, scale, bias, statics, cfg, interpret)
   if cfg.mode == "static_persistent" and cfg.split_rows and cfg.block_n < n:
