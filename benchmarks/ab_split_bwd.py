@@ -4,8 +4,7 @@
 
 SHAPES: comma-separated MxN. CFGS: ';'-separated, each one of the following, with
 "@nocg" or "@cgall" appended to trace it with the x/dy loads' cache modifier off
-(_compat.py) or on for all of them (sweep.ab_first_call), or "@r1d" to trace stage 2
-with one program a column strip for both dscale and dbias (_REDUCE_PER_PAIR off):
+(_compat.py) or on for all of them (sweep.ab_first_call):
   default                       config.backward_config's pick
   split:bn,nw,occ,stages,chunk[,lag[,bm[,early]]]
                                 split-row kernel, G = occ x SMs / cdiv(N, bn);
@@ -94,16 +93,13 @@ def main():
     fns = {}
     for cs in cfgs.split(";"):
       kind, _, args = cs.partition(":")
-      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall").removesuffix("@r1d")
-                    for v in (args, kind))
+      args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
       cfg = _config(kind, [int(v) for v in args.split(",")] if args else [], m, n, sm, sms)
       fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
           dy, x, scale, mean, rstd, has_bias=sm, scale_offset=0.0, subtract_mean=sm,
           config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16))
-      backward._REDUCE_PER_PAIR = not cs.endswith("@r1d")
       try:
-        out = sweep.ab_first_call(cs.removesuffix("@r1d"), fn, dys[0], xs[0], stats[0][1],
-                                  stats[0][2])
+        out = sweep.ab_first_call(cs, fn, dys[0], xs[0], stats[0][1], stats[0][2])
       except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
         print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
@@ -111,7 +107,6 @@ def main():
       errs = float(jnp.max(jnp.abs(out[1].astype(jnp.float32) - dsr))
                    / (jnp.max(jnp.abs(dsr)) + 1e-9))
       fns[cs] = (fn, f"dx_err={err:.3g} ds_rel={errs:.2g}")
-    backward._REDUCE_PER_PAIR = True
     ins = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)]
     sweep.ab_report(f"bwd {op} {shape}", fns, ins, rounds, 3 * nbytes)
 

@@ -263,7 +263,7 @@ _LN_MIN_BLOCK_M, _LN_TILE_ELEMS, _LN_ELEMS_PER_WARP = 2, 2048, 2048
 #     warps), not two: 8192 x 3072 29.0-30.1 against 31.1-31.2, 4096 x 3072 16.0 / 17.1,
 #     16384 x 3072 54.5 / 58.3, 8192 x 2560 25.8 / 27.1, float32 8192 x 3072 55.2 /
 #     56.6. Full 4096 rows keep [2, 4096] (8192 x 4096 38.1 against 38.2 for [1, 4096]).
-_LN_2048_WARPS, _LN_ONE_ROW_MAX_N = 4, 3072
+_LN_2048_WARPS, _LN_ONE_ROW_MAX_N, _LN_ONE_ROW_WARPS = 4, 3072, 4
 _LN_WIDE_BLOCK_N, _LN_WIDE_WARPS = 8192, 8
 _LN_WIDE_PADDED_MAX_N, _LN_WIDE_PADDED_WARPS = 5120, 4
 _NARROW_BLOCK_N, _LN_NARROW_MIN_WARPS = 256, 2
@@ -681,7 +681,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     if backend == "pallas" and block_n == 2048:
       num_warps = _LN_2048_WARPS
     if backend == "pallas" and block_n == 4096 and n <= _LN_ONE_ROW_MAX_N:
-      block_m, num_warps = 1, 4
+      block_m, num_warps = 1, _LN_ONE_ROW_WARPS
   else:
     num_warps = _fwd_warps(block_m * block_n)
   if device.platform == "cpu":

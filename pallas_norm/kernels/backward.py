@@ -418,20 +418,15 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     _store_partials(dw_ref, db_ref, r, cols, col_mask, accs[2 * c], accs[2 * c + 1])
 
 
-def _reduce_kernel(*refs, block_g, block_n, per_pair):
+def _reduce_kernel(*refs, block_g, block_n):
   """out[cols] = sum over the G partial rows, in a fixed order, for each (part, out) pair
-  of ``refs`` (the parts, then the outs: dscale's and dbias's in one launch). With
-  ``per_pair``, program (j, i) sums column strip j of pair i; else program j sums strip
-  j of every pair, one after the other."""
+  of ``refs`` (the parts, then the outs: dscale's and dbias's in one launch). Program
+  (j, i) sums column strip j of pair i."""
   half = len(refs) // 2
   j = pl.program_id(0)  # read here: interpret mode cannot read it inside pl.when
   for i, (part_ref, out_ref) in enumerate(zip(refs[:half], refs[half:])):
-    reduce = functools.partial(_reduce_columns, part_ref, out_ref, j, block_g=block_g,
-                               block_n=block_n)
-    if per_pair:
-      pl.when(pl.program_id(1) == i)(reduce)
-    else:
-      reduce()
+    pl.when(pl.program_id(1) == i)(functools.partial(
+        _reduce_columns, part_ref, out_ref, j, block_g=block_g, block_n=block_n))
 
 
 def _reduce_columns(part_ref, out_ref, j, *, block_g, block_n):
@@ -452,22 +447,18 @@ def _reduce_columns(part_ref, out_ref, j, *, block_g, block_n):
   plgpu.store(out_ref.at[cols], jnp.sum(acc, axis=0).astype(out_ref.dtype), mask=col_mask)
 
 
-_REDUCE_PER_PAIR = True
-
-
 def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
   """[G, N] f32 each -> [N] each in its dtype, in one launch (LayerNorm's dscale and
   dbias partials together: one kernel of 2.4-3.6 us on the H200 where two took 1.8-2.4
   each; results/h200_2026-11-22_full_b6f74e7_c.json against ..._475a610.json). The grid
-  is (column strips, arrays) (``_REDUCE_PER_PAIR``): LayerNorm stage 1 + 2 at 4096 x 1024
-  11.9 us against 12.6 with one program a strip summing both arrays, 32768 x 128 13.0
-  against 14.0, a tie on wider rows (results/h200_2026-11-22_bwd_pieces.txt)."""
+  is (column strips, arrays): LayerNorm stage 1 + 2 at 4096 x 1024 11.9 us against 12.6
+  with one program a strip summing both arrays, 32768 x 128 13.0 against 14.0, a tie on
+  wider rows (results/h200_2026-11-22_bwd_pieces.txt, "@r1d")."""
   n = parts[0].shape[1]
   return pl.pallas_call(
-      functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n,
-                        per_pair=_REDUCE_PER_PAIR),
+      functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n),
       out_shape=[jax.ShapeDtypeStruct((n,), dt) for dt in dtypes],
-      grid=(cdiv(n, cfg.reduce_block_n), len(parts) if _REDUCE_PER_PAIR else 1),
+      grid=(cdiv(n, cfg.reduce_block_n), len(parts)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.reduce_num_warps, num_stages=1),
       interpret=interpret,
       name="pallas_norm_bwd_reduce",
