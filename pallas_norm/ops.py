@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm import config as _config
-from pallas_norm import reference
+from pallas_norm import reference, spmd
 
 __all__ = ["rms_norm", "layer_norm", "BACKENDS"]
 
@@ -42,6 +42,8 @@ class _Static:
   mode: str | None
   backend: str
   interpret: bool
+  axis_name: tuple[str, ...] | None = None
+  axis_index_groups: tuple[tuple[int, ...], ...] | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -99,73 +101,121 @@ def _backend_module(backend: str):
   return jax_triton, jax_triton
 
 
-def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True):
-  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None)."""
+def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
+             combine_stats=None):
+  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None).
+
+  ``combine_stats`` (x2 a shard of the hidden dim, spmd.py): ``(s1, s2) -> (mean, rstd)``
+  of the whole rows from this shard's statistics; the forward is then the statistics
+  kernel, that function, and the normalise kernel.
+  """
   m, n = x2.shape
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
                                backend=st.backend)
   fwd, _ = _backend_module(st.backend)
-  return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
-                          subtract_mean=st.subtract_mean, config=cfg,
-                          interpret=st.interpret, return_residuals=return_residuals)
+  if combine_stats is None:
+    return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
+                            subtract_mean=st.subtract_mean, config=cfg,
+                            interpret=st.interpret, return_residuals=return_residuals)
+  s1, s2 = fwd.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
+                                  interpret=st.interpret)
+  mean, rstd = combine_stats(s1, s2)
+  y = fwd.norm_forward_apply(x2, scale, bias, mean, rstd, scale_offset=st.scale_offset,
+                             config=cfg, interpret=st.interpret)
+  return (y, mean, rstd) if return_residuals else (y, None, None)
 
 
-def _backward(dy, x2, scale, bias, mean, rstd, st: _Static):
-  """-> (dx [M, N] x.dtype, dscale [N] scale.dtype | None, dbias [N] bias.dtype | None)."""
+def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=None,
+              param_grad_dtype=None):
+  """-> (dx [M, N] x.dtype, dscale [N] | None, dbias [N] | None), dscale and dbias in
+  ``param_grad_dtype`` if given, else in scale's and bias's dtypes. ``combine_row_sums``:
+  as in kernels.backward.norm_backward (x2 a shard of the hidden dim)."""
   m, n = x2.shape
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=st.backend)
   _, bwd = _backend_module(st.backend)
+  dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
   return bwd.norm_backward(dy, x2, scale, mean, rstd,
                            has_bias=bias is not None,
                            scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                            config=cfg, interpret=st.interpret,
-                           scale_dtype=None if scale is None else scale.dtype,
-                           bias_dtype=None if bias is None else bias.dtype)
+                           scale_dtype=dtype(scale), bias_dtype=dtype(bias),
+                           combine_row_sums=combine_row_sums)
 
 
 # --------------------------------------------------------------------------- custom_vjp
 
 
+# x is [..., N] (rank >= 2) here, not [M, N]: the leading axes may be sharded, and
+# spmd.py runs the launchers on each device's rows (and columns).
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _norm2d(x2, scale, bias, st: _Static):
-  return _forward(x2, scale, bias, st, return_residuals=False)[0]
+def _norm_nd(x, scale, bias, st: _Static):
+  return spmd.forward(_forward, x, scale, bias, st, return_residuals=False)[0]
 
 
-def _norm2d_fwd(x2, scale, bias, st: _Static):
-  y, mean, rstd = _forward(x2, scale, bias, st)
-  return y, (x2, scale, bias, mean, rstd)
+def _norm_nd_fwd(x, scale, bias, st: _Static):
+  y, mean, rstd = spmd.forward(_forward, x, scale, bias, st, return_residuals=True)
+  return y, (x, scale, bias, mean, rstd)
 
 
-def _norm2d_bwd(st: _Static, res, dy):
-  x2, scale, bias, mean, rstd = res
-  dx, dscale, dbias = _backward(dy, x2, scale, bias, mean, rstd, st)
-  return dx, dscale, dbias
+def _norm_nd_bwd(st: _Static, res, dy):
+  x, scale, bias, mean, rstd = res
+  return spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st)
 
 
-_norm2d.defvjp(_norm2d_fwd, _norm2d_bwd)
+_norm_nd.defvjp(_norm_nd_fwd, _norm_nd_bwd)
+# Jitted, so that an eager call on sharded arrays is partitioned as it is under the
+# caller's jit (custom_partitioning runs its rule only when XLA compiles it).
+_norm_nd_jit = jax.jit(_norm_nd, static_argnums=(3,))
 
 
-def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret):
-  n = _check_args(op, x, scale, bias, eps, mode, backend)
+def _axis_groups(axis_name, axis_index_groups):
+  """Hashable (axis names, groups) from flax's ``axis_name`` / ``axis_index_groups``."""
+  if axis_name is None:
+    if axis_index_groups is not None:
+      raise ValueError(f"{axis_index_groups=} needs an axis_name")
+    return None, None
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  for a in names:
+    try:
+      jax.lax.axis_size(a)
+    except NameError as e:
+      raise ValueError(f"{axis_name=} is not a bound mesh axis: axis_name reduces the "
+                       f"statistics over a shard_map axis, so call the op inside "
+                       f"jax.shard_map (or omit it: sharded inputs are handled "
+                       f"without it)") from e
+  groups = None
+  if axis_index_groups is not None:
+    groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+  return names, groups
+
+
+def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
+          axis_name, axis_index_groups):
+  _check_args(op, x, scale, bias, eps, mode, backend)
+  names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)
   if backend == "xla":
     return reference.norm(x, scale, bias, eps=eps, scale_offset=scale_offset,
-                          subtract_mean=subtract_mean)[0]
+                          subtract_mean=subtract_mean, axis_name=names,
+                          axis_index_groups=groups)[0]
   m = math.prod(x.shape[:-1])
   if m == 0:
     return jnp.zeros(x.shape, x.dtype)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend,
-               _resolve_interpret(interpret))
-  y = _norm2d(x.reshape(m, n), scale, bias, st)
-  return y.reshape(x.shape)
+               _resolve_interpret(interpret), names, groups)
+  if x.ndim == 1:
+    return _norm_nd_jit(x[None], scale, bias, st)[0]
+  return _norm_nd_jit(x, scale, bias, st)
 
 
 # --------------------------------------------------------------------------- public ops
 
 
 def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="pallas",
-             interpret=None):
+             interpret=None, axis_name=None, axis_index_groups=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -182,13 +232,24 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
     backend: "pallas" (default), "triton" (plain Triton through jax-triton) or "xla"
       (the jnp reference).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
+    axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over
+      which x's last axis is split, as flax's ``axis_name``: the statistics are those
+      of the whole row, the concatenation of the shards' rows (equal-sized shards; a
+      ``pmean`` of per-shard partial statistics). Not needed for arrays sharded under
+      ``jax.jit``: rows sharded over any mesh axes, and the last axis sharded (tensor
+      parallel, scale sharded alike or replicated), are served without it, on Auto and
+      Explicit meshes, with no all-gather (``pallas_norm.spmd``).
+    axis_index_groups: with ``axis_name``: groups of axis indices reduced separately,
+      as in ``jax.lax.pmean``.
 
   Returns:
-    y: [..., N] with x's dtype. Differentiable in x and scale (custom_vjp).
+    y: [..., N] with x's dtype and sharding. Differentiable in x and scale (custom_vjp);
+    dx has x's sharding, dscale scale's.
 
   Raises:
-    ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, or an unknown
-      mode or backend.
+    ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, an unknown
+      mode or backend, an axis_name not bound by an enclosing shard_map, or x sharded
+      unevenly over a mesh axis (raised at trace/compile time, before any kernel).
     TypeError: integer or complex x or scale.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
@@ -198,11 +259,12 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
   return _norm("rms_norm", x, scale, None, eps=eps, scale_offset=scale_offset,
-               subtract_mean=False, mode=mode, backend=backend, interpret=interpret)
+               subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
+               axis_name=axis_name, axis_index_groups=axis_index_groups)
 
 
 def layer_norm(x, scale=None, bias=None, *, eps=1e-5, scale_offset=0.0, mode=None,
-               backend="pallas", interpret=None):
+               backend="pallas", interpret=None, axis_name=None, axis_index_groups=None):
   """Layer normalisation over the last axis (Ba et al., 2016,
   https://arxiv.org/abs/1607.06450). Matches ``torch.nn.functional.layer_norm`` over
   the last dimension.
@@ -216,7 +278,8 @@ def layer_norm(x, scale=None, bias=None, *, eps=1e-5, scale_offset=0.0, mode=Non
     bias: [N] float array or None.
     eps: added to the variance (default 1e-5, torch's).
     scale_offset: y = x_hat * (scale_offset + scale) + bias.
-    mode, backend, interpret: as in ``rms_norm``.
+    mode, backend, interpret, axis_name, axis_index_groups: as in ``rms_norm``;
+      across shards the variance is combined with Chan et al.'s formula.
 
   Returns:
     y: [..., N] with x's dtype. Differentiable in x, scale and bias (custom_vjp).
@@ -225,4 +288,5 @@ def layer_norm(x, scale=None, bias=None, *, eps=1e-5, scale_offset=0.0, mode=Non
     ValueError, TypeError, NotImplementedError, ImportError: as in ``rms_norm``.
   """
   return _norm("layer_norm", x, scale, bias, eps=eps, scale_offset=scale_offset,
-               subtract_mean=True, mode=mode, backend=backend, interpret=interpret)
+               subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
+               axis_name=axis_name, axis_index_groups=axis_index_groups)

@@ -27,6 +27,8 @@ def norm(
     eps: float,
     scale_offset: float = 0.0,
     subtract_mean: bool,
+    axis_name=None,
+    axis_index_groups=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Reference RMSNorm (``subtract_mean=False``) or LayerNorm (``True``).
 
@@ -37,20 +39,28 @@ def norm(
     eps: added to the variance (or mean square) before the square root.
     scale_offset: y = x_hat * (scale_offset + scale).
     subtract_mean: True for LayerNorm, False for RMSNorm.
+    axis_name, axis_index_groups: inside ``jax.shard_map``, the mesh axes over which the
+      last axis is split (equal shards): the statistics are ``pmean``s of the shards'
+      (flax's ``axis_name``).
 
   Returns:
     (y, mean, rstd): y is [..., N] in x's dtype; mean and rstd are [...] float32
     (mean is zeros for RMSNorm).
   """
+  def pmean(v):
+    if axis_name is None:
+      return v
+    return jax.lax.pmean(v, axis_name, axis_index_groups=axis_index_groups)
+
   xf = x.astype(jnp.float32)  # [..., N] f32
   if subtract_mean:
-    mean = jnp.mean(xf, axis=-1)  # [...] f32
+    mean = pmean(jnp.mean(xf, axis=-1))  # [...] f32
     xc = xf - mean[..., None]
-    var = jnp.mean(xc * xc, axis=-1)
+    var = pmean(jnp.mean(xc * xc, axis=-1))
   else:
     mean = jnp.zeros(xf.shape[:-1], jnp.float32)
     xc = xf
-    var = jnp.mean(xf * xf, axis=-1)
+    var = pmean(jnp.mean(xf * xf, axis=-1))
   rstd = jax.lax.rsqrt(var + jnp.float32(eps))  # [...] f32
   y = xc * rstd[..., None]
   if scale is not None:

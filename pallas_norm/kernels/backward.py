@@ -467,7 +467,7 @@ def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
 
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config: BackwardConfig, interpret: bool,
-                  scale_dtype=None, bias_dtype=None):
+                  scale_dtype=None, bias_dtype=None, combine_row_sums=None):
   """Two-stage backward.
 
   Args:
@@ -481,6 +481,11 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       (``reload_rows``), the split-row kernel (``split_rows``) or the chunked pair.
     interpret: run in Pallas interpret mode.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
+    combine_row_sums: for x a shard of the hidden dim (tensor parallel): a function
+      ``(c1, c2) -> (c1, c2)`` ([M] f32 each, c2 None for RMSNorm) that turns this
+      shard's row sums (over its N columns, divided by N) into the whole row's (a
+      ``pmean`` over the hidden axes). It selects the row-statistics + column-tiled
+      pair, whatever ``block_n``; ``config.pieces`` are not used.
 
   Returns:
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
@@ -501,13 +506,14 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
-  chunked = cfg.block_n < n
-  if cfg.pieces and (chunked or sum(cfg.pieces) < n):
+  chunked = cfg.block_n < n or combine_row_sums is not None
+  pieces = () if combine_row_sums is not None else cfg.pieces
+  if pieces and (chunked or sum(pieces) < n):
     raise ValueError(f"config.pieces={cfg.pieces} must cover the row (N={n}) inside one "
                      f"tile (block_n={cfg.block_n})")
-  if chunked and cfg.split_rows:
+  if chunked and cfg.split_rows and combine_row_sums is None:
     dx, *parts = _split_stage1(inputs, out_shape, statics, has_bias, g, cfg, interpret)
-  elif chunked and cfg.reload_rows:
+  elif chunked and cfg.reload_rows and combine_row_sums is None:
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_reload_kernel, has_bias=has_bias, num_programs=g, **statics),
         out_shape=out_shape,
@@ -526,10 +532,13 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
           interpret=interpret,
           name="pallas_norm_bwd_row_stats",
       )(*inputs)
+      if combine_row_sums is not None:
+        c = [v for v in combine_row_sums(c[0], c[1] if subtract_mean else None)
+             if v is not None]
       inputs += list(c)
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                          chunked=chunked, pieces=cfg.pieces, **statics),
+                          chunked=chunked, pieces=pieces, **statics),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,

@@ -50,7 +50,7 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, d
                                 next_power_of_2, split_resident_programs)
 from pallas_norm.kernels._compat import stream_cache_modifier
 
-__all__ = ["norm_forward"]
+__all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply"]
 
 _F32 = jnp.float32
 
@@ -193,6 +193,20 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
                   block_m, block_n):
   """Normalise row block ``rb`` in block_n chunks: statistics pass, then reload pass."""
   x_ref, y_ref, mean_ref, rstd_ref = refs
+  chunks = dict(n=n, block_m=block_m, block_n=block_n)
+  mean, acc = _chunk_stats(rb, x_ref, subtract_mean=subtract_mean, **chunks)
+  rstd = lax.rsqrt(acc / n + _F32(eps))  # [block_m]
+  _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd,
+                   scale_offset=scale_offset, **chunks)
+  rows, _, row_mask, _, _ = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
+                                        block_n=block_n, rows_in_bounds=True)
+  _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
+
+
+def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n):
+  """Pass 1 over row block ``rb`` in block_n chunks: (mean [block_m] f32 or None,
+  acc [block_m] f32), acc the sum of squares (RMSNorm) or M2 = sum((x - mean)^2)
+  (LayerNorm, per-chunk (mean, M2) pairs combined with Chan et al.'s update)."""
   m = x_ref.shape[0]
   num_chunks = cdiv(n, block_n)
   tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
@@ -220,10 +234,9 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
 
   # Short rows unroll both passes at trace time, so that each chunk's loads are issued
   # without waiting on the loop's previous iteration (config.RELOAD_UNROLL_MAX_CHUNKS).
-  unroll = num_chunks <= RELOAD_UNROLL_MAX_CHUNKS
   zeros = jnp.zeros((block_m,), _F32)
   acc0 = zeros if subtract_mean else jnp.zeros((block_m, block_n), _F32)
-  if unroll:
+  if num_chunks <= RELOAD_UNROLL_MAX_CHUNKS:
     carry = (zeros, acc0)
     for k in range(num_chunks):
       carry = stats_body(jnp.int32(k), carry)
@@ -231,28 +244,35 @@ def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtra
   else:
     mean, acc = lax.fori_loop(0, num_chunks, stats_body, (zeros, acc0))
   if not subtract_mean:
-    acc = jnp.sum(acc, axis=1)
-  rstd = lax.rsqrt(acc / n + _F32(eps))  # [block_m]
+    return None, jnp.sum(acc, axis=1)
+  return mean, acc
+
+
+def _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd, *, n, scale_offset,
+                     block_m, block_n):
+  """Pass 2 over row block ``rb``: reload each chunk, normalise with the row's ``mean``
+  (None for RMSNorm) and ``rstd`` ([block_m] f32) and store y."""
+  m = x_ref.shape[0]
+  num_chunks = cdiv(n, block_n)
+  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
 
   def normalise(j):
     # Walk the chunks backwards: the last ones read by pass 1 are the likeliest to
     # still be in L2.
     rows, cols, _, col_mask, mask = tile(num_chunks - 1 - j)
     x = _load_tile(x_ref, rows, cols, mask)
-    if subtract_mean:
+    if mean is not None:
       x = x - mean[:, None]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
     y = _affine(x * rstd[:, None], w, b)
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
 
-  if unroll:
+  if num_chunks <= RELOAD_UNROLL_MAX_CHUNKS:
     for j in range(num_chunks):
       normalise(jnp.int32(j))
   else:
     pl.loop(0, num_chunks)(normalise)
-
-  rows, _, row_mask, _, _ = tile(0)
-  _store_stats(mean_ref, rstd_ref, rows, row_mask, mean if subtract_mean else None, rstd)
 
 
 def _split_partials(chunk, num_chunks, k, *, n, block_n, subtract_mean, stream=False):
@@ -875,3 +895,118 @@ def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: st
         f"most {'one' if per_sm == 1 else per_sm} a SM ({max_splits}): N={n} with "
         f"block_n={block_n} needs {num_splits}; {remedy}")
   return num_splits
+
+
+# ----------------------------------------------------- tensor parallel: statistics, then y
+
+
+def _stats_kernel(x_ref, s1_ref, *s2_ref, n, subtract_mean, block_m, block_n, num_programs):
+  """Per row of this shard: RMSNorm s1 = sum(x^2); LayerNorm s1 = mean, s2 = M2."""
+  def row_block(rb):
+    mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
+                             block_n=block_n)
+    rows, _, row_mask, _, _ = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
+                                          block_n=block_n, rows_in_bounds=True)
+    plgpu.store(s1_ref.at[rows], acc if mean is None else mean, mask=row_mask)
+    if mean is not None:
+      plgpu.store(s2_ref[0].at[rows], acc, mask=row_mask)
+
+  _row_blocks(cdiv(x_ref.shape[0], block_m), num_programs, row_block)
+
+
+def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_bias,
+                  block_m, block_n, num_programs):
+  """y from x and the whole row's mean (LayerNorm) and rstd, [M] f32 inputs."""
+  refs = list(refs)
+  scale_ref = refs.pop(0) if has_scale else None
+  bias_ref = refs.pop(0) if has_bias else None
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref, y_ref = refs
+
+  def row_block(rb):
+    rows, _, row_mask, _, _ = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
+                                          block_n=block_n, rows_in_bounds=True)
+    mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)  # [block_m]
+    rstd = _load(rstd_ref.at[rows], row_mask)  # [block_m] f32
+    _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd, n=n,
+                     scale_offset=scale_offset, block_m=block_m, block_n=block_n)
+
+  _row_blocks(cdiv(x_ref.shape[0], block_m), num_programs, row_block)
+
+
+def _row_blocks(num_row_blocks, num_programs, row_block):
+  """One row block a program (multi-wave grids), or a grid-stride loop over them
+  (static_persistent: ``num_programs`` programs)."""
+  if num_programs is None:
+    row_block(pl.program_id(0))
+  else:
+    pl.loop(pl.program_id(0), num_row_blocks, step=num_programs)(row_block)
+
+
+def _tp_launch(cfg: ForwardConfig, m: int):
+  """(grid, num_programs) of the two tensor-parallel kernels for ``cfg.mode``."""
+  num_row_blocks = cdiv(m, cfg.block_m)
+  if cfg.mode != "static_persistent":
+    return num_row_blocks, None
+  grid = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+  return grid, grid
+
+
+def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpret: bool):
+  """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
+
+  The row block is walked in ``config.block_n`` chunks (one chunk when the row fits, as
+  multi_wave_cached holds it); static_persistent loops over row blocks with
+  ``config.num_programs`` programs, the multi-wave modes take one row block a program.
+
+  Args:
+    x: [M, n] the shard's columns of each row.
+    subtract_mean: LayerNorm (True) or RMSNorm.
+    config, interpret: as in ``norm_forward``.
+
+  Returns:
+    (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
+    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards.
+  """
+  m, n = x.shape
+  cfg = config
+  grid, num_programs = _tp_launch(cfg, m)
+  out = pl.pallas_call(
+      functools.partial(_stats_kernel, n=n, subtract_mean=subtract_mean, block_m=cfg.block_m,
+                        block_n=cfg.block_n, num_programs=num_programs),
+      out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
+      grid=(grid,),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="pallas_norm_fwd_shard_stats",
+  )(x)
+  return (out[0], out[1]) if subtract_mean else (out[0], None)
+
+
+def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
+                       config: ForwardConfig, interpret: bool):
+  """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
+
+  Args:
+    x: [M, n]; scale, bias: [n] or None (the shard's columns).
+    mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
+    scale_offset, config, interpret: as in ``norm_forward``.
+
+  Returns:
+    y: [M, n] in x's dtype.
+  """
+  m, n = x.shape
+  cfg = config
+  grid, num_programs = _tp_launch(cfg, m)
+  inputs = [a for a in (x, scale, bias, mean, rstd) if a is not None]
+  return pl.pallas_call(
+      functools.partial(_apply_kernel, n=n, scale_offset=float(scale_offset),
+                        subtract_mean=mean is not None, has_scale=scale is not None,
+                        has_bias=bias is not None, block_m=cfg.block_m, block_n=cfg.block_n,
+                        num_programs=num_programs),
+      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(grid,),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="pallas_norm_fwd_shard_apply",
+  )(*inputs)

@@ -1,0 +1,336 @@
+"""Sharded inputs: the per-shard computation and JAX's SPMD machinery around it.
+
+The ops normalise the last axis of ``x: [..., N]``. Under ``jax.jit`` with ``x`` sharded
+by a ``NamedSharding``, every dimension of x falls in one of two groups:
+
+  rows    the leading axes (batch: data parallel / FSDP; sequence: sequence parallel).
+          Each device runs the kernels on its own rows. y and dx keep x's sharding.
+          dscale and dbias are each device's sums over its rows (the [G, N] partials
+          reduced by stage 2 in float32), then one ``psum`` over the row axes.
+  hidden  the last axis (tensor parallel), scale and bias sharded the same way.
+          Statistics are partial sums over each shard's columns, combined across the
+          hidden axes (``pmean`` of equal-sized shards):
+            RMSNorm    mean(x^2) = pmean(sum(x_i^2) / n)
+            LayerNorm  mean = pmean(mean_i);  var = pmean(M2_i / n + (mean_i - mean)^2)
+                       (Chan et al.'s pairwise combination, never E[x^2] - E[x]^2)
+          then a second kernel normalises (kernels.*.norm_forward_stats / _apply). The
+          backward's row sums c1 = mean(x_hat * g) and c2 = mean(g) are combined the same
+          way between its row-statistics and column kernels.
+
+Three ways in, one per-shard body (``_local_forward`` / ``_local_backward``):
+
+  Explicit meshes  the sharding is in x's type (``jax.typeof(x).sharding``): the body runs
+                   under ``jax.shard_map`` with specs read from it.
+  Auto meshes      the sharding is known only to XLA's partitioner: the op is a
+                   ``jax.experimental.custom_partitioning`` call, and its ``partition`` rule
+                   picks the same specs from the operand shardings it is handed.
+  axis_name        inside the caller's own ``shard_map`` (flax's ``axis_name``): the body
+                   runs as it is, with the statistics reduced over ``axis_name``.
+
+Collectives are ``jax.lax.psum`` / ``pmean`` only. A layout that cannot be served without
+gathering x (a dimension sharded unevenly) is a ``ValueError`` naming the sharding,
+raised before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["forward", "backward", "mesh_layout"]
+
+_F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """Mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def mesh_layout(shape, spec, axis_sizes: dict, what: str = "x"):
+  """(full spec, row axes, hidden axes) of an array ``shape`` sharded by ``spec``.
+
+  Args:
+    shape: x's shape, rank >= 2.
+    spec: its PartitionSpec (shorter specs are padded with None).
+    axis_sizes: mesh axis name -> size.
+    what: the name used in errors.
+
+  Raises:
+    ValueError: a dimension whose size its shards do not divide: serving it would need
+      gathering (or padding rows into dscale's sums).
+  """
+  entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  for d, (size, entry) in enumerate(zip(shape, entries)):
+    shards = math.prod(axis_sizes[a] for a in _axes(entry))
+    if size % shards:
+      raise ValueError(
+          f"pallas_norm: {what} of shape {tuple(shape)} is sharded {P(*entries)}: dimension "
+          f"{d} (size {size}) over {_axes(entry)} ({shards} shards) is uneven; pallas_norm "
+          f"serves evenly sharded dimensions only (it never gathers x). Shard that "
+          f"dimension over axes whose product divides {size}, or pad it.")
+  rows = tuple(a for e in entries[:-1] for a in _axes(e))
+  return P(*entries), rows, _axes(entries[-1])
+
+
+def _explicit_spec(x):
+  """(mesh, spec) when x's type carries an Explicit sharding, else None."""
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+    return None
+  return mesh, sharding.spec
+
+
+def _param_spec(hidden) -> P:
+  return P(hidden if len(hidden) != 1 else hidden[0]) if hidden else P(None)
+
+
+# --------------------------------------------------------------------------- per shard
+
+
+def _pmean(v, axes, groups):
+  return jax.lax.pmean(v, axes, axis_index_groups=groups)
+
+
+def _combine_stats(s1, s2, *, n, eps, axes, groups):
+  """Whole-row (mean, rstd) [M] f32 from this shard's (s1, s2) over its n columns."""
+  if s2 is None:  # RMSNorm: s1 = sum(x^2)
+    return None, jax.lax.rsqrt(_pmean(s1 / n, axes, groups) + _F32(eps))
+  mean = _pmean(s1, axes, groups)  # LayerNorm: s1 = mean, s2 = M2 of the shard
+  delta = s1 - mean
+  var = _pmean(s2 / n + delta * delta, axes, groups)
+  return mean, jax.lax.rsqrt(var + _F32(eps))
+
+
+def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden):
+  """One shard: x [..., n] -> (y [..., n], mean [...] | None, rstd [...] | None)."""
+  lead, n = x.shape[:-1], x.shape[-1]
+  combine = None
+  if hidden:
+    combine = functools.partial(_combine_stats, n=n, eps=st.eps, axes=hidden,
+                                groups=st.axis_index_groups)
+  y, mean, rstd = fwd2d(x.reshape(-1, n), scale, bias, st, return_residuals, combine)
+  back = lambda a: None if a is None else a.reshape(lead)
+  return y.reshape(x.shape), back(mean), back(rstd)
+
+
+def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows):
+  """One shard: -> (dx [..., n], dscale [n] | None, dbias [n] | None), dscale and dbias
+  summed over the ``rows`` mesh axes (in float32, then cast to the parameter's dtype)."""
+  n = x.shape[-1]
+  combine = None
+  if hidden:
+    combine = lambda c1, c2: tuple(None if c is None else _pmean(c, hidden,
+                                                                 st.axis_index_groups)
+                                   for c in (c1, c2))
+  flat = lambda a: None if a is None else a.reshape(-1)
+  dx, dscale, dbias = bwd2d(dy.reshape(-1, n), x.reshape(-1, n), scale, bias, flat(mean),
+                            flat(rstd), st, combine, _F32 if rows else None)
+  if rows:
+    dscale, dbias = (None if d is None else jax.lax.psum(d, rows).astype(p.dtype)
+                     for d, p in ((dscale, scale), (dbias, bias)))
+  return dx.reshape(x.shape), dscale, dbias
+
+
+# ------------------------------------------------- Auto meshes: custom_partitioning rules
+
+
+def _named(sharding, what):
+  if not isinstance(sharding, NamedSharding):
+    raise ValueError(f"pallas_norm: {what} has sharding {sharding}; under a multi-device "
+                     f"jit pallas_norm needs a NamedSharding over a Mesh (jax.make_mesh) "
+                     f"to know which axes shard rows and which the hidden dim")
+  return sharding
+
+
+def _plan(mesh, x_shape, x_sharding, what="x"):
+  """(x spec, row spec, param spec, row axes, hidden axes) from x's operand sharding."""
+  spec, rows, hidden = mesh_layout(x_shape, _named(x_sharding, what).spec,
+                                   dict(mesh.shape), what)
+  return spec, P(*tuple(spec)[:-1]), _param_spec(hidden), rows, hidden
+
+
+def _letters(rank):
+  return " ".join("abcdefghijklm"[:rank - 1])
+
+
+def _fwd_impl(x, params, fwd2d, st, return_residuals):
+  return _local_forward(fwd2d, x, *params, st, return_residuals, ())
+
+
+def _fwd_partition(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
+  del result_shape
+  x_shape, params = arg_shapes
+  spec, row_spec, p_spec, _, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
+  named = lambda s: NamedSharding(mesh, s)
+  p_sh = tuple(None if p is None else named(p_spec) for p in params)
+  out = [named(spec)]
+  if return_residuals:
+    out += [None if not st.subtract_mean else named(row_spec), named(row_spec)]
+
+  def lower(x, params):
+    return _local_forward(fwd2d, x, *params, st, return_residuals, hidden)
+
+  return mesh, lower, tuple(out), (named(spec), p_sh)
+
+
+def _fwd_infer(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
+  del fwd2d, result_shape
+  spec, row_spec, *_ = _plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding)
+  out = [NamedSharding(mesh, spec)]
+  if return_residuals:
+    out += [None if not st.subtract_mean else NamedSharding(mesh, row_spec),
+            NamedSharding(mesh, row_spec)]
+  return tuple(out)
+
+
+def _fwd_sharding_rule(fwd2d, st, return_residuals, mesh, operand_types, result_types):
+  del fwd2d, st, return_residuals, mesh
+  rank = len(operand_types[0].shape)
+  lead = _letters(rank)
+  ops = ", ".join([f"{lead} n"] + ["n"] * (len(operand_types) - 1))
+  res = ", ".join([f"{lead} n"] + [lead] * (len(result_types) - 1))
+  return f"{ops} -> {res}"
+
+
+_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(2, 3, 4))
+_fwd_cp.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
+                      sharding_rule=_fwd_sharding_rule)
+
+
+def _bwd_impl(dy, x, params, mean, rstd, bwd2d, st):
+  return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, (), ())
+
+
+def _bwd_partition(bwd2d, st, mesh, arg_shapes, result_shape):
+  del result_shape
+  _, x_shape, params, mean, _ = arg_shapes
+  spec, row_spec, p_spec, rows, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
+  named = lambda s: NamedSharding(mesh, s)
+  p_sh = tuple(None if p is None else named(p_spec) for p in params)
+  args = (named(spec), named(spec), p_sh, None if mean is None else named(row_spec),
+          named(row_spec))
+
+  def lower(dy, x, params, mean, rstd):
+    return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, hidden, rows)
+
+  return mesh, lower, (named(spec), *p_sh), args
+
+
+def _bwd_infer(bwd2d, st, mesh, arg_shapes, result_shape):
+  del bwd2d, st, result_shape
+  _, x_shape, params, _, _ = arg_shapes
+  spec, _, p_spec, _, _ = _plan(mesh, x_shape.shape, x_shape.sharding)
+  return (NamedSharding(mesh, spec),
+          *(None if p is None else NamedSharding(mesh, p_spec) for p in params))
+
+
+def _bwd_sharding_rule(bwd2d, st, mesh, operand_types, result_types):
+  del bwd2d, mesh
+  rank = len(operand_types[0].shape)
+  lead = _letters(rank)
+  n_params = len(result_types) - 1
+  ops = [f"{lead} n", f"{lead} n"] + ["n"] * n_params + [lead] * (2 if st.subtract_mean else 1)
+  return f"{', '.join(ops)} -> {', '.join([f'{lead} n'] + ['n'] * n_params)}"
+
+
+_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(5, 6))
+_bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
+                      sharding_rule=_bwd_sharding_rule)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _reshard(a, mesh, spec):
+  if a is None:
+    return None
+  return jax.sharding.reshard(a, NamedSharding(mesh, spec))
+
+
+def _shard_map(body, mesh, args, in_specs, out_specs):
+  """``jax.shard_map`` of ``body(*args)`` over every axis of ``mesh``; None args and
+  outputs (absent scale, bias or residuals) stay out of it (their spec is None)."""
+  present = [i for i, a in enumerate(args) if a is not None]
+  outs = [i for i, s in enumerate(out_specs) if s is not None]
+
+  def local(*xs):
+    full = [None] * len(args)
+    for i, a in zip(present, xs):
+      full[i] = a
+    res = body(*full)
+    return tuple(res[i] for i in outs)
+
+  res = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs[i] for i in present),
+                      out_specs=tuple(out_specs[i] for i in outs), check_vma=False)(
+                          *(args[i] for i in present))
+  full = [None] * len(out_specs)
+  for i, r in zip(outs, res):
+    full[i] = r
+  return tuple(full)
+
+
+def forward(fwd2d, x, scale, bias, st, return_residuals):
+  """y (and the residuals) of ``x: [..., N]``, rank >= 2, wherever x lives.
+
+  ``fwd2d(x2, scale, bias, st, return_residuals, combine_stats)`` is the single-device
+  launcher on [M, n] (ops._forward). Returns (y [..., N], mean [...] | None,
+  rstd [...] | None).
+  """
+  if st.axis_name is not None:  # inside the caller's shard_map
+    return _local_forward(fwd2d, x, scale, bias, st, return_residuals, st.axis_name)
+  explicit = _explicit_spec(x)
+  if explicit is not None:
+    mesh, spec = explicit
+    spec, rows, hidden = mesh_layout(x.shape, spec, dict(mesh.shape))
+    row_spec, p_spec = P(*tuple(spec)[:-1]), _param_spec(hidden)
+    scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
+    out_specs = (spec, row_spec if return_residuals and st.subtract_mean else None,
+                 row_spec if return_residuals else None)
+    body = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
+                             hidden=hidden)
+    return _shard_map(body, mesh, (x, scale, bias), (spec, p_spec, p_spec), out_specs)
+  if jax.device_count() > 1:
+    return _fwd_cp(x, (scale, bias), fwd2d, st, return_residuals)
+  return _local_forward(fwd2d, x, scale, bias, st, return_residuals, ())
+
+
+def backward(bwd2d, dy, x, scale, bias, mean, rstd, st):
+  """(dx [..., N], dscale [N] | None, dbias [N] | None) for ``forward``'s residuals.
+
+  ``bwd2d(dy2, x2, scale, bias, mean, rstd, st, combine_row_sums, param_grad_dtype)``
+  is the single-device launcher on [M, n] (ops._backward).
+  """
+  if st.axis_name is not None:
+    return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, ())
+  explicit = _explicit_spec(x)
+  if explicit is not None:
+    mesh, spec = explicit
+    spec, rows, hidden = mesh_layout(x.shape, spec, dict(mesh.shape))
+    row_spec, p_spec = P(*tuple(spec)[:-1]), _param_spec(hidden)
+    param_specs = [None if p is None else jax.typeof(p).sharding.spec for p in (scale, bias)]
+    scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
+    dy = _reshard(dy, mesh, spec)
+    body = functools.partial(_local_backward, bwd2d, st=st, hidden=hidden, rows=rows)
+    dx, dscale, dbias = _shard_map(
+        body, mesh, (dy, x, scale, bias, mean, rstd),
+        (spec, spec, p_spec, p_spec, row_spec, row_spec),
+        (spec, p_spec if scale is not None else None, p_spec if bias is not None else None))
+    dscale, dbias = (None if d is None else _reshard(d, mesh, ps)
+                     for d, ps in zip((dscale, dbias), param_specs))
+    return dx, dscale, dbias
+  if jax.device_count() > 1:
+    return _bwd_cp(dy, x, (scale, bias), mean, rstd, bwd2d, st)
+  return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), ())
