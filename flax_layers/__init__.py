@@ -7,10 +7,15 @@ drop into a model built for flax's layers. They add ``scale_offset``, ``mode`` a
 ``backend``, which pass through to ``pallas_norm.rms_norm`` / ``layer_norm``.
 The Linen twins live in ``flax_layers.linen``.
 
+Multi-device: under ``jax.jit`` with sharded activations (rows and/or the hidden dim)
+the layers need nothing: the ops serve the sharding as it is. ``axis_name`` and
+``axis_index_groups`` have flax's meaning, inside ``jax.shard_map``: the statistics are
+reduced over that mesh axis. Params may carry ``nnx.with_partitioning`` metadata.
+
 Differences from flax: the normalised axis is always the last one (flax's
-``reduction_axes=-1`` / ``feature_axes=-1`` defaults); there is no ``mask``,
-``axis_name`` or ``promote_dtype`` argument; LayerNorm always uses the two-pass
-variance (flax's ``use_fast_variance=False``), which is at least as accurate.
+``reduction_axes=-1`` / ``feature_axes=-1`` defaults); there is no ``mask`` or
+``promote_dtype`` argument; LayerNorm always uses the two-pass variance (flax's
+``use_fast_variance=False``), which is at least as accurate.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class _Norm(nnx.Module):
       scale_offset: float = 0.0,
       mode: str | None = None,
       backend: str = "pallas",
+      axis_name: str | tuple[str, ...] | None = None,
+      axis_index_groups: tp.Any = None,
       rngs: nnx.Rngs,
   ):
     self.scale: nnx.Param[jax.Array] | None = _maybe_param(use_scale, scale_init, rngs,
@@ -62,6 +69,8 @@ class _Norm(nnx.Module):
     self.scale_offset = scale_offset
     self.mode = mode
     self.backend = backend
+    self.axis_name = axis_name
+    self.axis_index_groups = axis_index_groups
 
 
 class RMSNorm(_Norm):
@@ -104,6 +113,11 @@ class RMSNorm(_Norm):
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla", passed to
       ``pallas_norm.rms_norm``.
+    axis_name: inside ``jax.shard_map``, the mesh axis (or axes) over which the
+      features are split: the statistics are those of the whole feature vector, as in
+      flax (default: None). Sharded arrays under ``jax.jit`` do not need it.
+    axis_index_groups: groups of axis indices reduced separately, as in flax
+      (default: None).
     rngs: rng key.
   """
 
@@ -113,7 +127,8 @@ class RMSNorm(_Norm):
     x, scale = _dtypes.promote_dtype((x, scale), dtype=self.dtype)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon),
                          scale_offset=float(self.scale_offset), mode=self.mode,
-                         backend=self.backend)
+                         backend=self.backend, axis_name=self.axis_name,
+                         axis_index_groups=self.axis_index_groups)
 
 
 class LayerNorm(_Norm):
@@ -160,6 +175,7 @@ class LayerNorm(_Norm):
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla", passed to
       ``pallas_norm.layer_norm``.
+    axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
     rngs: rng key.
   """
 
@@ -177,11 +193,14 @@ class LayerNorm(_Norm):
       scale_offset: float = 0.0,
       mode: str | None = None,
       backend: str = "pallas",
+      axis_name: str | tuple[str, ...] | None = None,
+      axis_index_groups: tp.Any = None,
       rngs: nnx.Rngs,
   ):
     super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                      use_scale=use_scale, scale_init=scale_init, scale_offset=scale_offset,
-                     mode=mode, backend=backend, rngs=rngs)
+                     mode=mode, backend=backend, axis_name=axis_name,
+                     axis_index_groups=axis_index_groups, rngs=rngs)
     self.bias: nnx.Param[jax.Array] | None = _maybe_param(use_bias, bias_init, rngs,
                                                            num_features, param_dtype)
     self.use_bias = use_bias
@@ -193,5 +212,6 @@ class LayerNorm(_Norm):
     x, scale, bias = _dtypes.promote_dtype((x, scale, bias), dtype=self.dtype)
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
                            scale_offset=float(self.scale_offset), mode=self.mode,
-                           backend=self.backend)
+                           backend=self.backend, axis_name=self.axis_name,
+                           axis_index_groups=self.axis_index_groups)
 

@@ -6,6 +6,8 @@ collection (``scale``, ``bias``: names, shapes, dtypes and initialisers) as
 ``dtype`` if given, otherwise the result type of the input and the parameters. They
 add ``scale_offset``, ``mode`` and ``backend``, which pass through to
 ``pallas_norm.rms_norm`` / ``layer_norm``. The normalised axis is always the last one.
+``axis_name`` / ``axis_index_groups`` have flax's meaning (inside ``jax.shard_map``);
+sharded arrays under ``jax.jit`` need neither.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class RMSNorm(nn.Module):
     mode: the kernel mode, passed to ``pallas_norm.rms_norm`` (default: None, the
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla".
+    axis_name: inside ``jax.shard_map``, the mesh axis (or axes) over which the
+      features are split; the statistics are the whole vector's, as in flax.
+    axis_index_groups: groups of axis indices reduced separately, as in flax.
   """
 
   epsilon: float = 1e-6
@@ -70,6 +75,8 @@ class RMSNorm(nn.Module):
   scale_offset: float = 0.0
   mode: str | None = None
   backend: str = "pallas"
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: tp.Any = None
 
   @nn.compact
   def __call__(self, x):
@@ -78,7 +85,8 @@ class RMSNorm(nn.Module):
                                     (self.use_scale,))
     return _ops.rms_norm(x, scale, eps=float(self.epsilon),
                          scale_offset=float(self.scale_offset), mode=self.mode,
-                         backend=self.backend)
+                         backend=self.backend, axis_name=self.axis_name,
+                         axis_index_groups=self.axis_index_groups)
 
 
 class LayerNorm(nn.Module):
@@ -112,6 +120,7 @@ class LayerNorm(nn.Module):
     mode: the kernel mode, passed to ``pallas_norm.layer_norm`` (default: None, the
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla".
+    axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
   """
 
   epsilon: float = 1e-6
@@ -124,6 +133,8 @@ class LayerNorm(nn.Module):
   scale_offset: float = 0.0
   mode: str | None = None
   backend: str = "pallas"
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: tp.Any = None
 
   @nn.compact
   def __call__(self, x):
@@ -133,4 +144,5 @@ class LayerNorm(nn.Module):
                                          (self.use_scale, self.use_bias))
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
                            scale_offset=float(self.scale_offset), mode=self.mode,
-                           backend=self.backend)
+                           backend=self.backend, axis_name=self.axis_name,
+                           axis_index_groups=self.axis_index_groups)

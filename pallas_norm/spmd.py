@@ -39,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -282,6 +283,31 @@ def _shard_map(body, mesh, args, in_specs, out_specs):
   return tuple(full)
 
 
+def _unbatched(partitioned, local, *args):
+  """``partitioned(*args)`` (a custom_partitioning call), or under ``jax.vmap``, which
+  custom_partitioning has no rule for, ``local`` vmapped: the kernels' own batching,
+  unpartitioned, as on one device. None args stay out of custom_vmap."""
+  present = [i for i, a in enumerate(args) if a is not None]
+
+  def full(xs):
+    out = [None] * len(args)
+    for i, a in zip(present, xs):
+      out[i] = a
+    return out
+
+  @custom_batching.custom_vmap
+  def call(*xs):
+    return partitioned(*full(xs))
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, *xs):
+    del axis_size
+    out = jax.vmap(lambda *xs: local(*full(xs)), in_axes=[0 if b else None for b in in_batched])(*xs)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return call(*(args[i] for i in present))
+
+
 def forward(fwd2d, x, scale, bias, st, return_residuals):
   """y (and the residuals) of ``x: [..., N]``, rank >= 2, wherever x lives.
 
@@ -303,7 +329,10 @@ def forward(fwd2d, x, scale, bias, st, return_residuals):
                              hidden=hidden)
     return _shard_map(body, mesh, (x, scale, bias), (spec, p_spec, p_spec), out_specs)
   if jax.device_count() > 1:
-    return _fwd_cp(x, (scale, bias), fwd2d, st, return_residuals)
+    local = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
+                              hidden=())
+    return _unbatched(lambda x, s, b: _fwd_cp(x, (s, b), fwd2d, st, return_residuals),
+                      local, x, scale, bias)
   return _local_forward(fwd2d, x, scale, bias, st, return_residuals, ())
 
 
@@ -332,5 +361,7 @@ def backward(bwd2d, dy, x, scale, bias, mean, rstd, st):
                      for d, ps in zip((dscale, dbias), param_specs))
     return dx, dscale, dbias
   if jax.device_count() > 1:
-    return _bwd_cp(dy, x, (scale, bias), mean, rstd, bwd2d, st)
+    local = functools.partial(_local_backward, bwd2d, st=st, hidden=(), rows=())
+    return _unbatched(lambda dy, x, s, b, mu, r: _bwd_cp(dy, x, (s, b), mu, r, bwd2d, st),
+                      local, dy, x, scale, bias, mean, rstd)
   return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), ())
