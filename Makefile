@@ -19,9 +19,12 @@ $(VENV)/.stamp-demo: pyproject.toml
 
 venv: $(VENV)/.stamp-test
 
-# CPU test suite: Pallas interpret mode + the Triton interpreter + the notebooks.
+# CPU test suite: Pallas interpret mode + the Triton interpreter + the notebooks, and
+# the sharding tests in a process of their own on 8 fake CPU devices.
+SHARDED_ENV = PALLAS_NORM_SHARDED=1 XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8"
 test: $(VENV)/.stamp-test
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(SHARDED_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/sharded
 	TRITON_INTERPRET=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
 
 # The main job: a jax.jit training loop of a Flax model on real text (CPU by default).
@@ -37,8 +40,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then \
 export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
 endef
 
+# With two or more GPUs, the sharding tests run on them too.
 gpu-check:
 	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu $(PYTEST_ARGS) tests
+	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then \
+	  $(gpu_env) PALLAS_NORM_SHARDED=1 $(PYTHON) -m pytest -q -p no:cacheprovider --gpu \
+	    $(PYTEST_ARGS) tests/sharded; \
+	else echo "gpu-check: one GPU, tests/sharded not run (needs >= 2)"; fi
 
 bench:
 	$(gpu_env) XLA_FLAGS="$$XLA_FLAGS --xla_gpu_enable_command_buffer=" $(PYTHON) -m pallas_norm.bench $(BENCH_ARGS)

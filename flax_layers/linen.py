@@ -33,6 +33,14 @@ def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses):
   return jnp.asarray(x, dtype), params
 
 
+def _axis_args(mdl: nn.Module) -> dict:
+  """axis_name / axis_index_groups, dropped while initializing (as flax's layers do:
+  ``init`` usually runs outside the shard_map that binds the axis)."""
+  if mdl.is_initializing() or mdl.axis_name is None:
+    return {}
+  return dict(axis_name=mdl.axis_name, axis_index_groups=mdl.axis_index_groups)
+
+
 class RMSNorm(nn.Module):
   """RMS layer normalization (https://arxiv.org/abs/1910.07467), fused.
 
@@ -85,8 +93,7 @@ class RMSNorm(nn.Module):
                                     (self.use_scale,))
     return _ops.rms_norm(x, scale, eps=float(self.epsilon),
                          scale_offset=float(self.scale_offset), mode=self.mode,
-                         backend=self.backend, axis_name=self.axis_name,
-                         axis_index_groups=self.axis_index_groups)
+                         backend=self.backend, **_axis_args(self))
 
 
 class LayerNorm(nn.Module):
@@ -144,5 +151,4 @@ class LayerNorm(nn.Module):
                                          (self.use_scale, self.use_bias))
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
                            scale_offset=float(self.scale_offset), mode=self.mode,
-                           backend=self.backend, axis_name=self.axis_name,
-                           axis_index_groups=self.axis_index_groups)
+                           backend=self.backend, **_axis_args(self))

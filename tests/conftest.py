@@ -10,6 +10,11 @@ import os
 
 import pytest
 
+# tests/sharded needs several devices, set before jax is imported: it runs in its own
+# process (``make test``: PALLAS_NORM_SHARDED=1 and 8 fake CPU devices; ``make gpu-check``
+# on two or more GPUs).
+collect_ignore = [] if os.environ.get("PALLAS_NORM_SHARDED") == "1" else ["sharded"]
+
 
 def pytest_addoption(parser):
   parser.addoption("--gpu", action="store_true", default=False,

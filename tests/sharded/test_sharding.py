@@ -1,0 +1,315 @@
+"""Sharded inputs under jax.jit (pallas_norm.spmd), on several devices.
+
+On CPU this runs on 8 fake devices, in its own process (``make test`` sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``PALLAS_NORM_SHARDED=1``);
+``make gpu-check`` runs it on the GPUs when there are two or more. The meshes below
+are built from the device count.
+
+Every case checks, against the unsharded XLA reference: y, dx, dscale, dbias values;
+their shardings (y and dx: x's; dscale and dbias: the hidden axes'); no all-gather in
+the compiled forward+backward; bitwise-identical results on a second run.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_norm
+from flax_layers import linen as pn_linen
+from pallas_norm import reference, spmd
+
+NDEV = jax.device_count()
+if NDEV < 2:
+  raise pytest.UsageError(
+      f"tests/sharded needs >= 2 devices, found {NDEV}: run it as `make test` does, with "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count=8 PALLAS_NORM_SHARDED=1")
+HALF = NDEV // 2 if NDEV >= 4 else 1  # the second axis of the 2-D meshes
+
+# name -> (mesh shape, axis names, spec of a rank-3 x [B, S, N])
+LAYOUTS = {
+    "dp": ((NDEV,), ("data",), P("data", None, None)),
+    "sp": ((NDEV,), ("seq",), P(None, "seq", None)),
+    "dp_sp": ((2, HALF), ("data", "seq"), P("data", "seq", None)),
+    "tp": ((NDEV,), ("model",), P(None, None, "model")),
+    "dp_tp": ((2, HALF), ("data", "model"), P("data", None, "model")),
+    "fsdp_2axes_rows": ((2, HALF), ("data", "fsdp"), P(("data", "fsdp"), None, None)),
+    "unused_axis": ((2, HALF), ("data", "model"), P("data", None, None)),
+}
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+_EPS_RMS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _shape(layout, rank, n_per_shard):
+  """x's shape for ``layout``: every sharded dimension divisible by its shards."""
+  mesh_shape, names, spec = LAYOUTS[layout]
+  size = dict(zip(names, mesh_shape))
+  shards = [math.prod(size[a] for a in ((e,) if isinstance(e, str) else e or ()))
+            for e in spec]
+  b, s, _ = (2 * shards[0], 3 * shards[1], None)
+  n = n_per_shard * shards[2]
+  if rank == 2:
+    return (b * s, n), P(_merge(spec[0], spec[1]), spec[2])
+  if rank == 3:
+    return (b, s, n), spec
+  return (b, 2, s, n), P(spec[0], None, spec[1], spec[2])
+
+
+def _merge(a, b):
+  axes = tuple(x for e in (a, b) for x in ((e,) if isinstance(e, str) else e or ()))
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _inputs(shape, dtype, seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  n = shape[-1]
+  x = (jax.random.normal(k[0], shape, jnp.float32) * 2 + 0.5).astype(dtype)
+  scale = 1 + 0.1 * jax.random.normal(k[1], (n,), jnp.float32)
+  bias = 0.1 * jax.random.normal(k[2], (n,), jnp.float32)
+  dy = jax.random.normal(k[3], shape, jnp.float32).astype(dtype)
+  return x, scale, bias, dy
+
+
+def _ops(op):
+  if op == "rms":
+    ours = lambda x, s, b: pallas_norm.rms_norm(x, s)
+    ref = lambda x, s, b: reference.norm(x, s, None, eps=_EPS_RMS, subtract_mean=False)[0]
+  else:
+    ours = lambda x, s, b: pallas_norm.layer_norm(x, s, b)
+    ref = lambda x, s, b: reference.norm(x, s, b, eps=1e-5, subtract_mean=True)[0]
+  return ours, ref
+
+
+def _fwd_bwd(f):
+  def step(x, s, b, dy):
+    y, vjp = jax.vjp(f, x, s, b)
+    return (y, *vjp(dy))
+  return jax.jit(step)
+
+
+def _collectives(compiled_text):
+  return {c: compiled_text.count(f" {c}(") + compiled_text.count(f" {c}-start(")
+          for c in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")}
+
+
+def _spec_of(a):
+  spec = a.sharding.spec
+  return tuple(spec) + (None,) * (a.ndim - len(spec))
+
+
+def _tol(dtype, n, m):
+  base = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}[dtype]
+  return base * math.sqrt(n), base * math.sqrt(m) * 4
+
+
+CASES = [
+    # (layout, rank, n per shard, op, dtype)
+    ("dp", 2, 37, "rms", jnp.float32),
+    ("dp", 3, 203, "layer", jnp.float32),
+    ("dp", 4, 64, "rms", jnp.bfloat16),
+    ("sp", 3, 37, "layer", jnp.float32),
+    ("sp", 4, 40, "rms", jnp.float32),
+    ("dp_sp", 3, 96, "rms", jnp.float32),
+    ("dp_sp", 4, 33, "layer", jnp.bfloat16),
+    ("tp", 2, 37, "layer", jnp.float32),
+    ("tp", 3, 37, "rms", jnp.float32),
+    ("tp", 3, 160, "layer", jnp.bfloat16),
+    ("dp_tp", 3, 37, "layer", jnp.float32),
+    ("dp_tp", 4, 64, "rms", jnp.float32),
+    ("dp_tp", 2, 50, "rms", jnp.bfloat16),
+    ("fsdp_2axes_rows", 3, 40, "layer", jnp.float32),
+    ("unused_axis", 3, 24, "rms", jnp.float32),
+]
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,rank,n_shard,op,dtype", CASES,
+                         ids=[f"{c[0]}-{c[1]}d-n{c[2]}-{c[3]}-{jnp.dtype(c[4]).name}"
+                              for c in CASES])
+def test_sharded_matches_reference(layout, rank, n_shard, op, dtype, axis_type):
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, rank, n_shard)
+  hidden = spec[-1]
+  x, scale, bias, dy = _inputs(shape, dtype)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args = (put(x, spec), put(scale, P(hidden)), put(bias, P(hidden)), put(dy, spec))
+  ours, ref = _ops(op)
+  step = _fwd_bwd(ours)
+  out = step(*args)
+  expected = _fwd_bwd(ref)(x, scale, bias, dy)
+
+  m = math.prod(shape[:-1])
+  tol_x, tol_p = _tol(dtype, shape[-1], m)
+  for name, got, want, tol in zip(("y", "dx", "dscale", "dbias"), out, expected,
+                                  (tol_x, tol_x, tol_p, tol_p)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol, err_msg=name)
+  x_spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  assert _spec_of(out[0]) == x_spec, out[0].sharding
+  assert _spec_of(out[1]) == x_spec, out[1].sharding
+  for g in out[2:] if op == "layer" else out[2:3]:  # (rms: b is unused, its zero ct P())
+    assert _spec_of(g) == (hidden,), g.sharding
+
+  coll = _collectives(step.lower(*args).compile().as_text())
+  assert coll["all-gather"] == 0, coll
+  rows_sharded = any(e is not None for e in x_spec[:-1])
+  assert (coll["all-reduce"] > 0) == (rows_sharded or hidden is not None), coll
+
+  again = step(*args)
+  for a, b in zip(out, again):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_checkpoint_and_grad(axis_type):
+  mesh = jax.make_mesh((2, HALF), ("data", "model"),
+                       axis_types=(AXIS_TYPES[axis_type],) * 2)
+  shape, spec = (4, 6, 8 * HALF), P("data", None, "model")
+  x, scale, bias, _ = _inputs(shape, jnp.float32, seed=1)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+
+  def loss(norm):
+    def f(x, s, b):
+      return jnp.sum(jnp.tanh(jax.checkpoint(norm)(x, s, b)) ** 2)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  got = loss(lambda x, s, b: pallas_norm.layer_norm(x, s, b))(
+      put(x, spec), put(scale, P("model")), put(bias, P("model")))
+  want = loss(lambda x, s, b: reference.norm(x, s, b, eps=1e-5, subtract_mean=True)[0])(
+      x, scale, bias)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+
+
+def test_vmap_on_several_devices():
+  x, scale, _, _ = _inputs((3, 5, 24), jnp.float32, seed=2)
+  f = jax.jit(jax.vmap(jax.grad(lambda x, s: jnp.sum(pallas_norm.rms_norm(x, s) ** 3),
+                                argnums=(0, 1)), in_axes=(0, None)))
+  r = jax.jit(jax.vmap(jax.grad(lambda x, s: jnp.sum(
+      reference.norm(x, s, eps=_EPS_RMS, subtract_mean=False)[0] ** 3), argnums=(0, 1)),
+      in_axes=(0, None)))
+  for g, w in zip(f(x, scale), r(x, scale)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-5)
+
+
+def test_uneven_hidden_sharding_is_an_error():
+  """Auto meshes: XLA may pick an uneven layout (JAX refuses one for device_put and on
+  Explicit meshes); our partitioning rule refuses it before any kernel runs."""
+  mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
+  x = jnp.ones((4, NDEV + 1), jnp.float32)  # NDEV + 1 is never a multiple of NDEV >= 2
+  with pytest.raises(Exception, match="uneven") as info:
+    jax.jit(lambda x: pallas_norm.rms_norm(
+        jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "model")))))(x)
+  assert "pallas_norm" in str(info.value)
+
+
+def test_mesh_layout():
+  spec, rows, hidden = spmd.mesh_layout((4, 6, 8), P(("a", "b"), None, "c"),
+                                        {"a": 2, "b": 2, "c": 4})
+  assert (tuple(spec), rows, hidden) == ((("a", "b"), None, "c"), ("a", "b"), ("c",))
+  with pytest.raises(ValueError, match=r"dimension 1 \(size 6\) over \('c',\) \(4 shards\)"):
+    spmd.mesh_layout((4, 6, 8), P(None, "c"), {"c": 4})
+
+
+def test_unbound_axis_name_is_an_error():
+  with pytest.raises(ValueError, match="not a bound mesh axis"):
+    pallas_norm.rms_norm(jnp.ones((2, 8)), axis_name="model")
+
+
+def _in_shard_map(fn, x, mesh):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(None, "model"),
+                               out_specs=P(None, "model"), check_vma=False))(x)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_axis_name_matches_flax_nnx(kind):
+  mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
+  n_local = 12
+  x = jax.random.normal(jax.random.key(3), (6, n_local * NDEV)) * 3 + 1
+  ours_cls, theirs_cls = ((pallas_norm.RMSNorm, nnx.RMSNorm) if kind == "rms"
+                          else (pallas_norm.LayerNorm, nnx.LayerNorm))
+  outs = []
+  for cls in (ours_cls, theirs_cls):
+    graphdef, state = nnx.split(cls(n_local, axis_name="model", rngs=nnx.Rngs(0)))
+    outs.append(_in_shard_map(lambda x: nnx.merge(graphdef, state)(x), x, mesh))
+  np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=2e-6, rtol=2e-6)
+  # and the statistics are the whole row's: the unsharded op on x
+  np.testing.assert_raises(AssertionError, np.testing.assert_allclose,
+                           np.asarray(outs[0]),
+                           np.asarray(_in_shard_map(
+                               lambda x: nnx.merge(*nnx.split(ours_cls(
+                                   n_local, rngs=nnx.Rngs(0))))(x), x, mesh)), atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_axis_name_matches_flax_linen(kind):
+  mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
+  x = jax.random.normal(jax.random.key(4), (5, 8 * NDEV)) * 2 - 1
+  ours_cls, theirs_cls = ((pn_linen.RMSNorm, nn.RMSNorm) if kind == "rms"
+                          else (pn_linen.LayerNorm, nn.LayerNorm))
+  outs = []
+  for cls in (ours_cls, theirs_cls):
+    layer = cls(axis_name="model")
+    # (flax's own layers cannot init with an unbound axis_name: init a twin without it)
+    variables = cls().init(jax.random.key(0), x[:, :8])
+    outs.append(_in_shard_map(lambda x: layer.apply(variables, x), x, mesh))
+  np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=2e-6, rtol=2e-6)
+
+
+def test_axis_name_grads_match_reference():
+  mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
+  x, scale, bias, _ = _inputs((6, 10 * NDEV), jnp.float32, seed=5)
+
+  def loss(norm):
+    def f(x, s, b):
+      y = jax.shard_map(norm, mesh=mesh, in_specs=(P(None, "model"), P("model"), P("model")),
+                        out_specs=P(None, "model"), check_vma=False)(x, s, b)
+      return jnp.sum(jnp.sin(y))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  got = loss(lambda x, s, b: pallas_norm.layer_norm(x, s, b, axis_name="model"))(
+      x, scale, bias)
+  want = jax.jit(jax.grad(lambda x, s, b: jnp.sum(jnp.sin(reference.norm(
+      x, s, b, eps=1e-5, subtract_mean=True)[0])), argnums=(0, 1, 2)))(x, scale, bias)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_nnx_with_partitioning_under_jit(axis_type):
+  """A model built for flax's norm, with partitioned params, runs sharded with ours."""
+  mesh = jax.make_mesh((2, HALF), ("data", "model"),
+                       axis_types=(AXIS_TYPES[axis_type],) * 2)
+  n = 16 * HALF
+  x = jax.random.normal(jax.random.key(6), (4, 3, n)) + 0.3
+  results = []
+  for cls in (pallas_norm.LayerNorm, nnx.LayerNorm):
+    with jax.set_mesh(mesh):
+      layer = cls(n, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(),
+                                                      ("model",)),
+                  bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)),
+                  rngs=nnx.Rngs(0))
+      graphdef, state = nnx.split(layer)
+      state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+      xs = jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
+
+      @jax.jit
+      def step(state, x):
+        def loss(state):
+          return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+        return jax.value_and_grad(loss)(state)
+
+      loss_value, grads = step(state, xs)
+      assert _spec_of(grads["scale"].value) == ("model",)
+      results.append((loss_value, grads))
+  np.testing.assert_allclose(float(results[0][0]), float(results[1][0]), rtol=1e-5)
+  for k in ("scale", "bias"):
+    np.testing.assert_allclose(np.asarray(results[0][1][k].value),
+                               np.asarray(results[1][1][k].value), atol=1e-4, rtol=1e-4)
