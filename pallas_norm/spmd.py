@@ -177,24 +177,25 @@ def _fwd_partition(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
   spec, row_spec, p_spec, _, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
   named = lambda s: NamedSharding(mesh, s)
   p_sh = tuple(None if p is None else named(p_spec) for p in params)
-  out = [named(spec)]
-  if return_residuals:
-    out += [None if not st.subtract_mean else named(row_spec), named(row_spec)]
+  out = _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals)
 
   def lower(x, params):
     return _local_forward(fwd2d, x, *params, st, return_residuals, hidden)
 
-  return mesh, lower, tuple(out), (named(spec), p_sh)
+  return mesh, lower, out, (named(spec), p_sh)
 
 
 def _fwd_infer(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
   del fwd2d, result_shape
   spec, row_spec, *_ = _plan(mesh, arg_shapes[0].shape, arg_shapes[0].sharding)
-  out = [NamedSharding(mesh, spec)]
-  if return_residuals:
-    out += [None if not st.subtract_mean else NamedSharding(mesh, row_spec),
-            NamedSharding(mesh, row_spec)]
-  return tuple(out)
+  return _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals)
+
+
+def _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals):
+  """(y, mean, rstd) shardings; None where _local_forward returns None."""
+  row = NamedSharding(mesh, row_spec)
+  return (NamedSharding(mesh, spec), row if return_residuals and st.subtract_mean else None,
+          row if return_residuals else None)
 
 
 def _fwd_sharding_rule(fwd2d, st, return_residuals, mesh, operand_types, result_types):

@@ -152,10 +152,12 @@ def test_sharded_matches_reference(layout, rank, n_shard, op, dtype, axis_type):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=tol, rtol=tol, err_msg=name)
   x_spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  assert _spec_of(out[0]) == x_spec, out[0].sharding
-  assert _spec_of(out[1]) == x_spec, out[1].sharding
+  # Equivalent, not equal: XLA drops size-1 mesh axes (the (2, 1) meshes of two GPUs).
+  same = lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), a.ndim)
+  assert same(out[0], x_spec), out[0].sharding
+  assert same(out[1], x_spec), out[1].sharding
   for g in out[2:] if op == "layer" else out[2:3]:  # (rms: b is unused, its zero ct P())
-    assert _spec_of(g) == (hidden,), g.sharding
+    assert same(g, (hidden,)), g.sharding
 
   coll = _collectives(step.lower(*args).compile().as_text())
   assert coll["all-gather"] == 0, coll
@@ -165,6 +167,25 @@ def test_sharded_matches_reference(layout, rank, n_shard, op, dtype, axis_type):
   again = step(*args)
   for a, b in zip(out, again):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,op", [("dp", "layer"), ("tp", "rms"), ("dp_tp", "layer")])
+def test_forward_only(layout, op, axis_type):
+  """Outside jax.vjp the forward writes no residuals: its own partitioning rule."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 24)
+  x, scale, bias, _ = _inputs(shape, jnp.float32, seed=7)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  ours, ref = _ops(op)
+  f = jax.jit(ours)
+  args = (put(x, spec), put(scale, P(spec[-1])), put(bias, P(spec[-1])))
+  y = f(*args)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(ref)(x, scale, bias)),
+                             atol=2e-5, rtol=2e-5)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), y.ndim), y.sharding
+  assert _collectives(f.lower(*args).compile().as_text())["all-gather"] == 0
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
@@ -307,7 +328,8 @@ def test_nnx_with_partitioning_under_jit(axis_type):
         return jax.value_and_grad(loss)(state)
 
       loss_value, grads = step(state, xs)
-      assert _spec_of(grads["scale"].value) == ("model",)
+      assert grads["scale"].value.sharding.is_equivalent_to(
+          NamedSharding(mesh, P("model")), 1), grads["scale"].value.sharding
       results.append((loss_value, grads))
   np.testing.assert_allclose(float(results[0][0]), float(results[1][0]), rtol=1e-5)
   for k in ("scale", "bias"):
