@@ -12,6 +12,11 @@ The text is the Python documentation that ships with every CPython
 kernels run in interpret mode (slow, but the same kernels); on a GPU the same command
 runs them compiled.
 
+With several local devices (``--devices``, default all of them) each step is data
+parallel: standard ``jax.jit`` SPMD over a 1-D ``("data",)`` mesh with Auto axis types,
+the model and optimizer state replicated and each batch split over its rows, so that
+pallas_norm's kernels run on every device's own rows and only gradients are all-reduced.
+
 Model (pre-norm blocks)::
 
     h = embed(tokens)                                  # [B, T, D]
@@ -35,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import pallas_norm
@@ -42,7 +49,7 @@ from pallas_norm import config as _config
 from pallas_norm import ops as _ops
 
 __all__ = ["DemoConfig", "RunResult", "DemoResults", "CharTransformer", "load_text",
-           "check_config", "train", "main"]
+           "check_config", "data_parallel_devices", "data_mesh", "train", "main"]
 
 # Fraction of the text held out for the held-out loss (the tail of the text).
 _HELDOUT_FRACTION = 0.1
@@ -68,6 +75,7 @@ class DemoConfig:
   eval_batches: int = 4
   sample_chars: int = 120
   progress: bool = True
+  devices: int | None = None  # local devices for data parallel; None: all; 1: one device
 
 
 @dataclasses.dataclass
@@ -80,6 +88,9 @@ class RunResult:
   heldout_loss: float  # the same on held-out batches
   steps_per_s: float  # after the first (compiling) step
   compile_s: float  # wall time of the first step
+  # The sharding of the token batches handed to the train step; None: host arrays (one
+  # device, the single-device path).
+  batch_sharding: jax.sharding.Sharding | None = None
 
 
 @dataclasses.dataclass
@@ -92,6 +103,8 @@ class DemoResults:
   num_params: int
   vocab_size: int
   text_chars: int
+  num_devices: int = 1  # devices each train step ran on
+  mesh: jax.sharding.Mesh | None = None  # the data-parallel mesh; None: one device
 
 
 # --------------------------------------------------------------------------- data
@@ -133,10 +146,44 @@ def check_config(cfg: DemoConfig, text_chars: int) -> None:
     raise ValueError(f"--backend={cfg.backend!r} is not one of {_ops.BACKENDS}")
   if not cfg.learning_rate > 0:
     raise ValueError(f"--lr={cfg.learning_rate} must be positive")
+  if cfg.devices is not None:
+    if cfg.devices < 1:
+      raise ValueError(f"--devices={cfg.devices} must be a positive integer")
+    local = jax.local_device_count()
+    if cfg.devices > local:
+      raise ValueError(f"--devices={cfg.devices}, but this process has {local} local "
+                       f"device(s)")
+    if cfg.batch % cfg.devices:
+      raise ValueError(f"--batch={cfg.batch} must be a multiple of --devices="
+                       f"{cfg.devices}: data parallel gives every device batch/devices "
+                       f"sequences")
   need = int(np.ceil((cfg.seq + 2) / _HELDOUT_FRACTION))
   if text_chars < need:
     raise ValueError(f"the text has {text_chars} characters; --seq={cfg.seq} needs at "
                      f"least {need} (a {_HELDOUT_FRACTION:.0%} held-out split of seq+2)")
+
+
+def data_parallel_devices(cfg: DemoConfig) -> tuple[int, str | None]:
+  """(how many local devices the run uses, why it uses one device where it could use more).
+
+  ``cfg.devices`` (checked by ``check_config``) is used as given. None means all local
+  devices, unless ``cfg.batch`` does not divide by their number: then the run falls back
+  to one device and the second item says so (None otherwise).
+  """
+  if cfg.devices is not None:
+    return cfg.devices, None
+  local = jax.local_device_count()
+  if local > 1 and cfg.batch % local:
+    return 1, (f"data parallel off: --batch={cfg.batch} is not a multiple of the {local} "
+               f"local devices, so the run uses one device (pass --devices N with N "
+               f"dividing the batch to split it)")
+  return local, None
+
+
+def data_mesh(n: int) -> jax.sharding.Mesh:
+  """The 1-D ``("data",)`` mesh, Auto axis type, over the first ``n`` local devices."""
+  return jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.local_devices()[:n])
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, seq: int):
@@ -242,10 +289,14 @@ def _loss(model, x, y):
 # --------------------------------------------------------------------------- training
 
 
-def _make_steps(graphdef):
-  """jit-compiled (train_step, eval_losses) over the flat (model, optimizer) state."""
+def _make_steps(graphdef, mesh=None):
+  """jit-compiled (train_step, eval_losses) over the flat (model, optimizer) state.
 
-  @functools.partial(jax.jit, donate_argnums=0)
+  With a ``mesh`` the train step returns the state and the loss replicated over it.
+  """
+  jit_kw = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
+
+  @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
   def train_step(state, x, y):
     model, opt = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(_loss)(model, x, y)
@@ -262,22 +313,32 @@ def _make_steps(graphdef):
   return train_step, eval_losses
 
 
-def _run(name: str, model, cfg: DemoConfig, batches, evals):
+def _run(name: str, model, cfg: DemoConfig, batches, evals, mesh=None):
   """Trains ``model`` on ``batches`` (steps x (x, y), each [B, T]).
 
   ``evals`` is (xs, ys), each [2, K, B, T]: K fixed train batches, then K held-out ones.
-  Returns (RunResult, (graphdef, state)).
+  With a ``mesh`` (data parallel) the state is replicated over it and every batch is
+  split over its ``"data"`` axis along B, the evaluation batches too; the state returned
+  (for sampling) stays replicated over the mesh. Returns
+  (RunResult, (graphdef, state)).
   """
   opt = nnx.Optimizer(model, optax.adamw(cfg.learning_rate, weight_decay=0.01),
                       wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
-  train_step, eval_losses = _make_steps(graphdef)
+  train_step, eval_losses = _make_steps(graphdef, mesh)
+  batch_sharding = None
+  if mesh is not None:
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    batch_sharding = NamedSharding(mesh, P("data"))  # [B, T]: rows over "data"
+    batches = (jax.device_put(xy, batch_sharding) for xy in batches)
   losses = []
   bar = tqdm(total=cfg.steps, desc=f"{name:>20}", disable=not cfg.progress,
              dynamic_ncols=True, file=sys.stderr)
   t0 = time.perf_counter()
   t_first = None
   for i, (x, y) in enumerate(batches):
+    if batch_sharding is not None:
+      assert x.sharding == batch_sharding and y.sharding == batch_sharding, x.sharding
     state, loss = train_step(state, x, y)
     losses.append(loss)
     if i == 0:
@@ -291,9 +352,11 @@ def _run(name: str, model, cfg: DemoConfig, batches, evals):
   bar.close()
   rest = cfg.steps - 1
   steps_per_s = rest / (t_end - t_first) if rest else float("nan")
+  if mesh is not None:  # the evaluation batches [2, K, B, T] are split along B too
+    evals = jax.device_put(evals, NamedSharding(mesh, P(None, None, "data")))
   train_loss, heldout_loss = (float(v) for v in eval_losses(state, *evals))
-  return RunResult(name, losses, train_loss, heldout_loss, steps_per_s, t_first - t0), (
-      graphdef, state)
+  return RunResult(name, losses, train_loss, heldout_loss, steps_per_s, t_first - t0,
+                   batch_sharding), (graphdef, state)
 
 
 def _sample(graphdef, state, prompts, n_chars: int, seed: int):
@@ -321,8 +384,12 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
     cfg: the run's config (``check_config`` must accept it).
     text: the training text; None loads ``cfg.text`` with ``load_text``.
 
+  Both models train on the devices ``data_parallel_devices(cfg)`` picks: data parallel
+  over ``data_mesh(n)`` when n > 1, as before on the default device when n == 1.
+
   Returns:
-    DemoResults with both RunResults (same init, same batches) and generated samples.
+    DemoResults with both RunResults (same init, same batches), generated samples, and
+    the device count and mesh the steps ran on.
 
   Raises:
     ValueError, OSError: from ``load_text`` / ``check_config``.
@@ -355,8 +422,11 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   theirs = nnx.merge(graphdef, jax.tree.map(jnp.copy, nnx.state(ours)))
   num_params = sum(p.size for p in jax.tree.leaves(nnx.state(ours, nnx.Param)))
 
-  pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals)
-  flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals)
+  num_devices, _ = data_parallel_devices(cfg)
+  mesh = data_mesh(num_devices) if num_devices > 1 else None
+  pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals,
+                                       mesh)
+  flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals, mesh)
 
   # Prompts end at held-out line breaks, so each sample starts a fresh line.
   ends = np.flatnonzero(heldout_data[cfg.seq:] == lut.get("\n", -1)) + cfg.seq + 1
@@ -366,7 +436,8 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   prompts = heldout_data[prompt_ends[:, None] - cfg.seq + np.arange(cfg.seq)]  # [P, T]
   generated = _sample(graphdef, state, prompts, cfg.sample_chars, cfg.seed)
   samples = ["".join(chars[i] for i in row) for row in generated]
-  return DemoResults(pallas_run, flax_run, samples, int(num_params), len(chars), len(text))
+  return DemoResults(pallas_run, flax_run, samples, int(num_params), len(chars), len(text),
+                     num_devices, mesh)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -417,6 +488,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="a UTF-8 text file to train on (default: CPython's pydoc_data.topics)")
   p.add_argument("--out", default=d.out, help="output folder for the loss-curve PNG (default %(default)s)")
   p.add_argument("--seed", type=int, default=d.seed, help="init and batch seed (default %(default)s)")
+  p.add_argument("--devices", type=int, default=None, metavar="N",
+                 help="local devices to train on, data parallel over a ('data',) mesh "
+                      "(default: all; 1: one device)")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   return p
 
@@ -428,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
   cfg = DemoConfig(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model,
                    layers=args.layers, heads=args.heads, learning_rate=args.lr,
                    mode=args.mode, backend=args.backend, text=args.text, out=args.out,
-                   seed=args.seed, progress=not args.no_progress)
+                   seed=args.seed, progress=not args.no_progress, devices=args.devices)
   try:
     text = load_text(cfg.text)
     check_config(cfg, len(text))
@@ -449,12 +523,21 @@ def main(argv: list[str] | None = None) -> int:
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}: backend {jax.default_backend()}, device {dev.device_kind} "
         f"({len(jax.devices())} device(s))")
+  ndev, why = data_parallel_devices(cfg)
+  if jax.local_device_count() > 1:  # one device: the output is as it always was
+    if ndev > 1:
+      print(f"data parallel over {ndev} of {jax.local_device_count()} local devices: "
+            f"{data_mesh(ndev)}, batch {cfg.batch} split {cfg.batch // ndev} per device, "
+            f"model and optimizer state replicated")
+    else:
+      print(why or f"single device: --devices 1 (of {jax.local_device_count()} local devices)")
   if cfg.backend == "xla":
     how = "the jnp reference, no kernels"
   else:
-    m, n = cfg.batch * cfg.seq, cfg.d_model
+    m, n = cfg.batch // ndev * cfg.seq, cfg.d_model  # each device's rows
     mode = cfg.mode or _config.choose_mode(m, n, jnp.float32, _config.device_info())
-    how = (f"mode={mode} ({'forced' if cfg.mode else 'heuristic'}, for [{m}, {n}] rows), "
+    rows = "rows" if ndev == 1 else "rows per device"
+    how = (f"mode={mode} ({'forced' if cfg.mode else 'heuristic'}, for [{m}, {n}] {rows}), "
            f"kernels {'in Pallas INTERPRET mode (no GPU)' if interpret else 'compiled'}")
   print(f"pallas_norm {pallas_norm.__version__}: backend={cfg.backend!r}, {how}")
   print(f"text: {cfg.text or 'pydoc_data.topics'} ({len(text):,} chars); "

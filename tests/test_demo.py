@@ -37,6 +37,9 @@ def test_cli_trains_and_tracks_flax(tmp_path, capsys, monkeypatch):
   assert len(r.samples) == 3 and all(len(s) == 8 for s in r.samples)
   assert (out / "loss_curve.png").stat().st_size > 0
   on_cpu = jax.default_backend() != "gpu"
+  if jax.local_device_count() == 1:  # one device: no data-parallel mode, nor a word of it
+    assert r.num_devices == 1 and r.mesh is None and r.pallas.batch_sharding is None
+    assert "data parallel" not in printed and "single device" not in printed
   for needle in (f"backend {jax.default_backend()}",
                  "INTERPRET mode" if on_cpu else "compiled",
                  "pallas_norm.RMSNorm", "flax.nnx.RMSNorm",
@@ -55,6 +58,8 @@ def test_cli_trains_and_tracks_flax(tmp_path, capsys, monkeypatch):
     (["--steps", "ten"], "invalid int value"),
     (["--text", "/nonexistent/file.txt"], "No such file"),
     (["--lr", "0"], "--lr=0.0 must be positive"),
+    (["--devices", "0"], "--devices=0 must be a positive integer"),
+    (["--devices", "100000"], "--devices=100000, but this process has"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
