@@ -204,6 +204,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   m = math.prod(x.shape[:-1])
   if m == 0:
     return jnp.zeros(x.shape, x.dtype)
+  if names is not None:
+    spmd.check_vma_off(x, axis_name)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend,
                _resolve_interpret(interpret), names, groups)
   if x.ndim == 1:
@@ -248,7 +250,8 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, an unknown
-      mode or backend, an axis_name not bound by an enclosing shard_map, or x sharded
+      mode or backend, an axis_name not bound by an enclosing shard_map (or one whose
+      shard_map has check_vma=True; pass check_vma=False there), or x sharded
       unevenly over a mesh axis (raised at trace/compile time, before any kernel).
     TypeError: integer or complex x or scale.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on

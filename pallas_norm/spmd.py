@@ -44,7 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["forward", "backward", "mesh_layout"]
+__all__ = ["forward", "backward", "mesh_layout", "check_vma_off"]
 
 _F32 = jnp.float32
 
@@ -307,6 +307,20 @@ def _unbatched(partitioned, local, *args):
     return out, jax.tree.map(lambda _: True, out)
 
   return call(*(args[i] for i in present))
+
+
+def check_vma_off(x, axis_name) -> None:
+  """Raises a ValueError when x comes from a ``jax.shard_map`` with ``check_vma=True``
+  (its type then names the axes it varies over): the kernels' pallas_calls need
+  ``check_vma=False`` there."""
+  t = jax.typeof(x)
+  mat = getattr(t, "mat", None)
+  varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
+  if varying:
+    raise ValueError(
+        f"pallas_norm with {axis_name=} inside jax.shard_map needs check_vma=False on "
+        f"that shard_map (x varies over {sorted(varying)}: Pallas kernels cannot be typed "
+        f"for check_vma here yet). Sharded arrays under jax.jit need no shard_map at all.")
 
 
 def forward(fwd2d, x, scale, bias, st, return_residuals):

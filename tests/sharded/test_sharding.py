@@ -244,6 +244,14 @@ def test_unbound_axis_name_is_an_error():
     pallas_norm.rms_norm(jnp.ones((2, 8)), axis_name="model")
 
 
+def test_axis_name_under_check_vma_is_a_clear_error():
+  mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
+  f = jax.jit(jax.shard_map(lambda x: pallas_norm.rms_norm(x, axis_name="model"), mesh=mesh,
+                            in_specs=P(None, "model"), out_specs=P(None, "model")))
+  with pytest.raises(ValueError, match="needs check_vma=False"):
+    f(jnp.ones((2, 4 * NDEV)))
+
+
 def _in_shard_map(fn, x, mesh):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(None, "model"),
                                out_specs=P(None, "model"), check_vma=False))(x)
