@@ -1036,7 +1036,9 @@ def _parser() -> argparse.ArgumentParser:
       prog="python -m pallas_norm.bench",
       description="Side-by-side GPU benchmark of pallas_norm against XLA, flax, tokamax, "
                   "torch and Liger (CUPTI kernel time, rotated inputs, median). "
-                  "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize.")
+                  "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize.",
+      epilog="--sharded: the sharded benchmark over every local GPU instead "
+             "(pallas_norm/bench_sharded.py; its options: --sharded --help).")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
                                   "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
   p.add_argument("--ops", default="rms,layer", help="rms,layer (default both)")
@@ -1062,6 +1064,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--sharded" in argv:  # the multi-GPU benchmark, with options of its own
+    from pallas_norm import bench_sharded
+    return bench_sharded.main([a for a in argv if a != "--sharded"])
   parser = _parser()
   args = parser.parse_args(argv)
   if args.iters < 1:
