@@ -4,7 +4,9 @@ Both backends run the same algorithms with the same launch configs, so y and dx 
 agree within one ulp of the output dtype (plus an f32-rounding floor for dx, whose
 c1/c2 reductions may run in another order), and dscale / dbias within a tolerance that
 grows with sqrt(M). Also: vmap / grad / jit through the custom_vmap and custom_vjp glue,
-N = 262144 on the reload path, int64 offsets, and bitwise-deterministic gradients.
+N = 262144 on the reload path, int64 offsets, and bitwise-deterministic gradients; and
+the tensor-parallel entry points (``norm_forward_stats`` / ``norm_forward_apply`` /
+``norm_backward(combine_row_sums=...)``) on hidden-dim shards against the reference.
 
 GPU only (``make gpu-check``, which brings jax-triton from .whl/).
 """
@@ -19,6 +21,7 @@ import pytest
 import pallas_norm
 from pallas_norm import config as pn_config
 from pallas_norm import reference
+from pallas_norm.kernels import jax_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -186,3 +189,76 @@ def test_triton_backward_deterministic():
     again = f(x, s, b)
     for a, c in zip(first, again):
       assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(c).view(np.uint16))
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+# (M, N, shards): shard widths 3, 500, 2048, 128 and 32768 (chunked, but in
+# multi_wave_cached); the dtype rotates over them.
+TP_CASES = [(7, 6, 2, "float32"), (199, 1000, 2, "bfloat16"), (33, 8192, 4, "float32"),
+            (4097, 256, 2, "bfloat16"), (8, 65536, 2, "bfloat16")]
+
+
+def _combine_shard_stats(s1, s2, *, n, eps, axis):
+  """Whole-row (mean, rstd) [M] f32 from each shard's (s1, s2) over its n columns, the
+  shards of equal width: the pmean combination of the caller (spmd.py)."""
+  if s2 is None:  # RMSNorm: s1 = sum(x^2)
+    return None, jax.lax.rsqrt(jax.lax.pmean(s1 / n, axis) + eps)
+  mean = jax.lax.pmean(s1, axis)  # LayerNorm: s1 = mean, s2 = M2 of the shard
+  var = jax.lax.pmean(s2 / n + (s1 - mean) ** 2, axis)
+  return mean, jax.lax.rsqrt(var + eps)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+@pytest.mark.parametrize("m,n,shards,dtype", TP_CASES)
+def test_triton_tensor_parallel(m, n, shards, dtype, layer, mode):
+  """jax_triton.norm_forward_stats, the combination, norm_forward_apply, then
+  norm_backward(combine_row_sums=pmean), the hidden dim split into ``shards`` shards on
+  a vmap axis whose pmean stands in for the all-reduce, against the reference on the
+  whole rows."""
+  eps, offset, w = 1e-5, 1.0, n // shards
+  x, s, b, dy = _inputs(m, n, DTYPES[dtype], layer=layer)
+  fcfg = pn_config.forward_config(m, w, x.dtype, mode, subtract_mean=layer, backend="triton")
+  bcfg = pn_config.backward_config(m, w, x.dtype, subtract_mean=layer, backend="triton")
+  cols = lambda a: jnp.moveaxis(a.reshape(m, shards, w), 1, 0)  # [shards, M, w]
+  rows = lambda a: jnp.moveaxis(a, 0, 1).reshape(m, n)
+  params = lambda p: None if p is None else p.reshape(shards, w)
+
+  def forward(xk, sk, bk):
+    s1, s2 = jax_triton.norm_forward_stats(xk, subtract_mean=layer, config=fcfg,
+                                           interpret=False)
+    mean, rstd = _combine_shard_stats(s1, s2, n=w, eps=eps, axis="h")
+    y = jax_triton.norm_forward_apply(xk, sk, bk, mean, rstd, scale_offset=offset,
+                                      config=fcfg, interpret=False)
+    return y, mean, rstd
+
+  y, mean, rstd = jax.jit(jax.vmap(forward, axis_name="h"))(cols(x), params(s), params(b))
+  y_ref, mean_ref, rstd_ref = reference.norm(x, s, b, eps=eps, scale_offset=offset,
+                                             subtract_mean=layer)
+  assert y.dtype == x.dtype and rows(y).shape == x.shape
+  _assert_ulp_close("y", rows(y), y_ref, n=n, floor_ulps=4.0)
+  _assert_ulp_close("rstd", rstd[0], rstd_ref, n=n, floor_ulps=4.0)
+  if layer:
+    _assert_ulp_close("mean", mean[0], mean_ref, n=n, floor_ulps=4.0, cancel_scale=2.0)
+
+  pmean = lambda c1, c2: tuple(None if c is None else jax.lax.pmean(c, "h") for c in (c1, c2))
+
+  def backward(dyk, xk, sk, mean, rstd):
+    return jax_triton.norm_backward(
+        dyk, xk, sk, mean, rstd, has_bias=layer, scale_offset=offset, subtract_mean=layer,
+        config=bcfg, interpret=False, scale_dtype=s.dtype,
+        bias_dtype=None if b is None else b.dtype, combine_row_sums=pmean)
+
+  dx, dscale, dbias = jax.jit(jax.vmap(backward, (0, 0, 0, None, None), axis_name="h"))(
+      cols(dy), cols(x), params(s), mean_ref if layer else None, rstd_ref)
+  _, vjp = jax.vjp(lambda x, s, b: reference.norm(x, s, b, eps=eps, scale_offset=offset,
+                                                  subtract_mean=layer)[0], x, s, b)
+  dx_ref, dscale_ref, dbias_ref = vjp(dy)
+  _assert_ulp_close("dx", rows(dx), dx_ref, n=n, floor_ulps=8.0,
+                    cancel_scale=_dx_scale(x, s, dy, layer, scale_offset=offset))
+  _assert_param_grad_close("dscale", dscale.reshape(n), dscale_ref, m=m)
+  if layer:
+    _assert_param_grad_close("dbias", dbias.reshape(n), dbias_ref, m=m)
+  else:
+    assert dbias is None

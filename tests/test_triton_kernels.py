@@ -4,7 +4,10 @@ The kernels run with ``TRITON_INTERPRET=1`` on torch CPU tensors, launched from 
 plans (``triton_kernels.forward_plan`` / ``backward_plan`` / ``reduce_plan``) that the
 jax-triton glue uses, and are compared, forward and backward, with
 ``torch.nn.functional.rms_norm`` / ``layer_norm`` (autograd) in the same dtype and in
-float64, in every mode, including chunked paths forced by a small ``block_n``.
+float64, in every mode, including chunked paths forced by a small ``block_n``. The
+tensor-parallel kernels (a shard of the hidden dim) are checked against float64 row
+statistics and the normalising formula, and the backward with given row sums by
+splitting rows into two shards whose sums are averaged as the caller's pmean does.
 
 jax-triton itself needs a GPU jaxlib. Here its ``triton_call`` is stood in for by a
 ``jax.pure_callback`` that launches the same kernels in the interpreter: like
@@ -28,6 +31,7 @@ from triton.runtime import interpreter as _interpreter  # noqa: E402
 
 import pallas_norm  # noqa: E402
 from pallas_norm import config as pn_config  # noqa: E402
+from pallas_norm import reference  # noqa: E402
 from pallas_norm.kernels import jax_triton as glue  # noqa: E402
 from pallas_norm.kernels import triton_kernels as tk  # noqa: E402
 
@@ -105,25 +109,53 @@ def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer, return_residuals=Tru
   return y, mean.reshape(b, m), rstd.reshape(b, m)
 
 
-def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scale_dtype,
-         bias_dtype):
-  """Torch launch of the backward: the row statistics kernel (chunked only), stage 1 and
-  stage 2. Returns dx [B, M, N], dscale / dbias [B, N]."""
+def _bwd_common(dy3, x3, scale, mean, rstd, *, scale_offset, layer, combine_row_sums):
+  """(plan keywords, kernel inputs) of the backward launches."""
   b, m, n = x3.shape
   pb = 1 if scale is None else scale.shape[0]
   common = dict(batch=b, m=m, n=n, scale_offset=scale_offset, subtract_mean=layer,
-                has_scale=scale is not None, param_stride=0 if pb == 1 else n)
-  plan = tk.backward_plan(cfg, has_bias=has_bias, **common)
-  stats_plan = tk.row_stats_plan(cfg, **common)
-  g = plan.grid[0]
+                has_scale=scale is not None, param_stride=0 if pb == 1 else n,
+                combine_row_sums=combine_row_sums)
   inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
-  c1 = c2 = rstd
-  if stats_plan is not None:
-    c1 = torch.full((b * m,), float("nan"))
-    c2 = torch.full((b * m,), float("nan"))
-    tk.bwd_row_stats_kernel[stats_plan.grid](
-        *inputs, c1, c2, num_warps=stats_plan.num_warps,
-        num_stages=stats_plan.num_stages, **stats_plan.kwargs)
+  return common, inputs
+
+
+def _launch_row_sums(inputs, plan, rows):
+  """bwd_row_stats_kernel -> (c1, c2) [rows] f32, NaN-filled first (c2 stays NaN for
+  RMSNorm)."""
+  c1 = torch.full((rows,), float("nan"))
+  c2 = torch.full((rows,), float("nan"))
+  tk.bwd_row_stats_kernel[plan.grid](*inputs, c1, c2, num_warps=plan.num_warps,
+                                     num_stages=plan.num_stages, **plan.kwargs)
+  return c1, c2
+
+
+def _shard_row_sums(dy3, x3, scale, mean, rstd, cfg, *, scale_offset, layer):
+  """c1, c2 [B * M] f32 of a shard of the hidden dim: its row sums over its n columns,
+  divided by n (the tensor-parallel backward's first kernel)."""
+  common, inputs = _bwd_common(dy3, x3, scale, mean, rstd, scale_offset=scale_offset,
+                               layer=layer, combine_row_sums=True)
+  plan = tk.row_stats_plan(cfg, **common)
+  return _launch_row_sums(inputs, plan, x3.shape[0] * x3.shape[1])
+
+
+def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scale_dtype,
+         bias_dtype, row_sums=None):
+  """Torch launch of the backward: the row statistics kernel (chunked only), stage 1 and
+  stage 2. ``row_sums``: given (c1, c2) [B * M] f32 (the tensor-parallel path: no row
+  statistics kernel, stage 1 reads them). Returns dx [B, M, N], dscale / dbias [B, N]."""
+  b, m, n = x3.shape
+  common, inputs = _bwd_common(dy3, x3, scale, mean, rstd, scale_offset=scale_offset,
+                               layer=layer, combine_row_sums=row_sums is not None)
+  plan = tk.backward_plan(cfg, has_bias=has_bias, **common)
+  g = plan.grid[0]
+  if row_sums is not None:
+    c1, c2 = row_sums
+  else:
+    stats_plan = tk.row_stats_plan(cfg, **common)
+    c1 = c2 = rstd
+    if stats_plan is not None:
+      c1, c2 = _launch_row_sums(inputs, stats_plan, b * m)
   dx = torch.empty_like(x3)
   # NaN-filled: a partial row the kernel forgot to write poisons the result.
   dscale_part = torch.full((b * g, n), float("nan"))
@@ -142,6 +174,34 @@ def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scal
                                            num_stages=rplan.num_stages, **rplan.kwargs)
     out.append(red)
   return dx, out[0], out[1]
+
+
+def _shard_stats(x3, cfg, *, layer):
+  """Torch launch of fwd_shard_stats_kernel. x3: [B, M, n] -> (s1, s2) [B, M] f32, NaN
+  where unwritten (s2 for RMSNorm)."""
+  b, m, n = x3.shape
+  plan = tk.shard_stats_plan(cfg, batch=b, m=m, n=n, subtract_mean=layer)
+  s1 = torch.full((b * m,), float("nan"))
+  s2 = torch.full((b * m,), float("nan"))
+  tk.fwd_shard_stats_kernel[plan.grid](x3, s1, s2, num_warps=plan.num_warps,
+                                       num_stages=plan.num_stages, **plan.kwargs)
+  return s1.reshape(b, m), s2.reshape(b, m)
+
+
+def _shard_apply(x3, scale, bias, mean, rstd, cfg, *, scale_offset):
+  """Torch launch of fwd_shard_apply_kernel. x3: [B, M, n]; scale, bias: [PB, n] or None;
+  mean (LayerNorm; None for RMSNorm), rstd: [B, M] f32 -> y [B, M, n] x.dtype."""
+  b, m, n = x3.shape
+  pb = max([p.shape[0] for p in (scale, bias) if p is not None], default=1)
+  plan = tk.shard_apply_plan(cfg, batch=b, m=m, n=n, scale_offset=scale_offset,
+                             subtract_mean=mean is not None, has_scale=scale is not None,
+                             has_bias=bias is not None, param_stride=0 if pb == 1 else n)
+  y = torch.empty_like(x3)
+  tk.fwd_shard_apply_kernel[plan.grid](
+      x3, x3 if scale is None else scale, x3 if bias is None else bias,
+      rstd if mean is None else mean, rstd, y, num_warps=plan.num_warps,
+      num_stages=plan.num_stages, **plan.kwargs)
+  return y
 
 
 # --------------------------------------------------------------------------- oracle
@@ -394,6 +454,185 @@ def test_plans():
       100, 1000, 1000)
 
 
+# --------------------------------------------------------------------------- tensor parallel
+
+# Shard widths n (the columns a device holds) of the tensor-parallel tests; the backward
+# splits rows of N = 2n columns into two shards.
+TP_SHAPES = [(m, n) for m in (1, 7, 33) for n in (3, 64, 200, 1000)]
+
+
+def _tp_cases(modes=None):
+  """(mode x) op x shape, without the mode when ``modes`` is None (the backward has
+  none); the dtype (f32, bf16), the config (forward_config's, or chunked) and the affine
+  variant rotate over the shapes."""
+  out = []
+  for mode in modes or (None,):
+    for layer in (False, True):
+      for i, (m, n) in enumerate(TP_SHAPES):
+        j, k = i % 4, i // 4  # n's index, m's index: each n gets both dtypes and configs
+        dtype, chunked = ("float32", "bfloat16")[(j + k) % 2], bool((j // 2 + k) % 2)
+        affine = i // 3 % 4
+        out.append(pytest.param(
+            *(() if mode is None else (mode,)), layer, m, n, dtype, chunked, AFFINE[affine],
+            id=f"{'' if mode is None else mode + '-'}{'ln' if layer else 'rms'}-{m}x{n}-"
+               f"{dtype}-{'chunked' if chunked else 'default'}-{affine}"))
+  return out
+
+
+def _tp_chunk(n):
+  """block_n of the chunked configs: about a quarter of the shard (the last chunk partial
+  for n = 200, 1000; one column a chunk for n = 3)."""
+  return max(1, pn_config.next_power_of_2(n) // 4)
+
+
+def _tp_forward_config(mode, m, n, td, layer, chunked):
+  """forward_config's config for the shard [m, n], or one with 4-row blocks, 4 chunks a
+  row and 3 persistent programs (9 row blocks at M = 33)."""
+  cfg = pn_config.forward_config(m, n, td, mode, _CPU, subtract_mean=layer, backend="triton")
+  if chunked:
+    cfg = dataclasses.replace(cfg, block_m=4, block_n=_tp_chunk(n), num_programs=3)
+  return cfg
+
+
+@pytest.mark.parametrize("mode,layer,m,n,dtype,chunked,affine", _tp_cases(MODES))
+def test_shard_stats(mode, layer, m, n, dtype, chunked, affine):
+  """fwd_shard_stats_kernel against float64: RMSNorm sum(x^2); LayerNorm mean and M2 of
+  rows centred near 1000, where E[x^2] - E[x]^2 in f32 would lose M2 entirely."""
+  del affine
+  td = TORCH_DTYPES[dtype]
+  cfg = _tp_forward_config(mode, m, n, td, layer, chunked)
+  plan = tk.shard_stats_plan(cfg, batch=1, m=m, n=n, subtract_mean=layer)
+  assert plan.kwargs["PERSISTENT"] == (mode == "static_persistent")
+  x, _, _, _ = _inputs(m, n, td, mean=1000.0 if layer else 0.5)
+  s1, s2 = _shard_stats(x, cfg, layer=layer)
+  xd = x[0].double()  # [m, n] f64
+  if layer:
+    mu = xd.mean(-1)
+    _check("mean", s1[0], mu, None, dtype="float32", scale_len=n)
+    _check("M2", s2[0], ((xd - mu[:, None]) ** 2).sum(-1), None, dtype="float32",
+           scale_len=n)
+  else:
+    _check("sum(x^2)", s1[0], (xd * xd).sum(-1), None, dtype="float32", scale_len=n)
+    assert s2.isnan().all()  # RMSNorm writes no s2
+
+
+@pytest.mark.parametrize("mode,layer,m,n,dtype,chunked,affine", _tp_cases(MODES))
+def test_shard_apply(mode, layer, m, n, dtype, chunked, affine):
+  """fwd_shard_apply_kernel against y = (x - mean) * rstd * (scale_offset + scale) + bias
+  for given whole-row statistics (random: nothing the shard alone could compute)."""
+  has_scale, has_bias, scale_offset = affine
+  td = TORCH_DTYPES[dtype]
+  cfg = _tp_forward_config(mode, m, n, td, layer, chunked)
+  x, scale, bias, _ = _inputs(m, n, td)
+  scale = scale if has_scale else None
+  bias = bias if has_bias else None
+  g = torch.Generator().manual_seed(m * n)
+  mean = torch.randn(1, m, generator=g) if layer else None  # [1, m] f32
+  rstd = 0.5 + torch.rand(1, m, generator=g)
+  y = _shard_apply(x, None if scale is None else scale[None],
+                   None if bias is None else bias[None], mean, rstd, cfg,
+                   scale_offset=scale_offset)
+  assert y.dtype == td and y.shape == x.shape
+
+  def formula(dt):
+    y = x[0].to(dt)
+    if layer:
+      y = y - mean[0, :, None].to(dt)
+    y = y * rstd[0, :, None].to(dt)
+    if scale is not None:
+      y = y * (scale_offset + scale.to(dt))
+    return y if bias is None else y + bias.to(dt)
+
+  _check("y", y[0], formula(torch.float64), formula(torch.float32).to(td), dtype=dtype,
+         scale_len=1)
+
+
+@pytest.mark.parametrize("layer,m,n,dtype,chunked,affine", _tp_cases())
+def test_shard_backward_given_row_sums(layer, m, n, dtype, chunked, affine):
+  """Rows of N = 2n columns split into two shards of n: each shard's row sums
+  (bwd_row_stats_kernel over its columns), averaged as the caller's pmean does, then
+  stage 1 with those sums and stage 2 per shard; the concatenated dx / dscale / dbias
+  against torch autograd on the whole rows."""
+  has_scale, has_bias, scale_offset = affine
+  has_bias = has_bias and layer
+  td, big_n, eps = TORCH_DTYPES[dtype], 2 * n, 1e-5
+  x, scale, bias, dy = _inputs(m, big_n, td)
+  scale = scale if has_scale else None
+  bias = bias if has_bias else None
+  param = lambda p, s: None if p is None else p[s][None]
+  fcfg = pn_config.forward_config(m, big_n, td, "multi_wave_reload", _CPU,
+                                  subtract_mean=layer, backend="triton")
+  _, mean, rstd = _fwd(x, param(scale, slice(None)), param(bias, slice(None)), fcfg,
+                       eps=eps, scale_offset=scale_offset, layer=layer)  # whole rows
+  mean = mean if layer else None
+  if chunked:  # 4 chunks a row; 5 row blocks over G = 3 programs at M = 33
+    bcfg = pn_config.BackwardConfig(block_m=8, block_n=_tp_chunk(n), num_warps=4,
+                                    num_programs=3, reduce_block_n=64, reduce_block_g=2)
+  else:  # block_n >= n: one chunk, still the row-statistics + column-tiled pair
+    bcfg = pn_config.backward_config(m, n, td, _CPU, backend="triton")
+  common = dict(scale_offset=scale_offset, layer=layer)
+  shards = [slice(0, n), slice(n, big_n)]
+  parts = [(dy[..., s].contiguous(), x[..., s].contiguous(), param(scale, s)) for s in shards]
+  sums = [_shard_row_sums(dy_k, x_k, s_k, mean, rstd, bcfg, **common)
+          for dy_k, x_k, s_k in parts]
+  c1 = (sums[0][0] + sums[1][0]) / 2  # [m] f32: the pmean over the two shards
+  c2 = (sums[0][1] + sums[1][1]) / 2 if layer else c1
+  outs = [_bwd(dy_k, x_k, s_k, mean, rstd, bcfg, has_bias=has_bias, scale_dtype=td,
+               bias_dtype=td, row_sums=(c1, c2), **common) for dy_k, x_k, s_k in parts]
+  dx, dscale, dbias = (None if o[0] is None else torch.cat(o, -1) for o in zip(*outs))
+  assert dx.dtype == td and dx.shape == x.shape
+  same = _torch_ref(x[0], scale, bias, dy[0], layer=layer, eps=eps,
+                    scale_offset=scale_offset, dtype=td)
+  ref = _torch_ref(x[0], scale, bias, dy[0], layer=layer, eps=eps,
+                   scale_offset=scale_offset, dtype=torch.float64)
+  _check("dx", dx[0], ref[1], same[1], dtype=dtype, scale_len=big_n)
+  if has_scale:
+    _check("dscale", dscale[0], ref[2], same[2], dtype=dtype, scale_len=m)
+  if has_bias:
+    _check("dbias", dbias[0], ref[3], same[3], dtype=dtype, scale_len=m)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_shard_int64_offsets(monkeypatch, layer):
+  """The USE_INT64 code path of the tensor-parallel launches (forced: no 2**31-element
+  tensor on CPU)."""
+  monkeypatch.setattr(tk, "_needs_int64", lambda *a: True)
+  cfg = _tp_forward_config("static_persistent", 7, 64, torch.float32, layer, True)
+  assert tk.shard_stats_plan(cfg, batch=1, m=7, n=64, subtract_mean=layer).kwargs["USE_INT64"]
+  case = dict(layer=layer, m=7, n=64, dtype="float32", chunked=True, affine=AFFINE[0])
+  for mode in ("multi_wave_reload", "static_persistent"):
+    test_shard_stats(mode=mode, **case)
+    test_shard_apply(mode=mode, **case)
+  test_shard_backward_given_row_sums(**case)
+
+
+def test_shard_plans():
+  """The tensor-parallel grids per mode, and combine_row_sums forcing the row-statistics
+  + column-tiled pair on a row that fits one tile."""
+  kw = dict(batch=1, m=100, n=1000, subtract_mean=True)
+  persistent = pn_config.ForwardConfig("static_persistent", 4, 256, 4, num_programs=10)
+  plan = tk.shard_stats_plan(persistent, **kw)
+  assert plan.grid == (10, 1) and plan.kwargs["PERSISTENT"] and plan.kwargs["BLOCK_N"] == 256
+  assert tk.shard_stats_plan(persistent, **dict(kw, batch=4)).grid == (3, 4)
+  assert tk.shard_stats_plan(persistent, **dict(kw, m=9)).grid == (3, 1)  # 3 row blocks
+  unset = dataclasses.replace(persistent, num_programs=0)  # one program a row block
+  assert tk.shard_stats_plan(unset, **kw).grid == (25, 1)
+  # multi_wave_cached with block_n < n walks the row in chunks, as the Pallas kernels do.
+  cached = pn_config.ForwardConfig("multi_wave_cached", 4, 256, 4)
+  plan = tk.shard_apply_plan(cached, scale_offset=1.0, has_scale=True, has_bias=False,
+                             param_stride=1000, **dict(kw, batch=2))
+  assert plan.grid == (25, 2) and not plan.kwargs["PERSISTENT"]
+  assert (plan.kwargs["PARAM_STRIDE"], plan.kwargs["SCALE_OFFSET"]) == (1000, 1.0)
+  assert tk.shard_stats_plan(cached, **dict(kw, m=8192, n=262144)).kwargs["USE_INT64"]
+  tile = pn_config.BackwardConfig(8, 1024, 4, num_programs=6)
+  bkw = dict(batch=1, m=100, n=1000, scale_offset=0.0, subtract_mean=True, has_scale=True)
+  assert tk.row_stats_plan(tile, **bkw) is None
+  assert not tk.backward_plan(tile, has_bias=True, **bkw).kwargs["CHUNKED"]
+  assert tk.row_stats_plan(tile, combine_row_sums=True, **bkw).grid == (13, 1)
+  plan = tk.backward_plan(tile, has_bias=True, combine_row_sums=True, **bkw)
+  assert plan.kwargs["CHUNKED"] and plan.grid == (6, 1, 1)
+
+
 # --------------------------------------------------------------------------- jax glue
 
 
@@ -518,3 +757,77 @@ def test_glue_vmap(fake_jt, layer):
   remat = lambda be: jax.grad(jax.checkpoint(_loss(be, mode, layer)), (0, 1, 2))
   _assert_tree_close(remat("triton")(x[0], s[0], b), remat("xla")(x[0], s[0], b),
                      rtol=1e-4, atol=1e-4)
+
+
+def _combine_shard_stats(s1, s2, *, n, eps, axis):
+  """Whole-row (mean, rstd) [M] f32 from each shard's (s1, s2) over its n columns, the
+  shards of equal width: the pmean combination of the caller (spmd.py)."""
+  if s2 is None:  # RMSNorm: s1 = sum(x^2)
+    return None, jax.lax.rsqrt(jax.lax.pmean(s1 / n, axis) + eps)
+  mean = jax.lax.pmean(s1, axis)  # LayerNorm: s1 = mean, s2 = M2 of the shard
+  var = jax.lax.pmean(s2 / n + (s1 - mean) ** 2, axis)
+  return mean, jax.lax.rsqrt(var + eps)
+
+
+@pytest.mark.parametrize("layer,mode", [(False, "static_persistent"),
+                                        (True, "multi_wave_reload")], ids=["rms", "ln"])
+def test_glue_shard(monkeypatch, layer, mode):
+  """norm_forward_stats, norm_forward_apply and norm_backward(combine_row_sums=...)
+  through the glue (jax-triton 0.4's stand-in; the kernels' modes are tested above), the
+  hidden dim split into 2 shards over a vmap axis whose pmean stands in for the
+  all-reduce (so the custom_vmap rules run too, with batched scale / bias, and an outer
+  vmap of 2 examples sharing them), against the reference on the whole rows."""
+  monkeypatch.setattr(glue, "_jax_triton", lambda: _fake_jax_triton((0, 4, 1)))
+  batch, m, n, shards, eps, offset = 2, 7, 48, 2, 1e-5, 0.5
+  w = n // shards
+  k = jax.random.split(jax.random.key(2), 4)
+  x = 2 * jax.random.normal(k[0], (batch, m, n), jnp.float32) + 0.5
+  s = 1 + 0.3 * jax.random.normal(k[1], (n,), jnp.float32)
+  b = jax.random.normal(k[2], (n,), jnp.float32) if layer else None
+  dy = jax.random.normal(k[3], (batch, m, n), jnp.float32)
+  fcfg = pn_config.forward_config(m, w, jnp.float32, mode, _CPU, subtract_mean=layer,
+                                  backend="triton")
+  bcfg = pn_config.backward_config(m, w, jnp.float32, _CPU, backend="triton")
+  cols = lambda a: jnp.moveaxis(a.reshape(batch, m, shards, w), 2, 1)  # [B, shards, M, w]
+  rows = lambda a: jnp.moveaxis(a, 1, 2).reshape(batch, m, n)
+  params = lambda p: None if p is None else p.reshape(shards, w)
+
+  def forward(xk, sk, bk):
+    s1, s2 = glue.norm_forward_stats(xk, subtract_mean=layer, config=fcfg, interpret=True)
+    assert s1.shape == (m,) and (s2 is None) == (not layer)
+    mean, rstd = _combine_shard_stats(s1, s2, n=w, eps=eps, axis="h")
+    y = glue.norm_forward_apply(xk, sk, bk, mean, rstd, scale_offset=offset, config=fcfg,
+                                interpret=True)
+    return y, mean, rstd
+
+  sharded = jax.vmap(forward, axis_name="h")
+  y, mean, rstd = jax.jit(jax.vmap(sharded, (0, None, None)))(cols(x), params(s), params(b))
+  assert y.dtype == x.dtype and rows(y).shape == x.shape
+  y_ref, mean_ref, rstd_ref = reference.norm(x, s, b, eps=eps, scale_offset=offset,
+                                             subtract_mean=layer)
+  _assert_tree_close(rows(y), y_ref)
+  _assert_tree_close(rstd[:, 0], rstd_ref)
+  if layer:
+    _assert_tree_close(mean[:, 0], mean_ref)
+
+  pmean = lambda c1, c2: tuple(None if c is None else jax.lax.pmean(c, "h") for c in (c1, c2))
+
+  def backward(dyk, xk, sk, mean, rstd):
+    return glue.norm_backward(dyk, xk, sk, mean if layer else None, rstd, has_bias=layer,
+                              scale_offset=offset, subtract_mean=layer, config=bcfg,
+                              interpret=True, scale_dtype=jnp.float32,
+                              bias_dtype=jnp.float32, combine_row_sums=pmean)
+
+  # mean / rstd of the whole rows: the same on every shard (not batched over "h").
+  sharded = jax.vmap(backward, (0, 0, 0, None, None), axis_name="h")
+  dx, dscale, dbias = jax.jit(jax.vmap(sharded, (0, 0, None, 0, 0)))(
+      cols(dy), cols(x), params(s), mean_ref, rstd_ref)
+  _, vjp = jax.vjp(lambda x, s, b: reference.norm(x, s, b, eps=eps, scale_offset=offset,
+                                                  subtract_mean=layer)[0], x, s, b)
+  dx_ref, dscale_ref, dbias_ref = vjp(dy)
+  _assert_tree_close(rows(dx), dx_ref, rtol=1e-4, atol=1e-4)
+  _assert_tree_close(dscale.sum(0).reshape(n), dscale_ref, rtol=1e-4, atol=1e-4)
+  if layer:
+    _assert_tree_close(dbias.sum(0).reshape(n), dbias_ref, rtol=1e-4, atol=1e-4)
+  else:
+    assert dbias is None

@@ -1,7 +1,11 @@
 """``jax_triton.triton_call`` glue for the plain Triton kernels (``backend="triton"``).
 
 ``norm_forward`` / ``norm_backward`` are what ``ops.py`` calls; the custom_vjp there
-gives ``grad``. jax-triton has no batching rule (nor JVP), so the launches are wrapped in
+gives ``grad``. For a shard of the hidden dim (tensor parallel, spmd.py) the forward is
+``norm_forward_stats``, the caller's all-reduce, then ``norm_forward_apply``, and
+``norm_backward(combine_row_sums=...)`` all-reduces the row sums between its kernels.
+
+jax-triton has no batching rule (nor JVP), so the launches are wrapped in
 ``jax.custom_batching.custom_vmap``: a new vmap axis is folded into the kernels' batch
 axis (``[batch, M, N]``, see ``triton_kernels``), which handles a batched or shared
 scale/bias in one launch, and nested vmaps fold again. Under vmap the backward returns
@@ -24,7 +28,8 @@ import jax.numpy as jnp
 
 from pallas_norm import config as _config
 
-__all__ = ["norm_forward", "norm_backward", "INSTALL_HINT"]
+__all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply", "norm_backward",
+           "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='triton' needs jax-triton and a CUDA jaxlib: "
                 "pip install 'pallas-norm[triton,cuda12]' "
@@ -131,9 +136,7 @@ def _forward_fn(st: _FwdStatic):
     else:
       x4, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
       scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
-    out = fwd(_merge(x4), scale, bias)
-    out = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in out)
-    return out, tuple(True for _ in out)
+    return _split_axis(axis_size, fwd(_merge(x4), scale, bias))
 
   return fwd
 
@@ -141,6 +144,22 @@ def _forward_fn(st: _FwdStatic):
 def _merge(a):
   """[A, B, ...] -> [A * B, ...]."""
   return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def _new_axis(axis_size, a, batched):
+  """``a`` with the vmap axis in front ([axis_size, B, ...]): broadcast when it has none;
+  None stays None."""
+  if a is None:
+    return None
+  return jnp.broadcast_to(a if batched else a[None],
+                          (axis_size,) + (a.shape[1:] if batched else a.shape))
+
+
+def _split_axis(axis_size, out):
+  """Outputs of a custom_vmap rule: [axis_size * B, ...] -> [axis_size, B, ...], all
+  batched."""
+  out = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in out)
+  return out, tuple(True for _ in out)
 
 
 def _broadcast_new_axis(axis_size, *pairs):
@@ -200,6 +219,143 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
   return y[0], None if mean is None else mean[0], rstd[0]
 
 
+# ------------------------------------------------------ tensor parallel: statistics, then y
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardStatic:
+  subtract_mean: bool
+  config: _config.ForwardConfig
+  scale_offset: float = 0.0  # the apply kernel's
+
+
+def _launch_shard_stats(x3, st: _ShardStatic):
+  """x3: [B, M, n] -> (s1 [B, M] f32,), then s2 [B, M] f32 for LayerNorm."""
+  from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
+  batch, m, n = x3.shape
+  # No params: the batch always folds into the rows.
+  plan = tk.shard_stats_plan(st.config, batch=1, m=batch * m, n=n,
+                             subtract_mean=st.subtract_mean)
+  s1, s2 = _triton_call(
+      tk.fwd_shard_stats_kernel, x3,
+      out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1)),
+      plan=plan, name="pallas_norm_triton_fwd_shard_stats")
+  return tuple(s.reshape(batch, m) for s in ((s1, s2) if st.subtract_mean else (s1,)))
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_stats_fn(st: _ShardStatic):
+  """custom_vmap'd ``_launch_shard_stats`` for ``st``."""
+
+  @jax.custom_batching.custom_vmap
+  def stats(x3):
+    return _launch_shard_stats(x3, st)
+
+  @stats.def_vmap
+  def _stats_vmap(axis_size, in_batched, x3):
+    (x_b,) = in_batched
+    return _split_axis(axis_size, stats(_merge(_new_axis(axis_size, x3, x_b))))
+
+  return stats
+
+
+def _launch_shard_apply(x3, scale, bias, mean, rstd, st: _ShardStatic):
+  """x3: [B, M, n]; scale, bias: [PB, n] (PB in {1, B}) or None; mean (LayerNorm only),
+  rstd: [B, M] f32. Returns (y [B, M, n] x.dtype,)."""
+  from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
+  batch, m, n = x3.shape
+  (scale, bias), pb = _param_rows((scale, bias), batch)
+  kb, km = (1, batch * m) if pb == 1 else (batch, m)  # shared params: rows fold
+  plan = tk.shard_apply_plan(st.config, batch=kb, m=km, n=n, scale_offset=st.scale_offset,
+                             subtract_mean=st.subtract_mean, has_scale=scale is not None,
+                             has_bias=bias is not None, param_stride=0 if pb == 1 else n)
+  return _triton_call(
+      tk.fwd_shard_apply_kernel,
+      x3, x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
+      rstd if mean is None else mean, rstd,
+      out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),),
+      plan=plan, name="pallas_norm_triton_fwd_shard_apply")
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_apply_fn(st: _ShardStatic):
+  """custom_vmap'd ``_launch_shard_apply`` for ``st``."""
+
+  @jax.custom_batching.custom_vmap
+  def apply(x3, scale, bias, mean, rstd):
+    return _launch_shard_apply(x3, scale, bias, mean, rstd, st)
+
+  @apply.def_vmap
+  def _apply_vmap(axis_size, in_batched, x3, scale, bias, mean, rstd):
+    x_b, s_b, b_b, mean_b, rstd_b = in_batched
+    if s_b or b_b or any(p is not None and p.shape[0] > 1 for p in (scale, bias)):
+      _, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
+      scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
+    x4, mean4, rstd4 = (_new_axis(axis_size, a, b)
+                        for a, b in ((x3, x_b), (mean, mean_b), (rstd, rstd_b)))
+    return _split_axis(axis_size, apply(_merge(x4), scale, bias,
+                                        None if mean4 is None else _merge(mean4),
+                                        _merge(rstd4)))
+
+  return apply
+
+
+def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
+                       interpret: bool):
+  """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
+
+  As ``forward.norm_forward_stats`` (Pallas): the row block is walked in
+  ``config.block_n`` chunks (one chunk when the row fits); static_persistent loops over
+  row blocks with ``config.num_programs`` programs, the multi-wave modes take one row
+  block a program. ``config.split_rows`` and ``chunk_n`` are not used.
+
+  Args:
+    x: [M, n] the shard's columns of each row.
+    subtract_mean: LayerNorm (True) or RMSNorm.
+    config: ``ForwardConfig``.
+    interpret: ignored (jax-triton runs on GPU only).
+
+  Returns:
+    (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
+    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards.
+
+  Raises:
+    ImportError: jax-triton or a GPU jaxlib is missing.
+  """
+  del interpret
+  _jax_triton()
+  out = _shard_stats_fn(_ShardStatic(bool(subtract_mean), config))(x[None])
+  return (out[0][0], out[1][0]) if subtract_mean else (out[0][0], None)
+
+
+def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
+                       config: _config.ForwardConfig, interpret: bool):
+  """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
+
+  y = (x - mean) * rstd * (scale_offset + scale) + bias, computed in f32; grid and
+  chunks as in ``norm_forward_stats``.
+
+  Args:
+    x: [M, n]; scale, bias: [n] or None (the shard's columns).
+    mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
+    scale_offset: as in ``ops``.
+    config: ``ForwardConfig``.
+    interpret: ignored (jax-triton runs on GPU only).
+
+  Returns:
+    y: [M, n] in x's dtype.
+
+  Raises:
+    ImportError: jax-triton or a GPU jaxlib is missing.
+  """
+  del interpret
+  _jax_triton()
+  st = _ShardStatic(mean is not None, config, float(scale_offset))
+  (y,) = _shard_apply_fn(st)(x[None], *(None if a is None else a[None]
+                                          for a in (scale, bias, mean, rstd)))
+  return y[0]
+
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -211,39 +367,66 @@ class _BwdStatic:
   config: _config.BackwardConfig
   scale_dtype: jnp.dtype | None
   bias_dtype: jnp.dtype | None
+  combine_row_sums: bool = False  # c1 / c2 of a shard, combined by the caller
 
 
-def _launch_backward(dy3, x3, scale, mean, rstd, st: _BwdStatic):
+def _bwd_launch_args(dy3, x3, scale, mean, rstd, st: _BwdStatic):
+  """(plan keywords, kernel inputs) of the backward kernels; see ``_launch_backward``."""
+  batch, m, n = x3.shape
+  (scale,), pb = _param_rows((scale,), batch)
+  common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
+                subtract_mean=st.subtract_mean, has_scale=scale is not None,
+                param_stride=0 if pb == 1 else n, combine_row_sums=st.combine_row_sums)
+  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
+  return common, inputs
+
+
+def _row_sums_call(inputs, plan, rows, st: _BwdStatic):
+  """``bwd_row_stats_kernel``: (c1 [rows] f32, c2 [rows] f32, or [1] for RMSNorm)."""
+  from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
+  return _triton_call(tk.bwd_row_stats_kernel, *inputs,
+                      out=(_f32(rows), _f32(rows if st.subtract_mean else 1)),
+                      plan=plan, name="pallas_norm_triton_bwd_row_stats")
+
+
+def _launch_row_sums(dy3, x3, scale, mean, rstd, st: _BwdStatic):
+  """Row sums over x3's n columns (a shard of the hidden dim), arguments as in
+  ``_launch_backward``. Returns (c1 [B, M] f32,), then c2 [B, M] f32 for LayerNorm."""
+  from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
+  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, st)
+  batch, m, _ = x3.shape
+  c1, c2 = _row_sums_call(inputs, tk.row_stats_plan(st.config, **common), batch * m, st)
+  return tuple(c.reshape(batch, m) for c in ((c1, c2) if st.subtract_mean else (c1,)))
+
+
+def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st: _BwdStatic):
   """dy3, x3: [B, M, N]; scale: [PB, N] (PB in {1, B}) or None; mean (LayerNorm only),
-  rstd: [B, M] f32.
+  rstd: [B, M] f32; c1, c2 (LayerNorm only): [B, M] f32, the row sums combined across
+  the shards of the hidden dim with ``st.combine_row_sums``, else None (computed here).
 
   Returns a tuple of dx [B, M, N] x.dtype, then dscale [B, N] (with a scale) and
   dbias [B, N] (with a bias): the per-batch-entry sums over rows.
   """
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
-  (scale,), pb = _param_rows((scale,), batch)
-  has_scale = scale is not None
-  common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
-                subtract_mean=st.subtract_mean, has_scale=has_scale,
-                param_stride=0 if pb == 1 else n)
+  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, st)
+  has_scale = common["has_scale"]
   plan = tk.backward_plan(st.config, has_bias=st.has_bias, **common)
-  stats_plan = tk.row_stats_plan(st.config, **common)
-  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
-  c1 = c2 = rstd  # single tile: c1/c2 are reduced in stage 1 (unread placeholders)
-  if stats_plan is not None:
-    c1, c2 = _triton_call(
-        tk.bwd_row_stats_kernel, *inputs,
-        out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1)),
-        plan=stats_plan, name="pallas_norm_triton_bwd_row_stats")
+  if not st.combine_row_sums:
+    stats_plan = tk.row_stats_plan(st.config, **common)
+    c1 = c2 = rstd  # single tile: c1/c2 are reduced in stage 1 (unread placeholders)
+    if stats_plan is not None:
+      c1, c2 = _row_sums_call(inputs, stats_plan, batch * m, st)
+  elif c2 is None:
+    c2 = c1  # RMSNorm: unread
   part_rows = batch * plan.grid[0]
   dx, dscale_part, dbias_part = _triton_call(
       tk.norm_bwd_kernel, *inputs, c1, c2,
       out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
            _f32(part_rows if has_scale else 1, n if has_scale else 1),
            _f32(part_rows if st.has_bias else 1, n if st.has_bias else 1)),
-      plan=plan, name=("pallas_norm_triton_bwd_persistent" if stats_plan is None
-                        else "pallas_norm_triton_bwd_columns"))
+      plan=plan, name=("pallas_norm_triton_bwd_columns" if plan.kwargs["CHUNKED"]
+                       else "pallas_norm_triton_bwd_persistent"))
   out = [dx]
   rplan = tk.reduce_plan(st.config, batch=batch, groups=plan.grid[0], n=n)
   for present, part, dtype in ((has_scale, dscale_part, st.scale_dtype),
@@ -256,36 +439,52 @@ def _launch_backward(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   return tuple(out)
 
 
+def _bwd_vmap_args(axis_size, in_batched, dy3, x3, scale, *rows):
+  """The new vmap axis merged into the batch of the backward's arguments: dy, x and the
+  [B, M] row arrays (mean, rstd, c1, c2; None stays None) all get it (their batch B is
+  shared); scale too unless it is one row shared by every entry."""
+  dy_b, x_b, s_b, *rows_b = in_batched
+  dy4, x4 = _new_axis(axis_size, dy3, dy_b), _new_axis(axis_size, x3, x_b)
+  if scale is not None and (s_b or scale.shape[0] > 1):
+    (_, scale4) = _broadcast_new_axis(axis_size, (x4, True), (scale, s_b))
+    scale = _merge(scale4)
+  rows = (None if a is None else _merge(_new_axis(axis_size, a, b))
+          for a, b in zip(rows, rows_b))
+  return (_merge(dy4), _merge(x4), scale, *rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_sums_fn(st: _BwdStatic):
+  """custom_vmap'd ``_launch_row_sums`` for ``st``."""
+
+  @jax.custom_batching.custom_vmap
+  def row_sums(dy3, x3, scale, mean, rstd):
+    return _launch_row_sums(dy3, x3, scale, mean, rstd, st)
+
+  @row_sums.def_vmap
+  def _row_sums_vmap(axis_size, in_batched, *args):
+    return _split_axis(axis_size, row_sums(*_bwd_vmap_args(axis_size, in_batched, *args)))
+
+  return row_sums
+
+
 @functools.lru_cache(maxsize=None)
 def _backward_fn(st: _BwdStatic):
   """custom_vmap'd ``_launch_backward`` for ``st``."""
 
   @jax.custom_batching.custom_vmap
-  def bwd(dy3, x3, scale, mean, rstd):
-    return _launch_backward(dy3, x3, scale, mean, rstd, st)
+  def bwd(dy3, x3, scale, mean, rstd, c1, c2):
+    return _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st)
 
   @bwd.def_vmap
-  def _bwd_vmap(axis_size, in_batched, dy3, x3, scale, mean, rstd):
-    dy_b, x_b, s_b, mean_b, rstd_b = in_batched
-    # dy, x, mean, rstd all get the new axis (their batch B is shared); scale too
-    # unless it is one row shared by every entry.
-    dy4, x4, mean4, rstd4 = (
-        None if a is None else jnp.broadcast_to(a if b else a[None], (axis_size,) + (
-            a.shape[1:] if b else a.shape))
-        for a, b in ((dy3, dy_b), (x3, x_b), (mean, mean_b), (rstd, rstd_b)))
-    if scale is not None and (s_b or scale.shape[0] > 1):
-      (_, scale4) = _broadcast_new_axis(axis_size, (x4, True), (scale, s_b))
-      scale = _merge(scale4)
-    out = bwd(_merge(dy4), _merge(x4), scale, None if mean4 is None else _merge(mean4),
-              _merge(rstd4))
-    out = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in out)
-    return out, tuple(True for _ in out)
+  def _bwd_vmap(axis_size, in_batched, *args):
+    return _split_axis(axis_size, bwd(*_bwd_vmap_args(axis_size, in_batched, *args)))
 
   return bwd
 
 
 def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract_mean,
-                  config, interpret, scale_dtype, bias_dtype):
+                  config, interpret, scale_dtype, bias_dtype, combine_row_sums=None):
   """Backward through jax-triton (stage 1 dx + partials, stage 2 reduction).
 
   Args:
@@ -296,31 +495,47 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
     config: ``BackwardConfig``.
     interpret: ignored (jax-triton runs on GPU only).
     scale_dtype, bias_dtype: dtypes of dscale / dbias.
+    combine_row_sums: for x a shard of the hidden dim (tensor parallel): a function
+      ``(c1, c2) -> (c1, c2)`` ([M] f32 each, c2 None for RMSNorm) that turns this
+      shard's row sums (over its N columns, divided by N) into the whole row's (a
+      ``pmean`` over the hidden axes), called between the row-statistics kernel and
+      the column-tiled stage 1. It selects that pair whatever ``block_n``;
+      ``config.split_rows``, ``reload_rows`` and ``pieces`` are not used (as in the
+      Pallas ``norm_backward``).
 
   Returns:
     (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
 
   Raises:
-    NotImplementedError: ``config.split_rows`` or ``config.reload_rows`` (those
-      long-row kernels are Pallas-only), or ``config.pieces`` (Pallas-only too).
+    NotImplementedError: without ``combine_row_sums``, ``config.split_rows`` or
+      ``config.reload_rows`` (those long-row kernels are Pallas-only), or
+      ``config.pieces`` (Pallas-only too).
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
-  for flag in ("split_rows", "reload_rows"):
-    if getattr(config, flag):
+  if combine_row_sums is None:
+    for flag in ("split_rows", "reload_rows"):
+      if getattr(config, flag):
+        raise NotImplementedError(
+            f"BackwardConfig({flag}=True) is Pallas-only; backend='triton' takes the "
+            "row-statistics + column-tiled pair for rows wider than block_n")
+    if config.pieces:
       raise NotImplementedError(
-          f"BackwardConfig({flag}=True) is Pallas-only; backend='triton' takes the "
-          "row-statistics + column-tiled pair for rows wider than block_n")
-  if config.pieces:
-    raise NotImplementedError(
-        f"BackwardConfig(pieces={config.pieces}) is Pallas-only; backend='triton' takes "
-        "one block_n-wide tile")
+          f"BackwardConfig(pieces={config.pieces}) is Pallas-only; backend='triton' takes "
+          "one block_n-wide tile")
   _jax_triton()
   st = _BwdStatic(float(scale_offset), bool(subtract_mean), bool(has_bias), config,
                   None if scale is None else jnp.dtype(scale_dtype),
-                  jnp.dtype(bias_dtype) if has_bias else None)
-  out = list(_backward_fn(st)(dy[None], x2[None], None if scale is None else scale[None],
-                              None if mean is None else mean[None], rstd[None]))
+                  jnp.dtype(bias_dtype) if has_bias else None,
+                  combine_row_sums is not None)
+  args = (dy[None], x2[None], None if scale is None else scale[None],
+          None if mean is None else mean[None], rstd[None])
+  c1 = c2 = None
+  if combine_row_sums is not None:
+    c = _row_sums_fn(st)(*args)
+    c1, c2 = combine_row_sums(c[0][0], c[1][0] if subtract_mean else None)
+    c1, c2 = c1[None], (c2[None] if subtract_mean else None)
+  out = list(_backward_fn(st)(*args, c1, c2))
   dx = out.pop(0)[0]
   dscale = out.pop(0)[0] if scale is not None else None
   dbias = out.pop(0)[0] if has_bias else None

@@ -41,6 +41,20 @@ Modes, as launch plans of the two forward code paths (``CHUNKED`` and ``PERSISTE
                         Single tile (scale/bias loaded once, before the loop) when
                         block_n >= N, else the reload passes per row block.
 
+Tensor parallel (the hidden dim sharded: each device holds N' = N / shards columns of
+every row), as the Pallas ``norm_forward_stats`` / ``norm_forward_apply`` do it:
+
+    fwd_shard_stats_kernel   per row, over the shard's columns: RMSNorm s1 = sum(x**2);
+                             LayerNorm s1 = mean, s2 = M2 (the chunked Chan combine above).
+    (the caller combines them across the shards into the whole rows' mean and rstd)
+    fwd_shard_apply_kernel   y of the shard's columns from the whole rows' mean / rstd.
+
+Both walk the row in block_n chunks (one when it fits) and take the mode's grid: one row
+block a program, or static_persistent's grid-stride loop. The backward computes c1 / c2
+over the shard's columns with ``bwd_row_stats_kernel`` (divided by N'), the caller
+averages them across the shards, and ``norm_bwd_kernel`` (``CHUNKED``) reads them:
+``combine_row_sums`` in the plans.
+
 The persistent loops (single-tile forward, backward stage 1) load the next row block's
 x (and dy) before the current block's math; past the last block those loads are fully
 masked and touch no memory.
@@ -56,13 +70,15 @@ divisibility hint, so a runtime N hides that ``row * N`` is a multiple of 16 byt
 Triton falls back to narrow loads and stores; jax.jit recompiles per shape anyway. With a batch, the G persistent programs are
 split over it (``cdiv(G, batch)`` per entry), so the partials stay about ``[G, N]``.
 
-Every launch parameter comes from ``forward_plan`` / ``row_stats_plan`` /
-``backward_plan`` / ``reduce_plan``: the jax-triton glue and the torch test launcher
-both use them. Switches that only plain Triton has (no Pallas equivalent) are in
-``TritonKnobs`` (``KNOBS``), off by default, for A/B runs on the GPU.
+Every launch parameter comes from ``forward_plan`` / ``shard_stats_plan`` /
+``shard_apply_plan`` / ``row_stats_plan`` / ``backward_plan`` / ``reduce_plan``: the
+jax-triton glue and the torch test launcher both use them. Switches that only plain
+Triton has (no Pallas equivalent) are in ``TritonKnobs`` (``KNOBS``), off by default, for
+A/B runs on the GPU.
 
 Triton notes: pass 1 of the reload path loads x with ``evict_last`` (keep it in L2 for
-pass 2), pass 2 with ``evict_first``. Row offsets are int64 only when the plan sees a
+pass 2; the tensor-parallel statistics kernel too, for the apply kernel), pass 2 with
+``evict_first``. Row offsets are int64 only when the plan sees a
 flat offset that could pass 2**31 - 1 (``USE_INT64``).
 """
 
@@ -81,10 +97,14 @@ __all__ = [
     "LaunchPlan",
     "TritonKnobs",
     "forward_plan",
+    "shard_stats_plan",
+    "shard_apply_plan",
     "row_stats_plan",
     "backward_plan",
     "reduce_plan",
     "norm_fwd_kernel",
+    "fwd_shard_stats_kernel",
+    "fwd_shard_apply_kernel",
     "bwd_row_stats_kernel",
     "norm_bwd_kernel",
     "partial_reduce_kernel",
@@ -182,6 +202,17 @@ def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
   return y
 
 
+@triton.jit
+def _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.constexpr):
+  """-> (mean, rstd) [BLOCK_M] f32 of ``rows`` (mean = 0.0 for RMSNorm)."""
+  rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+  if SUBTRACT_MEAN:
+    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+  else:
+    mean = 0.0
+  return mean, rstd
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -220,19 +251,24 @@ def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_
 
 
 @triton.jit
-def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
-                 param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
-                 SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
-                 LOOP_STAGES: tl.constexpr):
-  """One row block walked in BLOCK_N chunks: stats pass, then a normalising reload."""
-  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
-  row_offs = rows[:, None] * N  # [BLOCK_M, 1]
+def _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr):
+  """Statistics pass over one row block in BLOCK_N chunks.
+
+  x is loaded with evict_last: it is read again (the reload pass, or the apply kernel).
+
+  Args:
+    row_offs: [BLOCK_M, 1] flat offsets of the rows' first elements.
+    row_mask: [BLOCK_M] rows inside the array.
+
+  Returns:
+    (mean [BLOCK_M] f32, 0 for RMSNorm; acc [BLOCK_M] f32): acc is M2 = sum((x - mean)**2)
+    for LayerNorm (Chan et al.'s combine of each chunk's exact two-pass (mean, M2)), the
+    sum of squares for RMSNorm, over the N columns.
+  """
   cols0 = tl.arange(0, BLOCK_N)
   mean = tl.zeros([BLOCK_M], tl.float32)
-  acc = tl.zeros([BLOCK_M], tl.float32)  # LayerNorm: M2; RMSNorm: sum of squares
-  # Pass 1: statistics. evict_last keeps x in L2 for the reload in pass 2.
+  acc = tl.zeros([BLOCK_M], tl.float32)
   for off in tl.range(0, N, BLOCK_N,
                       num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
     cols = off + cols0
@@ -252,26 +288,60 @@ def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M
       acc = acc + tl.sum(d * d, axis=1) + delta * delta * (n_a * n_b / n_ab)
     else:
       acc += tl.sum(x * x, axis=1)
+  return mean, acc
+
+
+@triton.jit
+def _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
+                     param_off, N, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     LOOP_STAGES: tl.constexpr):
+  """Normalising pass over one row block: reload x chunk by chunk (evict_first: last
+  use), last chunk first (the last chunks read by the statistics pass are the likeliest
+  to still be in L2), and store y = (x - mean) * rstd * w + bias.
+
+  Args:
+    row_offs: [BLOCK_M, 1] flat offsets of the rows' first elements.
+    row_mask: [BLOCK_M] rows inside the array.
+    mean: [BLOCK_M] f32 (LayerNorm only, else unused); rstd: [BLOCK_M] f32.
+    param_off: offset of this batch entry's scale / bias row.
+  """
+  cols0 = tl.arange(0, BLOCK_N)
+  n_chunks = tl.cdiv(N, BLOCK_N)
+  for j in tl.range(0, n_chunks, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
+    cols = (n_chunks - 1 - j) * BLOCK_N + cols0
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
+    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+    if SUBTRACT_MEAN:
+      x = x - mean[:, None]
+    w = _load_param(scale_ptr, param_off + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
+    bias = _load_param(bias_ptr, param_off + cols, col_mask, 0.0, HAS_BIAS)
+    y = _affine(x * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
+    tl.store(y_ptr + row_offs + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
+                 param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+                 SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
+                 LOOP_STAGES: tl.constexpr):
+  """One row block walked in BLOCK_N chunks: stats pass, then a normalising reload."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  row_offs = rows[:, None] * N  # [BLOCK_M, 1]
+  mean, acc = _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN, BLOCK_M, BLOCK_N,
+                           LOOP_STAGES)
   rstd = tl.rsqrt(acc / N + EPS)  # [BLOCK_M] f32
   if STATS:
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     if SUBTRACT_MEAN:
       tl.store(mean_ptr + rows, mean, mask=row_mask)
-  # Pass 2: reload x (evict_first: last use) and normalise, last chunk first: the last
-  # chunks read by pass 1 are the likeliest to still be in L2.
-  n_chunks = tl.cdiv(N, BLOCK_N)
-  for j in tl.range(0, n_chunks, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
-    cols = (n_chunks - 1 - j) * BLOCK_N + cols0
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    if SUBTRACT_MEAN:
-      x = x - mean[:, None]
-    w = _load_param(scale_ptr, b * param_stride + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
-    bias = _load_param(bias_ptr, b * param_stride + cols, col_mask, 0.0, HAS_BIAS)
-    y = _affine(x * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
-    tl.store(y_ptr + row_offs + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+  _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
+                   b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                   BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -332,6 +402,100 @@ def norm_fwd_kernel(
                 HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64, True)
 
 
+# ------------------------------------------------------ tensor parallel: statistics, then y
+
+
+@triton.jit
+def _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, rb, M, N, SUBTRACT_MEAN: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
+  """Statistics of row block ``rb`` over its N columns: s1 = sum(x**2) (RMSNorm), or
+  s1 = mean and s2 = M2 (LayerNorm)."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  mean, acc = _chunk_stats(x_ptr, rows[:, None] * N, row_mask, N, SUBTRACT_MEAN, BLOCK_M,
+                           BLOCK_N, LOOP_STAGES)  # [BLOCK_M] f32 each
+  if SUBTRACT_MEAN:
+    tl.store(s1_ptr + rows, mean, mask=row_mask)
+    tl.store(s2_ptr + rows, acc, mask=row_mask)
+  else:
+    tl.store(s1_ptr + rows, acc, mask=row_mask)
+
+
+@triton.jit
+def fwd_shard_stats_kernel(
+    # inputs
+    x_ptr,
+    # outputs
+    s1_ptr, s2_ptr,
+    # statics
+    M: tl.constexpr, N: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr,
+    LOOP_STAGES: tl.constexpr):
+  """Tensor-parallel forward, pass 1 of 2: row statistics over this shard's N columns.
+  Grid (programs, batch).
+
+  x: [batch, M, N]; s1: [batch, M] f32, sum(x**2) (RMSNorm) or the mean (LayerNorm);
+  s2: [batch, M] f32, M2 = sum((x - mean)**2) (LayerNorm only, else unused: any
+  pointer). PERSISTENT: grid-stride loop over the row blocks, else one a program.
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  if PERSISTENT:
+    for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+      _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, rb, M, N, SUBTRACT_MEAN, BLOCK_M,
+                         BLOCK_N, USE_INT64, LOOP_STAGES)
+  else:
+    _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, pid, M, N, SUBTRACT_MEAN, BLOCK_M,
+                       BLOCK_N, USE_INT64, LOOP_STAGES)
+
+
+@triton.jit
+def _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb, M, N,
+                       param_stride, SCALE_OFFSET: tl.constexpr,
+                       SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
+                       LOOP_STAGES: tl.constexpr):
+  """y of row block ``rb`` from the whole rows' mean (LayerNorm) and rstd."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+  _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, rows[:, None] * N, row_mask, mean,
+                   rstd, b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                   HAS_BIAS, BLOCK_N, LOOP_STAGES)
+
+
+@triton.jit
+def fwd_shard_apply_kernel(
+    # inputs
+    x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr,
+    # outputs
+    y_ptr,
+    # statics
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
+  """Tensor-parallel forward, pass 2 of 2: y = (x - mean) * rstd * w + bias over this
+  shard's N columns, from the whole rows' statistics. Grid (programs, batch).
+
+  x: [batch, M, N]; scale, bias: [batch, N] rows at ``PARAM_STRIDE`` (unused when
+  absent: any pointer); mean (LayerNorm only, else unused), rstd: [batch, M] f32;
+  y: [batch, M, N] x.dtype. PERSISTENT: grid-stride loop over the row blocks, else one
+  a program.
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  if PERSISTENT:
+    for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+      _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb, M, N,
+                         PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                         BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+  else:
+    _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, pid, M, N,
+                       PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
+                       BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -363,17 +527,6 @@ def _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN: tl.constexpr):
 
 
 @triton.jit
-def _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.constexpr):
-  """-> (mean, rstd) [BLOCK_M] f32 saved by the forward (mean = 0.0 for RMSNorm)."""
-  rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-  if SUBTRACT_MEAN:
-    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-  else:
-    mean = 0.0
-  return mean, rstd
-
-
-@triton.jit
 def bwd_row_stats_kernel(
     # inputs
     dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr,
@@ -395,7 +548,7 @@ def bwd_row_stats_kernel(
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   row_offs = rows[:, None] * N  # [BLOCK_M, 1]
   cols0 = tl.arange(0, BLOCK_N)
-  mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+  mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
   c1 = tl.zeros([BLOCK_M], tl.float32)
   c2 = tl.zeros([BLOCK_M], tl.float32)
   for off in tl.range(0, N, BLOCK_N,
@@ -459,7 +612,7 @@ def norm_bwd_kernel(
     dy_next = _stream_load(dy_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     rows, row_mask, offs, mask = _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M, USE_INT64)
-    mean, rstd = _bwd_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+    mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
     dyf, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
     if CHUNKED:
       c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)  # [BLOCK_M] f32
@@ -588,14 +741,64 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
   return LaunchPlan((programs, batch), config.num_warps, config.num_stages, constexprs)
 
 
+def _shard_programs(config: _config.ForwardConfig, batch: int, m: int) -> tuple[int, bool]:
+  """(programs a batch entry, persistent) of the tensor-parallel forward kernels:
+  static_persistent takes ``cdiv(config.num_programs, batch)`` of them (one a row block
+  when 0), at most one a row block; the multi-wave modes one a row block."""
+  num_row_blocks = _config.cdiv(m, config.block_m)
+  if config.mode != "static_persistent":
+    return num_row_blocks, False
+  programs = _config.cdiv(config.num_programs, batch) if config.num_programs else num_row_blocks
+  return max(1, min(programs, num_row_blocks)), True
+
+
+def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
+                     subtract_mean: bool, knobs: TritonKnobs | None = None) -> LaunchPlan:
+  """Launch plan of ``fwd_shard_stats_kernel`` for x: [batch, m, n], a shard of the
+  hidden dim (s1, s2: [batch * m] f32 each).
+
+  The row is walked in ``config.block_n`` chunks (one when it fits), in every mode:
+  multi_wave_cached too, and ``split_rows`` / ``chunk_n`` are not used (as in the Pallas
+  kernels). static_persistent loops over row blocks (``_shard_programs``).
+  """
+  programs, persistent = _shard_programs(config, batch, m)
+  constexprs = (
+      ("M", m), ("N", n), ("SUBTRACT_MEAN", bool(subtract_mean)),
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
+      ("PERSISTENT", persistent),
+      ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
+      ("LOOP_STAGES", int((knobs or KNOBS).loop_stages)))
+  return LaunchPlan((programs, batch), config.num_warps, config.num_stages, constexprs)
+
+
+def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
+                     scale_offset: float, subtract_mean: bool, has_scale: bool,
+                     has_bias: bool, param_stride: int = 0,
+                     knobs: TritonKnobs | None = None) -> LaunchPlan:
+  """Launch plan of ``fwd_shard_apply_kernel`` for x: [batch, m, n], a shard of the
+  hidden dim; grid and chunks as in ``shard_stats_plan``, ``param_stride`` as in
+  ``forward_plan``."""
+  programs, persistent = _shard_programs(config, batch, m)
+  constexprs = (
+      ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
+      ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
+      ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
+      ("PERSISTENT", persistent),
+      ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
+      ("LOOP_STAGES", int((knobs or KNOBS).loop_stages)))
+  return LaunchPlan((programs, batch), config.num_warps, config.num_stages, constexprs)
+
+
 def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                    scale_offset: float, subtract_mean: bool, has_scale: bool,
-                   param_stride: int = 0,
+                   param_stride: int = 0, combine_row_sums: bool = False,
                    knobs: TritonKnobs | None = None) -> LaunchPlan | None:
   """Launch plan of ``bwd_row_stats_kernel`` (c1, c2: [batch * m] f32 each) for dy, x:
   [batch, m, n]; None when ``config.block_n >= n`` (the single-tile backward needs no
-  row statistics)."""
-  if config.block_n >= n:
+  row statistics), unless ``combine_row_sums``: x is a shard of the hidden dim and its
+  row sums are combined across the shards before ``norm_bwd_kernel`` reads them."""
+  if config.block_n >= n and not combine_row_sums:
     return None
   constexprs = (
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
@@ -610,15 +813,16 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
 
 def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                   scale_offset: float, subtract_mean: bool, has_scale: bool,
-                  has_bias: bool, param_stride: int = 0,
+                  has_bias: bool, param_stride: int = 0, combine_row_sums: bool = False,
                   knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
 
   The grid is (G, chunks, batch); the partial buffers are ``[batch * grid[0], n]`` f32.
-  With ``CHUNKED`` (``config.block_n < n``), ``row_stats_plan`` launches first.
+  With ``CHUNKED`` (``config.block_n < n``, or ``combine_row_sums``: c1 / c2 are given,
+  combined across the shards of the hidden dim), ``row_stats_plan`` launches first.
   """
   programs = _config.cdiv(config.num_programs, batch)
-  chunked = config.block_n < n
+  chunked = config.block_n < n or combine_row_sums
   knobs = knobs or KNOBS
   # Rows: the prefetch reaches one row block past the last (G * block_m rows at most).
   rows = max(batch * m + programs * config.block_m, batch * programs)
