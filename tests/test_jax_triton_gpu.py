@@ -20,7 +20,7 @@ import pytest
 
 import pallas_norm
 from pallas_norm import config as pn_config
-from pallas_norm import reference
+from pallas_norm import reference, spmd
 from pallas_norm.kernels import jax_triton
 
 pytestmark = pytest.mark.gpu
@@ -199,16 +199,6 @@ TP_CASES = [(7, 6, 2, "float32"), (199, 1000, 2, "bfloat16"), (33, 8192, 4, "flo
             (4097, 256, 2, "bfloat16"), (8, 65536, 2, "bfloat16")]
 
 
-def _combine_shard_stats(s1, s2, *, n, eps, axis):
-  """Whole-row (mean, rstd) [M] f32 from each shard's (s1, s2) over its n columns, the
-  shards of equal width: the pmean combination of the caller (spmd.py)."""
-  if s2 is None:  # RMSNorm: s1 = sum(x^2)
-    return None, jax.lax.rsqrt(jax.lax.pmean(s1 / n, axis) + eps)
-  mean = jax.lax.pmean(s1, axis)  # LayerNorm: s1 = mean, s2 = M2 of the shard
-  var = jax.lax.pmean(s2 / n + (s1 - mean) ** 2, axis)
-  return mean, jax.lax.rsqrt(var + eps)
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
 @pytest.mark.parametrize("m,n,shards,dtype", TP_CASES)
@@ -228,7 +218,7 @@ def test_triton_tensor_parallel(m, n, shards, dtype, layer, mode):
   def forward(xk, sk, bk):
     s1, s2 = jax_triton.norm_forward_stats(xk, subtract_mean=layer, config=fcfg,
                                            interpret=False)
-    mean, rstd = _combine_shard_stats(s1, s2, n=w, eps=eps, axis="h")
+    mean, rstd = spmd._combine_stats(s1, s2, n=w, eps=eps, axes="h", groups=None)
     y = jax_triton.norm_forward_apply(xk, sk, bk, mean, rstd, scale_offset=offset,
                                       config=fcfg, interpret=False)
     return y, mean, rstd

@@ -31,7 +31,7 @@ from triton.runtime import interpreter as _interpreter  # noqa: E402
 
 import pallas_norm  # noqa: E402
 from pallas_norm import config as pn_config  # noqa: E402
-from pallas_norm import reference  # noqa: E402
+from pallas_norm import reference, spmd  # noqa: E402
 from pallas_norm.kernels import jax_triton as glue  # noqa: E402
 from pallas_norm.kernels import triton_kernels as tk  # noqa: E402
 
@@ -759,16 +759,6 @@ def test_glue_vmap(fake_jt, layer):
                      rtol=1e-4, atol=1e-4)
 
 
-def _combine_shard_stats(s1, s2, *, n, eps, axis):
-  """Whole-row (mean, rstd) [M] f32 from each shard's (s1, s2) over its n columns, the
-  shards of equal width: the pmean combination of the caller (spmd.py)."""
-  if s2 is None:  # RMSNorm: s1 = sum(x^2)
-    return None, jax.lax.rsqrt(jax.lax.pmean(s1 / n, axis) + eps)
-  mean = jax.lax.pmean(s1, axis)  # LayerNorm: s1 = mean, s2 = M2 of the shard
-  var = jax.lax.pmean(s2 / n + (s1 - mean) ** 2, axis)
-  return mean, jax.lax.rsqrt(var + eps)
-
-
 @pytest.mark.parametrize("layer,mode", [(False, "static_persistent"),
                                         (True, "multi_wave_reload")], ids=["rms", "ln"])
 def test_glue_shard(monkeypatch, layer, mode):
@@ -795,7 +785,7 @@ def test_glue_shard(monkeypatch, layer, mode):
   def forward(xk, sk, bk):
     s1, s2 = glue.norm_forward_stats(xk, subtract_mean=layer, config=fcfg, interpret=True)
     assert s1.shape == (m,) and (s2 is None) == (not layer)
-    mean, rstd = _combine_shard_stats(s1, s2, n=w, eps=eps, axis="h")
+    mean, rstd = spmd._combine_stats(s1, s2, n=w, eps=eps, axes="h", groups=None)
     y = glue.norm_forward_apply(xk, sk, bk, mean, rstd, scale_offset=offset, config=fcfg,
                                 interpret=True)
     return y, mean, rstd
