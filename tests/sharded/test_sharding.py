@@ -76,12 +76,12 @@ def _inputs(shape, dtype, seed=0):
   return x, scale, bias, dy
 
 
-def _ops(op):
+def _ops(op, backend="pallas"):
   if op == "rms":
-    ours = lambda x, s, b: pallas_norm.rms_norm(x, s)
+    ours = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
     ref = lambda x, s, b: reference.norm(x, s, None, eps=_EPS_RMS, subtract_mean=False)[0]
   else:
-    ours = lambda x, s, b: pallas_norm.layer_norm(x, s, b)
+    ours = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
     ref = lambda x, s, b: reference.norm(x, s, b, eps=1e-5, subtract_mean=True)[0]
   return ours, ref
 
@@ -133,6 +133,18 @@ CASES = [
                          ids=[f"{c[0]}-{c[1]}d-n{c[2]}-{c[3]}-{jnp.dtype(c[4]).name}"
                               for c in CASES])
 def test_sharded_matches_reference(layout, rank, n_shard, op, dtype, axis_type):
+  _check_sharded(layout, rank, n_shard, op, dtype, axis_type, "pallas")
+
+
+@pytest.mark.gpu  # jax-triton needs a GPU jaxlib
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,op", [("dp", "rms"), ("tp", "layer"), ("dp_tp", "rms"),
+                                       ("sp", "layer")])
+def test_triton_backend_sharded(layout, op, axis_type):
+  _check_sharded(layout, 3, 96, op, jnp.bfloat16, axis_type, "triton")
+
+
+def _check_sharded(layout, rank, n_shard, op, dtype, axis_type, backend):
   mesh_shape, names, _ = LAYOUTS[layout]
   mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
   shape, spec = _shape(layout, rank, n_shard)
@@ -140,7 +152,7 @@ def test_sharded_matches_reference(layout, rank, n_shard, op, dtype, axis_type):
   x, scale, bias, dy = _inputs(shape, dtype)
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   args = (put(x, spec), put(scale, P(hidden)), put(bias, P(hidden)), put(dy, spec))
-  ours, ref = _ops(op)
+  ours, ref = _ops(op, backend)
   step = _fwd_bwd(ours)
   out = step(*args)
   expected = _fwd_bwd(ref)(x, scale, bias, dy)
