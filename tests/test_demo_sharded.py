@@ -14,6 +14,10 @@ import sys
 import numpy as np
 import pytest
 
+# Fake CPU devices in subprocesses: CPU behaviour (the 2-GPU data-parallel path is what
+# tests/sharded checks on the GPUs), so gpu-check skips it.
+pytestmark = pytest.mark.cpu_only
+
 _DEVICES = 4
 _BATCH, _SEQ = 8, 16
 _TINY = ["--steps", "8", "--batch", str(_BATCH), "--seq", str(_SEQ), "--d-model", "16",
