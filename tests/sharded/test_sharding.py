@@ -355,3 +355,34 @@ def test_nnx_with_partitioning_under_jit(axis_type):
   for k in ("scale", "bias"):
     np.testing.assert_allclose(np.asarray(results[0][1][k].value),
                                np.asarray(results[1][1][k].value), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_linen_with_logical_partitioning_under_jit(axis_type):
+  """Linen: params boxed by nn.with_logical_partitioning, sharded by their logical rules."""
+  mesh = jax.make_mesh((2, HALF), ("data", "model"),
+                       axis_types=(AXIS_TYPES[axis_type],) * 2)
+  rules = (("embed", "model"),)
+  n = 16 * HALF
+  x = jax.random.normal(jax.random.key(8), (4, 3, n)) - 0.2
+  results = []
+  for cls in (pn_linen.LayerNorm, nn.LayerNorm):
+    layer = cls(scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+    boxed = layer.init(jax.random.key(0), x)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    params = jax.device_put(nn.unbox(boxed), shardings)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
+
+    @jax.jit
+    def step(params, x):
+      return jax.value_and_grad(lambda p: jnp.sum(layer.apply(p, x) ** 2))(params)
+
+    loss_value, grads = step(params, xs)
+    g = grads["params"]["scale"]
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1), g.sharding
+    results.append((loss_value, grads))
+  np.testing.assert_allclose(float(results[0][0]), float(results[1][0]), rtol=1e-5)
+  for k in ("scale", "bias"):
+    np.testing.assert_allclose(np.asarray(results[0][1]["params"][k]),
+                               np.asarray(results[1][1]["params"][k]), atol=1e-4, rtol=1e-4)
