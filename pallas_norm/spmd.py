@@ -85,13 +85,13 @@ def mesh_layout(shape, spec, axis_sizes: dict, what: str = "x"):
   return P(*entries), rows, _axes(entries[-1])
 
 
-def _explicit_spec(x):
-  """(mesh, spec) when x's type carries an Explicit sharding, else None."""
+def _explicit_sharding(x):
+  """(mesh, sharding) when x's type carries an Explicit sharding, else None."""
   sharding = jax.typeof(x).sharding
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
     return None
-  return mesh, sharding.spec
+  return mesh, sharding
 
 
 def _param_spec(hidden) -> P:
@@ -262,6 +262,14 @@ def _reshard(a, mesh, spec):
   return jax.sharding.reshard(a, NamedSharding(mesh, spec))
 
 
+def _refill(n, where, values):
+  """A length-``n`` list with ``values`` at indices ``where`` and None elsewhere."""
+  out = [None] * n
+  for i, v in zip(where, values):
+    out[i] = v
+  return out
+
+
 def _shard_map(body, mesh, args, in_specs, out_specs):
   """``jax.shard_map`` of ``body(*args)`` over every axis of ``mesh``; None args and
   outputs (absent scale, bias or residuals) stay out of it (their spec is None)."""
@@ -269,19 +277,13 @@ def _shard_map(body, mesh, args, in_specs, out_specs):
   outs = [i for i, s in enumerate(out_specs) if s is not None]
 
   def local(*xs):
-    full = [None] * len(args)
-    for i, a in zip(present, xs):
-      full[i] = a
-    res = body(*full)
+    res = body(*_refill(len(args), present, xs))
     return tuple(res[i] for i in outs)
 
   res = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs[i] for i in present),
                       out_specs=tuple(out_specs[i] for i in outs), check_vma=False)(
                           *(args[i] for i in present))
-  full = [None] * len(out_specs)
-  for i, r in zip(outs, res):
-    full[i] = r
-  return tuple(full)
+  return tuple(_refill(len(out_specs), outs, res))
 
 
 def _unbatched(partitioned, local, *args):
@@ -289,12 +291,7 @@ def _unbatched(partitioned, local, *args):
   custom_partitioning has no rule for, ``local`` vmapped: the kernels' own batching,
   unpartitioned, as on one device. None args stay out of custom_vmap."""
   present = [i for i, a in enumerate(args) if a is not None]
-
-  def full(xs):
-    out = [None] * len(args)
-    for i, a in zip(present, xs):
-      out[i] = a
-    return out
+  full = functools.partial(_refill, len(args), present)
 
   @custom_batching.custom_vmap
   def call(*xs):
@@ -332,11 +329,10 @@ def forward(fwd2d, x, scale, bias, st, return_residuals):
   """
   if st.axis_name is not None:  # inside the caller's shard_map
     return _local_forward(fwd2d, x, scale, bias, st, return_residuals, st.axis_name)
-  explicit = _explicit_spec(x)
+  explicit = _explicit_sharding(x)
   if explicit is not None:
-    mesh, spec = explicit
-    spec, rows, hidden = mesh_layout(x.shape, spec, dict(mesh.shape))
-    row_spec, p_spec = P(*tuple(spec)[:-1]), _param_spec(hidden)
+    mesh, sharding = explicit
+    spec, row_spec, p_spec, _, hidden = _plan(mesh, x.shape, sharding)
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
     out_specs = (spec, row_spec if return_residuals and st.subtract_mean else None,
                  row_spec if return_residuals else None)
@@ -359,11 +355,10 @@ def backward(bwd2d, dy, x, scale, bias, mean, rstd, st):
   """
   if st.axis_name is not None:
     return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, ())
-  explicit = _explicit_spec(x)
+  explicit = _explicit_sharding(x)
   if explicit is not None:
-    mesh, spec = explicit
-    spec, rows, hidden = mesh_layout(x.shape, spec, dict(mesh.shape))
-    row_spec, p_spec = P(*tuple(spec)[:-1]), _param_spec(hidden)
+    mesh, sharding = explicit
+    spec, row_spec, p_spec, rows, hidden = _plan(mesh, x.shape, sharding)
     param_specs = [None if p is None else jax.typeof(p).sharding.spec for p in (scale, bias)]
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
     dy = _reshard(dy, mesh, spec)

@@ -782,7 +782,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
   else:
-    grid = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+    grid = _persistent_programs(cfg, num_row_blocks)
     statics["num_programs"] = grid
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
   out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
@@ -849,7 +849,7 @@ def _split_persistent_forward(x, scale, bias, statics, cfg: ForwardConfig, inter
                             remedy="use a larger block_n or split_rows=False",
                             per_sm=split_resident_programs(cfg.num_warps))
   num_row_blocks = cdiv(m, cfg.block_m)
-  num_groups = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+  num_groups = _persistent_programs(cfg, num_row_blocks)
   statics = dict(statics, num_splits=num_splits, num_groups=num_groups,
                  num_warps=cfg.num_warps, lag=cfg.split_lag, early=cfg.split_early_publish)
   outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
@@ -943,12 +943,18 @@ def _row_blocks(num_row_blocks, num_programs, row_block):
     pl.loop(pl.program_id(0), num_row_blocks, step=num_programs)(row_block)
 
 
+def _persistent_programs(cfg: ForwardConfig, num_row_blocks: int) -> int:
+  """static_persistent's grid: ``cfg.num_programs`` (all row blocks when 0), at most one
+  program a row block."""
+  return max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+
+
 def _tp_launch(cfg: ForwardConfig, m: int):
   """(grid, num_programs) of the two tensor-parallel kernels for ``cfg.mode``."""
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode != "static_persistent":
     return num_row_blocks, None
-  grid = max(1, min(cfg.num_programs or num_row_blocks, num_row_blocks))
+  grid = _persistent_programs(cfg, num_row_blocks)
   return grid, grid
 
 

@@ -118,27 +118,39 @@ def _launch_forward(x3, scale, bias, st: _FwdStatic):
   return y, rstd
 
 
+def _vmapped(launch, fold_args):
+  """``jax.custom_batching.custom_vmap`` of ``launch(*args)``: its rule folds the new
+  vmap axis into the kernels' batch (``fold_args(axis_size, in_batched, *args)`` gives
+  the merged arguments), calls it, and splits the axis off the outputs again."""
+
+  @jax.custom_batching.custom_vmap
+  def call(*args):
+    return launch(*args)
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    return _split_axis(axis_size, call(*fold_args(axis_size, in_batched, *args)))
+
+  return call
+
+
+def _fwd_fold(axis_size, in_batched, x3, scale, bias):
+  """The forward's arguments with the new vmap axis merged into the batch."""
+  x_b, s_b, b_b = in_batched
+  params_shared = not (s_b or b_b) and all(
+      p is None or p.shape[0] == 1 for p in (scale, bias))
+  if params_shared:  # x must be the batched one: fold the new axis into B.
+    x4 = x3
+  else:
+    x4, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
+    scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
+  return _merge(x4), scale, bias
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_fn(st: _FwdStatic):
   """custom_vmap'd ``_launch_forward`` for ``st``."""
-
-  @jax.custom_batching.custom_vmap
-  def fwd(x3, scale, bias):
-    return _launch_forward(x3, scale, bias, st)
-
-  @fwd.def_vmap
-  def _fwd_vmap(axis_size, in_batched, x3, scale, bias):
-    x_b, s_b, b_b = in_batched
-    params_shared = not (s_b or b_b) and all(
-        p is None or p.shape[0] == 1 for p in (scale, bias))
-    if params_shared:  # x must be the batched one: fold the new axis into B.
-      x4 = x3
-    else:
-      x4, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
-      scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
-    return _split_axis(axis_size, fwd(_merge(x4), scale, bias))
-
-  return fwd
+  return _vmapped(functools.partial(_launch_forward, st=st), _fwd_fold)
 
 
 def _merge(a):
@@ -243,20 +255,15 @@ def _launch_shard_stats(x3, st: _ShardStatic):
   return tuple(s.reshape(batch, m) for s in ((s1, s2) if st.subtract_mean else (s1,)))
 
 
+def _shard_stats_fold(axis_size, in_batched, x3):
+  (x_b,) = in_batched
+  return (_merge(_new_axis(axis_size, x3, x_b)),)
+
+
 @functools.lru_cache(maxsize=None)
 def _shard_stats_fn(st: _ShardStatic):
   """custom_vmap'd ``_launch_shard_stats`` for ``st``."""
-
-  @jax.custom_batching.custom_vmap
-  def stats(x3):
-    return _launch_shard_stats(x3, st)
-
-  @stats.def_vmap
-  def _stats_vmap(axis_size, in_batched, x3):
-    (x_b,) = in_batched
-    return _split_axis(axis_size, stats(_merge(_new_axis(axis_size, x3, x_b))))
-
-  return stats
+  return _vmapped(functools.partial(_launch_shard_stats, st=st), _shard_stats_fold)
 
 
 def _launch_shard_apply(x3, scale, bias, mean, rstd, st: _ShardStatic):
@@ -277,27 +284,20 @@ def _launch_shard_apply(x3, scale, bias, mean, rstd, st: _ShardStatic):
       plan=plan, name="pallas_norm_triton_fwd_shard_apply")
 
 
+def _shard_apply_fold(axis_size, in_batched, x3, scale, bias, mean, rstd):
+  x_b, s_b, b_b, mean_b, rstd_b = in_batched
+  if s_b or b_b or any(p is not None and p.shape[0] > 1 for p in (scale, bias)):
+    _, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
+    scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
+  x4, mean4, rstd4 = (_new_axis(axis_size, a, b)
+                      for a, b in ((x3, x_b), (mean, mean_b), (rstd, rstd_b)))
+  return _merge(x4), scale, bias, None if mean4 is None else _merge(mean4), _merge(rstd4)
+
+
 @functools.lru_cache(maxsize=None)
 def _shard_apply_fn(st: _ShardStatic):
   """custom_vmap'd ``_launch_shard_apply`` for ``st``."""
-
-  @jax.custom_batching.custom_vmap
-  def apply(x3, scale, bias, mean, rstd):
-    return _launch_shard_apply(x3, scale, bias, mean, rstd, st)
-
-  @apply.def_vmap
-  def _apply_vmap(axis_size, in_batched, x3, scale, bias, mean, rstd):
-    x_b, s_b, b_b, mean_b, rstd_b = in_batched
-    if s_b or b_b or any(p is not None and p.shape[0] > 1 for p in (scale, bias)):
-      _, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
-      scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
-    x4, mean4, rstd4 = (_new_axis(axis_size, a, b)
-                        for a, b in ((x3, x_b), (mean, mean_b), (rstd, rstd_b)))
-    return _split_axis(axis_size, apply(_merge(x4), scale, bias,
-                                        None if mean4 is None else _merge(mean4),
-                                        _merge(rstd4)))
-
-  return apply
+  return _vmapped(functools.partial(_launch_shard_apply, st=st), _shard_apply_fold)
 
 
 def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
@@ -456,31 +456,13 @@ def _bwd_vmap_args(axis_size, in_batched, dy3, x3, scale, *rows):
 @functools.lru_cache(maxsize=None)
 def _row_sums_fn(st: _BwdStatic):
   """custom_vmap'd ``_launch_row_sums`` for ``st``."""
-
-  @jax.custom_batching.custom_vmap
-  def row_sums(dy3, x3, scale, mean, rstd):
-    return _launch_row_sums(dy3, x3, scale, mean, rstd, st)
-
-  @row_sums.def_vmap
-  def _row_sums_vmap(axis_size, in_batched, *args):
-    return _split_axis(axis_size, row_sums(*_bwd_vmap_args(axis_size, in_batched, *args)))
-
-  return row_sums
+  return _vmapped(functools.partial(_launch_row_sums, st=st), _bwd_vmap_args)
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_fn(st: _BwdStatic):
   """custom_vmap'd ``_launch_backward`` for ``st``."""
-
-  @jax.custom_batching.custom_vmap
-  def bwd(dy3, x3, scale, mean, rstd, c1, c2):
-    return _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st)
-
-  @bwd.def_vmap
-  def _bwd_vmap(axis_size, in_batched, *args):
-    return _split_axis(axis_size, bwd(*_bwd_vmap_args(axis_size, in_batched, *args)))
-
-  return bwd
+  return _vmapped(functools.partial(_launch_backward, st=st), _bwd_vmap_args)
 
 
 def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract_mean,
