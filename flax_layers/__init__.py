@@ -40,6 +40,13 @@ def _maybe_param(use: bool, init, rngs: nnx.Rngs, num_features: int, param_dtype
   return nnx.Param(init(rngs.params(), (num_features,), param_dtype))
 
 
+def _residual(layer, residual) -> dict:
+  """The ops' residual arguments of a call (none without a residual: a drop-in)."""
+  if residual is None:
+    return {}
+  return dict(residual=residual, residual_dtype=layer.residual_dtype)
+
+
 class _Norm(nnx.Module):
   """The scale and the attributes RMSNorm and LayerNorm share (RMSNorm's arguments)."""
 
@@ -57,6 +64,7 @@ class _Norm(nnx.Module):
       backend: str = "pallas",
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
+      residual_dtype: tp.Any | None = None,
       rngs: nnx.Rngs,
   ):
     self.scale: nnx.Param[jax.Array] | None = _maybe_param(use_scale, scale_init, rngs,
@@ -71,6 +79,7 @@ class _Norm(nnx.Module):
     self.backend = backend
     self.axis_name = axis_name
     self.axis_index_groups = axis_index_groups
+    self.residual_dtype = residual_dtype
 
 
 class RMSNorm(_Norm):
@@ -118,17 +127,25 @@ class RMSNorm(_Norm):
       flax (default: None). Sharded arrays under ``jax.jit`` do not need it.
     axis_index_groups: groups of axis indices reduced separately, as in flax
       (default: None).
+    residual_dtype: with ``layer(x, residual=r)``: the dtype of the returned residual
+      stream h (default: None, r's dtype; ``jnp.float32`` is flash-attention's
+      ``residual_in_fp32``).
     rngs: rng key.
   """
 
-  def __call__(self, x):
-    """Normalises ``x: [..., num_features]``; returns the same shape."""
+  def __call__(self, x, residual=None):
+    """Normalises ``x: [..., num_features]``; returns the same shape.
+
+    With ``residual`` (x's shape), the fused residual add of a pre-norm block: returns
+    ``(y, h)``, h = x + residual (in ``residual_dtype``) and y = the norm of h
+    (``pallas_norm.rms_norm(..., residual=)``).
+    """
     scale = None if self.scale is None else self.scale[...]
     x, scale = _dtypes.promote_dtype((x, scale), dtype=self.dtype)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon),
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, axis_name=self.axis_name,
-                         axis_index_groups=self.axis_index_groups)
+                         axis_index_groups=self.axis_index_groups, **_residual(self, residual))
 
 
 class LayerNorm(_Norm):
@@ -176,6 +193,7 @@ class LayerNorm(_Norm):
     backend: "pallas" (default), "triton" or "xla", passed to
       ``pallas_norm.layer_norm``.
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
+    residual_dtype: as in ``RMSNorm``.
     rngs: rng key.
   """
 
@@ -195,23 +213,27 @@ class LayerNorm(_Norm):
       backend: str = "pallas",
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
+      residual_dtype: tp.Any | None = None,
       rngs: nnx.Rngs,
   ):
     super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                      use_scale=use_scale, scale_init=scale_init, scale_offset=scale_offset,
                      mode=mode, backend=backend, axis_name=axis_name,
-                     axis_index_groups=axis_index_groups, rngs=rngs)
+                     axis_index_groups=axis_index_groups, residual_dtype=residual_dtype,
+                     rngs=rngs)
     self.bias: nnx.Param[jax.Array] | None = _maybe_param(use_bias, bias_init, rngs,
                                                            num_features, param_dtype)
     self.use_bias = use_bias
 
-  def __call__(self, x):
-    """Normalises ``x: [..., num_features]``; returns the same shape."""
+  def __call__(self, x, residual=None):
+    """Normalises ``x: [..., num_features]``; returns the same shape, or ``(y, h)``
+    with a ``residual`` (as ``RMSNorm``)."""
     scale = None if self.scale is None else self.scale[...]
     bias = None if self.bias is None else self.bias[...]
     x, scale, bias = _dtypes.promote_dtype((x, scale, bias), dtype=self.dtype)
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, axis_name=self.axis_name,
-                           axis_index_groups=self.axis_index_groups)
+                           axis_index_groups=self.axis_index_groups,
+                           **_residual(self, residual))
 

@@ -41,6 +41,13 @@ def _axis_args(mdl: nn.Module) -> dict:
   return dict(axis_name=mdl.axis_name, axis_index_groups=mdl.axis_index_groups)
 
 
+def _residual(mdl: nn.Module, residual) -> dict:
+  """The ops' residual arguments of a call (none without a residual: a drop-in)."""
+  if residual is None:
+    return {}
+  return dict(residual=residual, residual_dtype=mdl.residual_dtype)
+
+
 class RMSNorm(nn.Module):
   """RMS layer normalization (https://arxiv.org/abs/1910.07467), fused.
 
@@ -73,6 +80,8 @@ class RMSNorm(nn.Module):
     axis_name: inside ``jax.shard_map``, the mesh axis (or axes) over which the
       features are split; the statistics are the whole vector's, as in flax.
     axis_index_groups: groups of axis indices reduced separately, as in flax.
+    residual_dtype: with ``layer.apply(variables, x, residual=r)``: the dtype of the
+      returned residual stream h (default: None, r's dtype).
   """
 
   epsilon: float = 1e-6
@@ -85,15 +94,18 @@ class RMSNorm(nn.Module):
   backend: str = "pallas"
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
+  residual_dtype: tp.Any | None = None
 
   @nn.compact
-  def __call__(self, x):
-    """Normalises ``x: [..., N]``; returns the same shape."""
+  def __call__(self, x, residual=None):
+    """Normalises ``x: [..., N]``; returns the same shape. With ``residual`` (x's
+    shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add)."""
     x, (scale,) = _params_and_input(self, x, ("scale",), (self.scale_init,),
                                     (self.use_scale,))
     return _ops.rms_norm(x, scale, eps=float(self.epsilon),
                          scale_offset=float(self.scale_offset), mode=self.mode,
-                         backend=self.backend, **_axis_args(self))
+                         backend=self.backend, **_axis_args(self),
+                         **_residual(self, residual))
 
 
 class LayerNorm(nn.Module):
@@ -128,6 +140,7 @@ class LayerNorm(nn.Module):
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla".
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
+    residual_dtype: as in ``RMSNorm``.
   """
 
   epsilon: float = 1e-6
@@ -142,13 +155,16 @@ class LayerNorm(nn.Module):
   backend: str = "pallas"
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
+  residual_dtype: tp.Any | None = None
 
   @nn.compact
-  def __call__(self, x):
-    """Normalises ``x: [..., N]``; returns the same shape."""
+  def __call__(self, x, residual=None):
+    """Normalises ``x: [..., N]``; returns the same shape, or ``(y, h)`` with a
+    ``residual`` (as ``RMSNorm``)."""
     x, (scale, bias) = _params_and_input(self, x, ("scale", "bias"),
                                          (self.scale_init, self.bias_init),
                                          (self.use_scale, self.use_bias))
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
                            scale_offset=float(self.scale_offset), mode=self.mode,
-                           backend=self.backend, **_axis_args(self))
+                           backend=self.backend, **_axis_args(self),
+                           **_residual(self, residual))

@@ -123,11 +123,18 @@ BENCH_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 
 LLM_SHAPES = ((8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192))
 _QUICK_SHAPES = ((4096, 1024), (8192, 4096), (32768, 128), (4096, 65536))
 
-_OPS = ("rms", "layer")
+# "*_res": the fused residual add, (y, h) = (norm(x + r), x + r), residual in x's dtype.
+_OPS = ("rms", "layer", "rms_res", "layer_res")
 _PASSES = ("fwd", "fwdbwd")
 _DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
-_EPS = {"rms": 1e-6, "layer": 1e-5}  # the same eps for every implementation
+_EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5}  # the same eps for every implementation
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
+# With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
+# writes dx (= dresidual).
+_BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
+# The implementations that serve the fused residual add (the others: n/a): ours, XLA's
+# fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
+_RES_IMPLS = ("pallas", "xla", "flax")
 # Relative error ||out - ref|| / ||ref|| accepted by --check, per dtype.
 _CHECK_TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 1e-4}
 _MODE_SHORT = {"reload": "multi_wave_reload", "cached": "multi_wave_cached",
@@ -182,11 +189,20 @@ class Case:
 # --------------------------------------------------------------------------- plan
 
 
-def bytes_model(m: int, n: int, itemsize: int, pass_: str) -> int:
-  """Bytes a norm must move: forward 2*M*N*itemsize, forward+backward 5*M*N*itemsize."""
+def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> int:
+  """Bytes a norm must move: forward 2*M*N*itemsize, forward+backward 5*M*N*itemsize;
+  with the fused residual add ("*_res" ops) 4 and 8 (x, r -> y, h; dy, dh, h -> dx)."""
   if pass_ not in _BYTES_FACTOR:
     raise ValueError(f"{pass_=} must be one of {tuple(_BYTES_FACTOR)}")
-  return _BYTES_FACTOR[pass_] * m * n * itemsize
+  factor = _BYTES_FACTOR_RES if op.endswith("_res") else _BYTES_FACTOR
+  return factor[pass_] * m * n * itemsize
+
+
+def _serves(impl: _Impl, op: str) -> bool:
+  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, XLA, flax)."""
+  if not op.endswith("_res"):
+    return True
+  return (impl.backend or impl.name) in _RES_IMPLS
 
 
 def rotations(m: int, n: int, itemsize: int, l2_bytes: int) -> int:
@@ -256,7 +272,7 @@ def build_plan(args: argparse.Namespace) -> list[Case]:
   passes = _parse_list(args.passes, _PASSES, "--passes")
   return [Case(phase, m, n, op, p, impl.name)
           for phase in (0, 1) for m, n in shapes for op in ops for p in passes
-          for impl in impls if impl.phase == phase]
+          for impl in impls if impl.phase == phase and _serves(impl, op)]
 
 
 def _groups(plan: list[Case]):
@@ -388,8 +404,11 @@ def _torch_time(call, n_sets: int, iters: int) -> dict:
 
 
 def _jax_fn(impl: _Impl, op: str):
-  """f(x, scale, bias) -> y for a JAX implementation (bias is None for RMSNorm)."""
+  """f(x, scale, bias) -> y for a JAX implementation (bias is None for RMSNorm); for a
+  "*_res" op, f((x, r), scale, bias) -> (y, h)."""
   eps = _EPS[op]
+  if op.endswith("_res"):
+    return _residual_fn(impl, op[:-len("_res")], eps)
   layer = op == "layer"
   if impl.family == "pallas_norm":
     import pallas_norm
@@ -457,6 +476,31 @@ def tokamax_vjp_without_alias():
         tv.block = block
 
   return NoAliasVjp()
+
+
+def _residual_fn(impl: _Impl, op: str, eps: float):
+  """f((x, r), scale, bias) -> (y, h) for the fused residual add."""
+  layer = op == "layer"
+  if impl.family == "pallas_norm":
+    import pallas_norm
+    norm = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+    extra = (lambda b: (b,)) if layer else (lambda b: ())
+    return lambda xr, s, b: norm(xr[0], s, *extra(b), residual=xr[1], eps=eps,
+                                 mode=impl.mode, backend=impl.backend)
+  if impl.name == "xla":  # the same formula, jnp under jit: XLA fuses it
+    def f(xr, s, b):
+      x, r = xr
+      h = x.astype(jnp.float32) + r.astype(jnp.float32)
+      y = reference.norm(h, s, b, eps=eps, subtract_mean=layer)[0]
+      return y.astype(x.dtype), h.astype(r.dtype)
+    return f
+  if impl.name == "flax":  # what a flax model writes: the add, then flax's norm
+    norm = _flax_fn(op, eps)
+    def g(xr, s, b):
+      h = xr[0] + xr[1]
+      return norm(h, s, b), h
+    return g
+  raise NotImplementedError(f"{impl.name} has no fused residual add")
 
 
 def _flax_fn(op: str, eps: float):
@@ -532,16 +576,35 @@ class _Inputs:
   scale: jax.Array
   bias: jax.Array
   torch: dict | None = None
+  rs: list = dataclasses.field(default_factory=list)  # residuals ("*_res" ops)
+  dhs: list = dataclasses.field(default_factory=list)  # h's cotangents
 
 
-def _make_inputs(m: int, n: int, dtype, r: int, need_dy: bool, seed: int) -> _Inputs:
-  keys = jax.random.split(jax.random.key(seed), 2 * r + 2)
+def _make_inputs(m: int, n: int, dtype, r: int, need_dy: bool, seed: int,
+                 need_residual: bool = False) -> _Inputs:
+  keys = jax.random.split(jax.random.key(seed), 4 * r + 2)
   xs = [jax.random.normal(keys[i], (m, n), dtype) for i in range(r)]
   dys = [jax.random.normal(keys[r + i], (m, n), dtype) for i in range(r)] if need_dy else []
+  rs = dhs = []
+  if need_residual:
+    rs = [jax.random.normal(keys[2 * r + i], (m, n), dtype) for i in range(r)]
+    if need_dy:
+      dhs = [jax.random.normal(keys[3 * r + i], (m, n), dtype) for i in range(r)]
   scale = (1.0 + 0.1 * jax.random.normal(keys[-2], (n,), jnp.float32)).astype(dtype)
   bias = (0.1 * jax.random.normal(keys[-1], (n,), jnp.float32)).astype(dtype)
-  jax.block_until_ready((xs, dys, scale, bias))
-  return _Inputs(xs, dys, scale, bias)
+  jax.block_until_ready((xs, dys, rs, dhs, scale, bias))
+  return _Inputs(xs, dys, scale, bias, rs=rs, dhs=dhs)
+
+
+def _arg_sets(op: str, pass_: str, inp: _Inputs) -> list:
+  """The rotated argument tuples of one case: (x, scale, bias[, dy]); for a "*_res" op
+  x is (x, r) and dy is (dy, dh)."""
+  bias = inp.bias if op.startswith("layer") else None
+  xs = list(zip(inp.xs, inp.rs)) if op.endswith("_res") else inp.xs
+  if pass_ == "fwd":
+    return [(x, inp.scale, bias) for x in xs]
+  dys = list(zip(inp.dys, inp.dhs)) if op.endswith("_res") else inp.dys
+  return [(x, inp.scale, bias, dy) for x, dy in zip(xs, dys)]
 
 
 def _to_torch(a: jax.Array):
@@ -578,10 +641,8 @@ def _rel_err(out, ref) -> tuple[float, float]:
 def _reference_outputs(op: str, pass_: str, inp: _Inputs):
   """Reference y (fwd) or (y, (dx, dscale[, dbias])) (fwdbwd) on copy 0."""
   f = _jax_fn(_IMPL_BY_NAME["xla"], op)
-  bias = inp.bias if op == "layer" else None
-  if pass_ == "fwd":
-    return jax.jit(f)(inp.xs[0], inp.scale, bias)
-  return jax.jit(_fwdbwd(f))(inp.xs[0], inp.scale, bias, inp.dys[0])
+  args = _arg_sets(op, pass_, inp)[0]
+  return jax.jit(f if pass_ == "fwd" else _fwdbwd(f))(*args)
 
 
 def _compare(out, ref, dtype_name: str) -> dict:
@@ -594,7 +655,8 @@ def _compare(out, ref, dtype_name: str) -> dict:
   errs = [_rel_err(o, r) for o, r in zip(outs, refs)]
   tol = _CHECK_TOL[dtype_name]
   ok = all(e[0] <= tol for e in errs)  # False for NaN
-  names = ["y", "dx", "dscale", "dbias"][:len(errs)]
+  names = (["y", "dx", "dscale", "dbias"] if len(errs) <= 4
+           else ["y", "h", "dx", "dresidual", "dscale", "dbias"])[:len(errs)]
   detail = " ".join(f"{nm}:rel={e[0]:.2e},max={e[1]:.2e}" for nm, e in zip(names, errs))
   return {"check": "ok" if ok else "FAIL", "check_detail": f"{detail} (tol {tol:g})"}
 
@@ -611,13 +673,8 @@ def _fwdbwd(f):
 
 def _run_jax_case(impl: _Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   f = _jax_fn(impl, c.op)
-  bias = inp.bias if c.op == "layer" else None
-  if c.pass_ == "fwd":
-    step = jax.jit(f)
-    arg_sets = [(x, inp.scale, bias) for x in inp.xs]
-  else:
-    step = jax.jit(_fwdbwd(f))
-    arg_sets = [(x, inp.scale, bias, dy) for x, dy in zip(inp.xs, inp.dys)]
+  step = jax.jit(f if c.pass_ == "fwd" else _fwdbwd(f))
+  arg_sets = _arg_sets(c.op, c.pass_, inp)
   t0 = time.perf_counter()
   out = jax.block_until_ready(step(*arg_sets[0]))  # compile + warm up
   row = {"compile_s": round(time.perf_counter() - t0, 2)}
@@ -665,7 +722,7 @@ def _run_torch_case(impl: _Impl, c: Case, inp: _Inputs, args, ref) -> dict:
 def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> dict:
   impl = _IMPL_BY_NAME[c.impl]
   itemsize = jnp.dtype(_DTYPES[args.dtype]).itemsize
-  nbytes = bytes_model(c.m, c.n, itemsize, c.pass_)
+  nbytes = bytes_model(c.m, c.n, itemsize, c.pass_, c.op)
   row = {"op": c.op, "pass": c.pass_, "m": c.m, "n": c.n, "dtype": args.dtype,
          "impl": c.impl, "family": impl.family, "phase": c.phase, "bytes": nbytes,
          "rotations": len(inp.xs), "iters": args.iters}
@@ -805,7 +862,8 @@ def _run(args, plan: list[Case]) -> int:
       "flax": _version("flax"), "torch": _version("torch"), "liger": _version("liger-kernel"),
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:],
       "method": _METHOD.format(iters=args.iters, flag=_COMMAND_BUFFER_FLAG),
-      "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize"},
+      "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize",
+                      "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize"},
       "unavailable": unavailable, **copy}
   out = _out_path(args, meta)
   rows: list[dict] = []
@@ -815,7 +873,8 @@ def _run(args, plan: list[Case]) -> int:
       rows += [_not_run(c, args) for c in cases]
       continue
     r = rotations(m, n, itemsize, dev["l2_bytes"])
-    inp = _make_inputs(m, n, dtype, r, any(c.pass_ == "fwdbwd" for c in cases), args.seed)
+    inp = _make_inputs(m, n, dtype, r, any(c.pass_ == "fwdbwd" for c in cases), args.seed,
+                       any(c.op.endswith("_res") for c in cases))
     refs: dict = {}
     for c in cases:
       done += 1
@@ -1041,7 +1100,9 @@ def _parser() -> argparse.ArgumentParser:
              "(pallas_norm/bench_sharded.py; its options: --sharded --help).")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
                                   "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
-  p.add_argument("--ops", default="rms,layer", help="rms,layer (default both)")
+  p.add_argument("--ops", default="rms,layer",
+                 help="rms,layer (default both); rms_res,layer_res: the fused residual add "
+                      "(pallas, xla and flax only)")
   p.add_argument("--passes", default="fwd,fwdbwd", help="fwd,fwdbwd (default both)")
   p.add_argument("--impls", help="comma list of " + ",".join(i.name for i in IMPLS)
                  + "; 'pallas:*' / 'triton:*' for every mode (default: all)")

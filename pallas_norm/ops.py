@@ -25,6 +25,7 @@ import numpy as np
 
 from pallas_norm import config as _config
 from pallas_norm import reference, spmd
+from pallas_norm.kernels._compat import to_varying, varying_axes
 
 __all__ = ["rms_norm", "layer_norm", "BACKENDS"]
 
@@ -44,6 +45,10 @@ class _Static:
   interpret: bool
   axis_name: tuple[str, ...] | None = None
   axis_index_groups: tuple[tuple[int, ...], ...] | None = None
+  # the fused residual add: h's dtype (None: no residual), x's and residual's dtypes
+  residual_dtype: str | None = None
+  x_dtype: str | None = None
+  residual_in_dtype: str | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -84,6 +89,30 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend) -> int:
   return n
 
 
+def _check_residual(op: str, x, residual, residual_dtype):
+  """The residual's dtype name and h's, or (None, None) without a residual."""
+  if residual is None:
+    if residual_dtype is not None:
+      raise ValueError(f"{op}: {residual_dtype=} needs a residual")
+    return None, None
+  _check_float("residual", residual)
+  floats = [jnp.dtype(d) for d in _FLOAT_DTYPES]
+  if jnp.result_type(residual) not in floats:
+    raise TypeError(f"{op}: residual.dtype={jnp.result_type(residual)} must be float32, "
+                    f"bfloat16 or float16")
+  if tuple(jnp.shape(residual)) != tuple(jnp.shape(x)):
+    raise ValueError(f"{op}: residual.shape={tuple(jnp.shape(residual))} must equal "
+                     f"x.shape={tuple(jnp.shape(x))}")
+  h_dtype = jnp.result_type(residual) if residual_dtype is None else residual_dtype
+  try:
+    h_dtype = jnp.dtype(h_dtype)
+  except TypeError as e:
+    raise TypeError(f"{op}: {residual_dtype=} is not a dtype") from e
+  if h_dtype not in floats:
+    raise TypeError(f"{op}: residual_dtype={h_dtype} must be float32, bfloat16 or float16")
+  return jnp.result_type(residual).name, h_dtype.name
+
+
 def _resolve_interpret(interpret: bool | None) -> bool:
   if interpret is None:
     return _config.device_info().platform != "gpu"
@@ -102,45 +131,57 @@ def _backend_module(backend: str):
 
 
 def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
-             combine_stats=None):
-  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None).
+             combine_stats=None, residual=None):
+  """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None,
+  h [M, N] | None).
 
   ``combine_stats`` (x2 a shard of the hidden dim, spmd.py): ``(s1, s2) -> (mean, rstd)``
   of the whole rows from this shard's statistics; the forward is then the statistics
-  kernel, that function, and the normalise kernel.
+  kernel, that function, and the normalise kernel. ``residual`` ([M, N] or None): the
+  fused add, normalising h = x2 + residual (h in ``st.residual_dtype``).
   """
   m, n = x2.shape
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
                                backend=st.backend)
   fwd, _ = _backend_module(st.backend)
+  res = {} if residual is None else dict(residual=residual,
+                                         residual_dtype=jnp.dtype(st.residual_dtype))
   if combine_stats is None:
-    return fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
-                            subtract_mean=st.subtract_mean, config=cfg,
-                            interpret=st.interpret, return_residuals=return_residuals)
-  s1, s2 = fwd.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
-                                  interpret=st.interpret)
+    out = fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
+                           subtract_mean=st.subtract_mean, config=cfg,
+                           interpret=st.interpret, return_residuals=return_residuals, **res)
+    return out if residual is not None else (*out, None)
+  s1, s2, *h = fwd.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
+                                      interpret=st.interpret, **res)
   mean, rstd = combine_stats(s1, s2)
   y = fwd.norm_forward_apply(x2, scale, bias, mean, rstd, scale_offset=st.scale_offset,
-                             config=cfg, interpret=st.interpret)
-  return (y, mean, rstd) if return_residuals else (y, None, None)
+                             config=cfg, interpret=st.interpret, residual=residual)
+  h = h[0] if h else None
+  return (y, mean, rstd, h) if return_residuals else (y, None, None, h)
 
 
 def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=None,
-              param_grad_dtype=None):
-  """-> (dx [M, N] x.dtype, dscale [N] | None, dbias [N] | None), dscale and dbias in
-  ``param_grad_dtype`` if given, else in scale's and bias's dtypes. ``combine_row_sums``:
-  as in kernels.backward.norm_backward (x2 a shard of the hidden dim)."""
+              param_grad_dtype=None, dh=None):
+  """-> (dx [M, N] x.dtype, dresidual [M, N] | None, dscale [N] | None, dbias [N] | None),
+  dscale and dbias in ``param_grad_dtype`` if given, else in scale's and bias's dtypes.
+  ``combine_row_sums``: as in kernels.backward.norm_backward (x2 a shard of the hidden
+  dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent."""
   m, n = x2.shape
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=st.backend)
   _, bwd = _backend_module(st.backend)
   dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
-  return bwd.norm_backward(dy, x2, scale, mean, rstd,
-                           has_bias=bias is not None,
-                           scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
-                           config=cfg, interpret=st.interpret,
-                           scale_dtype=dtype(scale), bias_dtype=dtype(bias),
-                           combine_row_sums=combine_row_sums)
+  res = {}
+  if st.residual_dtype is not None:
+    res = dict(dh=dh, dx_dtype=jnp.dtype(st.x_dtype),
+               residual_dtype=jnp.dtype(st.residual_in_dtype))
+  out = bwd.norm_backward(dy, x2, scale, mean, rstd,
+                          has_bias=bias is not None,
+                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
+                          config=cfg, interpret=st.interpret,
+                          scale_dtype=dtype(scale), bias_dtype=dtype(bias),
+                          combine_row_sums=combine_row_sums, **res)
+  return out if res else (out[0], None, *out[1:])
 
 
 # --------------------------------------------------------------------------- custom_vjp
@@ -156,19 +197,43 @@ def _norm_nd(x, scale, bias, st: _Static):
 
 
 def _norm_nd_fwd(x, scale, bias, st: _Static):
-  y, mean, rstd = spmd.forward(_forward, x, scale, bias, st, return_residuals=True)
+  y, mean, rstd, _ = spmd.forward(_forward, x, scale, bias, st, return_residuals=True)
   return y, (x, scale, bias, mean, rstd)
 
 
 def _norm_nd_bwd(st: _Static, res, dy):
   x, scale, bias, mean, rstd = res
-  return spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st)
+  dx, _, dscale, dbias = spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st)
+  return dx, dscale, dbias
 
 
 _norm_nd.defvjp(_norm_nd_fwd, _norm_nd_bwd)
+
+
+# The fused residual add: (y, h) = (norm(x + residual), x + residual). The forward saves
+# h, not x; the backward adds h's cotangent dh to dx inside the stage-1 kernel.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm_res_nd(x, residual, scale, bias, st: _Static):
+  y, _, _, h = spmd.forward(_forward, x, scale, bias, st, False, residual)
+  return y, h
+
+
+def _norm_res_nd_fwd(x, residual, scale, bias, st: _Static):
+  y, mean, rstd, h = spmd.forward(_forward, x, scale, bias, st, True, residual)
+  return (y, h), (h, scale, bias, mean, rstd)
+
+
+def _norm_res_nd_bwd(st: _Static, res, cts):
+  h, scale, bias, mean, rstd = res
+  dy, dh = cts
+  return spmd.backward(_backward, dy, h, scale, bias, mean, rstd, st, dh)
+
+
+_norm_res_nd.defvjp(_norm_res_nd_fwd, _norm_res_nd_bwd)
 # Jitted, so that an eager call on sharded arrays is partitioned as it is under the
 # caller's jit (custom_partitioning runs its rule only when XLA compiles it).
 _norm_nd_jit = jax.jit(_norm_nd, static_argnums=(3,))
+_norm_res_nd_jit = jax.jit(_norm_res_nd, static_argnums=(4,))
 
 
 def _axis_groups(axis_name, axis_index_groups):
@@ -193,31 +258,64 @@ def _axis_groups(axis_name, axis_index_groups):
 
 
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
-          axis_name, axis_index_groups):
+          axis_name, axis_index_groups, residual=None, residual_dtype=None):
   _check_args(op, x, scale, bias, eps, mode, backend)
+  res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)
+  if residual is not None:
+    residual = jnp.asarray(residual)
   if backend == "xla":
-    return reference.norm(x, scale, bias, eps=eps, scale_offset=scale_offset,
-                          subtract_mean=subtract_mean, axis_name=names,
-                          axis_index_groups=groups)[0]
+    if residual is None:
+      return reference.norm(x, scale, bias, eps=eps, scale_offset=scale_offset,
+                            subtract_mean=subtract_mean, axis_name=names,
+                            axis_index_groups=groups)[0]
+    h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    y = reference.norm(h, scale, bias, eps=eps, scale_offset=scale_offset,
+                       subtract_mean=subtract_mean, axis_name=names,
+                       axis_index_groups=groups)[0]
+    return y.astype(x.dtype), h.astype(h_dtype)
+  if residual is not None and backend != "pallas":
+    raise NotImplementedError(f"{op}: residual= is served by backend='pallas' and 'xla' "
+                              f"(not yet by {backend=})")
   m = math.prod(x.shape[:-1])
   if m == 0:
-    return jnp.zeros(x.shape, x.dtype)
-  if names is not None:
-    spmd.check_vma_off(x, axis_name)
-  st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend,
-               _resolve_interpret(interpret), names, groups)
+    y = jnp.zeros(x.shape, x.dtype)
+    if residual is None:
+      return y
+    return y, (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(h_dtype)
+  # inside a shard_map with check_vma=True: one set of varying axes for the kernels'
+  # operands (a replicated scale's cotangent is then psummed by JAX's transpose)
+  axes = frozenset().union(*(varying_axes(a) for a in (x, residual, scale, bias)
+                             if a is not None))
+  interpret = _resolve_interpret(interpret)
+  if axes and interpret and backend == "pallas":
+    raise ValueError(
+        f"{op} in Pallas interpret mode cannot run inside a jax.shard_map with "
+        f"check_vma=True: JAX's interpret-mode lowering rejects operands typed as varying "
+        f"over mesh axes {sorted(axes)}. Pass check_vma=False to that shard_map, or run on "
+        f"a GPU (interpret=False), where check_vma=True is supported.")
+  x, residual, scale, bias = (to_varying(a, axes) for a in (x, residual, scale, bias))
+  if residual is None:
+    st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
+                 names, groups)
+    if x.ndim == 1:
+      return _norm_nd_jit(x[None], scale, bias, st)[0]
+    return _norm_nd_jit(x, scale, bias, st)
+  st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
+               names, groups, h_dtype, x.dtype.name, res_in_dtype)
   if x.ndim == 1:
-    return _norm_nd_jit(x[None], scale, bias, st)[0]
-  return _norm_nd_jit(x, scale, bias, st)
+    y, h = _norm_res_nd_jit(x[None], residual[None], scale, bias, st)
+    return y[0], h[0]
+  return _norm_res_nd_jit(x, residual, scale, bias, st)
 
 
 # --------------------------------------------------------------------------- public ops
 
 
-def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="pallas",
-             interpret=None, axis_name=None, axis_index_groups=None):
+def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
+             scale_offset=0.0, mode=None, backend="pallas", interpret=None, axis_name=None,
+             axis_index_groups=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -226,6 +324,17 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
   Args:
     x: [..., N] float32, bfloat16 or float16, any rank >= 1; M = prod(x.shape[:-1]) rows.
     scale: [N] float array or None (no scale).
+    residual: None, or an array of x's shape (float32, bfloat16 or float16): the fused
+      residual add of pre-norm transformers (flash-attention's and Quack's
+      ``residual=``). The op normalises ``h = x + residual``, summed in float32, and
+      returns ``(y, h)``: y in x's dtype, computed from the float32 sum; h in
+      ``residual_dtype``. One pass over memory (read x and residual, write y and h);
+      the backward returns dx = dresidual = (the norm's dx) + dh, added in the same
+      kernel. The forward saves h, not x (as flash-attention does): the backward's
+      x_hat carries h's rounding when ``residual_dtype`` is narrower than float32.
+      Backends "pallas" and "xla".
+    residual_dtype: h's dtype (default: residual's); ``jnp.float32`` keeps an fp32
+      residual stream (flash-attention's ``residual_in_fp32``).
     eps: added to the mean square; None means ``jnp.finfo(jnp.float32).eps``, as torch
       does for fp16/bf16/fp32 inputs.
     scale_offset: y = x_hat * (scale_offset + scale); 1.0 gives Gemma's zero-centred gamma.
@@ -245,29 +354,35 @@ def rms_norm(x, scale=None, *, eps=None, scale_offset=0.0, mode=None, backend="p
       as in ``jax.lax.pmean``.
 
   Returns:
-    y: [..., N] with x's dtype and sharding. Differentiable in x and scale (custom_vjp);
-    dx has x's sharding, dscale scale's.
+    y: [..., N] with x's dtype and sharding; ``(y, h)`` with a residual. Differentiable
+    in x, residual and scale (custom_vjp); dx has x's sharding, dscale scale's.
 
   Raises:
-    ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, an unknown
-      mode or backend, an axis_name not bound by an enclosing shard_map (or one whose
-      shard_map has check_vma=True; pass check_vma=False there), or x sharded
+    ValueError: rank 0, N == 0, a scale shape other than (N,), a residual shape other
+      than x's (or a residual_dtype without a residual), eps < 0, an unknown
+      mode or backend, an axis_name not bound by an enclosing shard_map, a
+      ``check_vma=True`` shard_map in Pallas interpret mode (CPU; JAX's interpret
+      lowering rejects varying-typed operands: pass ``check_vma=False``), or x sharded
       unevenly over a mesh axis (raised at trace/compile time, before any kernel).
-    TypeError: integer or complex x or scale.
+    TypeError: integer or complex x, scale or residual; a residual_dtype that is not
+      float32, bfloat16 or float16.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
+    NotImplementedError: also, residual with backend="triton" (not yet served).
   """
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
   return _norm("rms_norm", x, scale, None, eps=eps, scale_offset=scale_offset,
                subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
-               axis_name=axis_name, axis_index_groups=axis_index_groups)
+               axis_name=axis_name, axis_index_groups=axis_index_groups,
+               residual=residual, residual_dtype=residual_dtype)
 
 
-def layer_norm(x, scale=None, bias=None, *, eps=1e-5, scale_offset=0.0, mode=None,
-               backend="pallas", interpret=None, axis_name=None, axis_index_groups=None):
+def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, eps=1e-5,
+               scale_offset=0.0, mode=None, backend="pallas", interpret=None, axis_name=None,
+               axis_index_groups=None):
   """Layer normalisation over the last axis (Ba et al., 2016,
   https://arxiv.org/abs/1607.06450). Matches ``torch.nn.functional.layer_norm`` over
   the last dimension.
@@ -279,17 +394,20 @@ def layer_norm(x, scale=None, bias=None, *, eps=1e-5, scale_offset=0.0, mode=Non
     x: [..., N] float32, bfloat16 or float16, any rank >= 1; M = prod(x.shape[:-1]) rows.
     scale: [N] float array or None.
     bias: [N] float array or None.
+    residual, residual_dtype: the fused residual add, as in ``rms_norm``.
     eps: added to the variance (default 1e-5, torch's).
     scale_offset: y = x_hat * (scale_offset + scale) + bias.
     mode, backend, interpret, axis_name, axis_index_groups: as in ``rms_norm``;
       across shards the variance is combined with Chan et al.'s formula.
 
   Returns:
-    y: [..., N] with x's dtype. Differentiable in x, scale and bias (custom_vjp).
+    y: [..., N] with x's dtype; ``(y, h)`` with a residual. Differentiable in x,
+    residual, scale and bias (custom_vjp).
 
   Raises:
     ValueError, TypeError, NotImplementedError, ImportError: as in ``rms_norm``.
   """
   return _norm("layer_norm", x, scale, bias, eps=eps, scale_offset=scale_offset,
                subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
-               axis_name=axis_name, axis_index_groups=axis_index_groups)
+               axis_name=axis_name, axis_index_groups=axis_index_groups,
+               residual=residual, residual_dtype=residual_dtype)

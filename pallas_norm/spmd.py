@@ -44,7 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["forward", "backward", "mesh_layout", "check_vma_off"]
+__all__ = ["forward", "backward", "mesh_layout"]
 
 _F32 = jnp.float32
 
@@ -115,21 +115,26 @@ def _combine_stats(s1, s2, *, n, eps, axes, groups):
   return mean, jax.lax.rsqrt(var + _F32(eps))
 
 
-def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden):
-  """One shard: x [..., n] -> (y [..., n], mean [...] | None, rstd [...] | None)."""
+def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden, residual=None):
+  """One shard: x [..., n] (and residual, like x, or None) -> (y [..., n],
+  mean [...] | None, rstd [...] | None, h [..., n] | None)."""
   lead, n = x.shape[:-1], x.shape[-1]
   combine = None
   if hidden:
     combine = functools.partial(_combine_stats, n=n, eps=st.eps, axes=hidden,
                                 groups=st.axis_index_groups)
-  y, mean, rstd = fwd2d(x.reshape(-1, n), scale, bias, st, return_residuals, combine)
+  flat = lambda a: None if a is None else a.reshape(-1, n)
+  y, mean, rstd, h = fwd2d(x.reshape(-1, n), scale, bias, st, return_residuals, combine,
+                           flat(residual))
   back = lambda a: None if a is None else a.reshape(lead)
-  return y.reshape(x.shape), back(mean), back(rstd)
+  return y.reshape(x.shape), back(mean), back(rstd), None if h is None else h.reshape(x.shape)
 
 
-def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows):
-  """One shard: -> (dx [..., n], dscale [n] | None, dbias [n] | None), dscale and dbias
-  summed over the ``rows`` mesh axes (in float32, then cast to the parameter's dtype)."""
+def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows, dh=None):
+  """One shard: -> (dx [..., n], dresidual [..., n] | None, dscale [n] | None,
+  dbias [n] | None), dscale and dbias summed over the ``rows`` mesh axes (in float32,
+  then cast to the parameter's dtype). With a residual (``st.residual_dtype``) x is h
+  and dh its cotangent."""
   n = x.shape[-1]
   combine = None
   if hidden:
@@ -137,12 +142,15 @@ def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows):
                                                                  st.axis_index_groups)
                                    for c in (c1, c2))
   flat = lambda a: None if a is None else a.reshape(-1)
-  dx, dscale, dbias = bwd2d(dy.reshape(-1, n), x.reshape(-1, n), scale, bias, flat(mean),
-                            flat(rstd), st, combine, _F32 if rows else None)
+  dx, dres, dscale, dbias = bwd2d(dy.reshape(-1, n), x.reshape(-1, n), scale, bias,
+                                  flat(mean), flat(rstd), st, combine,
+                                  _F32 if rows else None,
+                                  None if dh is None else dh.reshape(-1, n))
   if rows:
     dscale, dbias = (None if d is None else jax.lax.psum(d, rows).astype(p.dtype)
                      for d, p in ((dscale, scale), (dbias, bias)))
-  return dx.reshape(x.shape), dscale, dbias
+  return (dx.reshape(x.shape), None if dres is None else dres.reshape(x.shape), dscale,
+          dbias)
 
 
 # ------------------------------------------------- Auto meshes: custom_partitioning rules
@@ -167,22 +175,35 @@ def _letters(rank):
   return " ".join("abcdefghijklm"[:rank - 1])
 
 
-def _fwd_impl(x, params, fwd2d, st, return_residuals):
-  return _local_forward(fwd2d, x, *params, st, return_residuals, ())
+def _same_layout(mesh, x_shape, like, what):
+  """``like``'s spec (an array laid out like x: residual, dy, dh) when it is x's; a
+  ValueError otherwise (matching them would move data)."""
+  if like is None:
+    return
+  spec, *_ = _plan(mesh, x_shape.shape, x_shape.sharding)
+  other, *_ = _plan(mesh, like.shape, like.sharding, what)
+  if tuple(other) != tuple(spec):
+    raise ValueError(f"pallas_norm: {what} is sharded {other} but x {spec}; shard them "
+                     f"alike (pallas_norm never reshards them)")
+
+
+def _fwd_impl(x, params, residual, fwd2d, st, return_residuals):
+  return _local_forward(fwd2d, x, *params, st, return_residuals, (), residual)
 
 
 def _fwd_partition(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
   del result_shape
-  x_shape, params = arg_shapes
+  x_shape, params, residual = arg_shapes
+  _same_layout(mesh, x_shape, residual, "residual")
   spec, row_spec, p_spec, _, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
   named = lambda s: NamedSharding(mesh, s)
   p_sh = tuple(None if p is None else named(p_spec) for p in params)
   out = _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals)
 
-  def lower(x, params):
-    return _local_forward(fwd2d, x, *params, st, return_residuals, hidden)
+  def lower(x, params, residual):
+    return _local_forward(fwd2d, x, *params, st, return_residuals, hidden, residual)
 
-  return mesh, lower, out, (named(spec), p_sh)
+  return mesh, lower, out, (named(spec), p_sh, None if residual is None else named(spec))
 
 
 def _fwd_infer(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
@@ -192,50 +213,55 @@ def _fwd_infer(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
 
 
 def _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals):
-  """(y, mean, rstd) shardings; None where _local_forward returns None."""
+  """(y, mean, rstd, h) shardings; None where _local_forward returns None."""
   row = NamedSharding(mesh, row_spec)
-  return (NamedSharding(mesh, spec), row if return_residuals and st.subtract_mean else None,
-          row if return_residuals else None)
+  full = NamedSharding(mesh, spec)
+  return (full, row if return_residuals and st.subtract_mean else None,
+          row if return_residuals else None, full if st.residual_dtype else None)
 
 
 def _fwd_sharding_rule(fwd2d, st, return_residuals, mesh, operand_types, result_types):
   del fwd2d, st, return_residuals, mesh
   rank = len(operand_types[0].shape)
   lead = _letters(rank)
-  ops = ", ".join([f"{lead} n"] + ["n"] * (len(operand_types) - 1))
-  res = ", ".join([f"{lead} n"] + [lead] * (len(result_types) - 1))
+  ops = ", ".join([f"{lead} n"] + ["n" if len(t.shape) == 1 else f"{lead} n"
+                                   for t in operand_types[1:]])
+  res = ", ".join([f"{lead} n"] + [f"{lead} n" if len(t.shape) == rank else lead
+                                   for t in result_types[1:]])
   return f"{ops} -> {res}"
 
 
-_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(2, 3, 4))
+_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(3, 4, 5))
 _fwd_cp.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
                       sharding_rule=_fwd_sharding_rule)
 
 
-def _bwd_impl(dy, x, params, mean, rstd, bwd2d, st):
-  return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, (), ())
+def _bwd_impl(dy, x, params, mean, rstd, dh, bwd2d, st):
+  return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, (), (), dh)
 
 
 def _bwd_partition(bwd2d, st, mesh, arg_shapes, result_shape):
   del result_shape
-  _, x_shape, params, mean, _ = arg_shapes
+  _, x_shape, params, mean, _, dh = arg_shapes
   spec, row_spec, p_spec, rows, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
   named = lambda s: NamedSharding(mesh, s)
   p_sh = tuple(None if p is None else named(p_spec) for p in params)
-  args = (named(spec), named(spec), p_sh, None if mean is None else named(row_spec),
-          named(row_spec))
+  full = named(spec)
+  args = (full, full, p_sh, None if mean is None else named(row_spec), named(row_spec),
+          None if dh is None else full)
 
-  def lower(dy, x, params, mean, rstd):
-    return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, hidden, rows)
+  def lower(dy, x, params, mean, rstd, dh):
+    return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, hidden, rows, dh)
 
-  return mesh, lower, (named(spec), *p_sh), args
+  return mesh, lower, (full, full if st.residual_dtype else None, *p_sh), args
 
 
 def _bwd_infer(bwd2d, st, mesh, arg_shapes, result_shape):
-  del bwd2d, st, result_shape
-  _, x_shape, params, _, _ = arg_shapes
+  del bwd2d, result_shape
+  _, x_shape, params, _, _, _ = arg_shapes
   spec, _, p_spec, _, _ = _plan(mesh, x_shape.shape, x_shape.sharding)
-  return (NamedSharding(mesh, spec),
+  full = NamedSharding(mesh, spec)
+  return (full, full if st.residual_dtype else None,
           *(None if p is None else NamedSharding(mesh, p_spec) for p in params))
 
 
@@ -243,12 +269,16 @@ def _bwd_sharding_rule(bwd2d, st, mesh, operand_types, result_types):
   del bwd2d, mesh
   rank = len(operand_types[0].shape)
   lead = _letters(rank)
-  n_params = len(result_types) - 1
-  ops = [f"{lead} n", f"{lead} n"] + ["n"] * n_params + [lead] * (2 if st.subtract_mean else 1)
-  return f"{', '.join(ops)} -> {', '.join([f'{lead} n'] + ['n'] * n_params)}"
+  n_res = 1 if st.residual_dtype else 0  # dh in, dresidual out
+  n_params = len(result_types) - 1 - n_res
+  x_like = f"{lead} n"
+  ops = ([x_like, x_like] + ["n"] * n_params + [lead] * (2 if st.subtract_mean else 1)
+         + [x_like] * n_res)
+  res = [x_like] * (1 + n_res) + ["n"] * n_params
+  return f"{', '.join(ops)} -> {', '.join(res)}"
 
 
-_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(5, 6))
+_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(6, 7))
 _bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
                       sharding_rule=_bwd_sharding_rule)
 
@@ -306,55 +336,65 @@ def _unbatched(partitioned, local, *args):
   return call(*(args[i] for i in present))
 
 
-def check_vma_off(x, axis_name) -> None:
-  """Raises a ValueError when x comes from a ``jax.shard_map`` with ``check_vma=True``
-  (its type then names the axes it varies over): the kernels' pallas_calls need
-  ``check_vma=False`` there."""
-  t = jax.typeof(x)
-  mat = getattr(t, "mat", None)
-  varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
-  if varying:
-    raise ValueError(
-        f"pallas_norm with {axis_name=} inside jax.shard_map needs check_vma=False on "
-        f"that shard_map (x varies over {sorted(varying)}: Pallas kernels cannot be typed "
-        f"for check_vma here yet). Sharded arrays under jax.jit need no shard_map at all.")
+def _explicit_like(like, mesh, spec, what):
+  """An array laid out like x (residual, dy, dh) on an Explicit mesh: itself when its
+  spec is x's; resharded when it is replicated or unsharded where x is (a slice, no
+  communication); a ValueError otherwise."""
+  if like is None:
+    return None
+  other = jax.typeof(like).sharding
+  if getattr(other, "mesh", None) is None or other.mesh.empty or not any(
+      _axes(e) for e in tuple(other.spec)):
+    return _reshard(like, mesh, spec)
+  other_spec, *_ = mesh_layout(like.shape, other.spec, dict(mesh.shape), what)
+  if tuple(other_spec) != tuple(spec):
+    raise ValueError(f"pallas_norm: {what} is sharded {other_spec} but x {spec}; shard "
+                     f"them alike (pallas_norm never reshards them)")
+  return like
 
 
-def forward(fwd2d, x, scale, bias, st, return_residuals):
+def forward(fwd2d, x, scale, bias, st, return_residuals, residual=None):
   """y (and the residuals) of ``x: [..., N]``, rank >= 2, wherever x lives.
 
-  ``fwd2d(x2, scale, bias, st, return_residuals, combine_stats)`` is the single-device
-  launcher on [M, n] (ops._forward). Returns (y [..., N], mean [...] | None,
-  rstd [...] | None).
+  ``fwd2d(x2, scale, bias, st, return_residuals, combine_stats, residual2)`` is the
+  single-device launcher on [M, n] (ops._forward). ``residual``: None, or laid out like
+  x (the fused add). Returns (y [..., N], mean [...] | None, rstd [...] | None,
+  h [..., N] | None).
   """
   if st.axis_name is not None:  # inside the caller's shard_map
-    return _local_forward(fwd2d, x, scale, bias, st, return_residuals, st.axis_name)
+    return _local_forward(fwd2d, x, scale, bias, st, return_residuals, st.axis_name,
+                          residual)
   explicit = _explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
     spec, row_spec, p_spec, _, hidden = _plan(mesh, x.shape, sharding)
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
+    residual = _explicit_like(residual, mesh, spec, "residual")
     out_specs = (spec, row_spec if return_residuals and st.subtract_mean else None,
-                 row_spec if return_residuals else None)
+                 row_spec if return_residuals else None,
+                 spec if residual is not None else None)
     body = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
                              hidden=hidden)
-    return _shard_map(body, mesh, (x, scale, bias), (spec, p_spec, p_spec), out_specs)
+    return _shard_map(lambda x, s, b, r: body(x, s, b, residual=r), mesh,
+                      (x, scale, bias, residual), (spec, p_spec, p_spec, spec), out_specs)
   if jax.device_count() > 1:
     local = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
                               hidden=())
-    return _unbatched(lambda x, s, b: _fwd_cp(x, (s, b), fwd2d, st, return_residuals),
-                      local, x, scale, bias)
-  return _local_forward(fwd2d, x, scale, bias, st, return_residuals, ())
+    return _unbatched(lambda x, s, b, r: _fwd_cp(x, (s, b), r, fwd2d, st, return_residuals),
+                      lambda x, s, b, r: local(x, s, b, residual=r), x, scale, bias,
+                      residual)
+  return _local_forward(fwd2d, x, scale, bias, st, return_residuals, (), residual)
 
 
-def backward(bwd2d, dy, x, scale, bias, mean, rstd, st):
-  """(dx [..., N], dscale [N] | None, dbias [N] | None) for ``forward``'s residuals.
+def backward(bwd2d, dy, x, scale, bias, mean, rstd, st, dh=None):
+  """(dx [..., N], dresidual [..., N] | None, dscale [N] | None, dbias [N] | None) for
+  ``forward``'s residuals; with a residual, x is h and ``dh`` its cotangent.
 
-  ``bwd2d(dy2, x2, scale, bias, mean, rstd, st, combine_row_sums, param_grad_dtype)``
-  is the single-device launcher on [M, n] (ops._backward).
+  ``bwd2d(dy2, x2, scale, bias, mean, rstd, st, combine_row_sums, param_grad_dtype,
+  dh2)`` is the single-device launcher on [M, n] (ops._backward).
   """
   if st.axis_name is not None:
-    return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, ())
+    return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, (), dh)
   explicit = _explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
@@ -362,16 +402,22 @@ def backward(bwd2d, dy, x, scale, bias, mean, rstd, st):
     param_specs = [None if p is None else jax.typeof(p).sharding.spec for p in (scale, bias)]
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
     dy = _reshard(dy, mesh, spec)
-    body = functools.partial(_local_backward, bwd2d, st=st, hidden=hidden, rows=rows)
-    dx, dscale, dbias = _shard_map(
-        body, mesh, (dy, x, scale, bias, mean, rstd),
-        (spec, spec, p_spec, p_spec, row_spec, row_spec),
-        (spec, p_spec if scale is not None else None, p_spec if bias is not None else None))
+    dh = _reshard(dh, mesh, spec)
+    def body(dy, x, s, b, mu, r, dh):
+      return _local_backward(bwd2d, dy, x, s, b, mu, r, st, hidden, rows, dh)
+
+    dx, dres, dscale, dbias = _shard_map(
+        body, mesh, (dy, x, scale, bias, mean, rstd, dh),
+        (spec, spec, p_spec, p_spec, row_spec, row_spec, spec),
+        (spec, spec if st.residual_dtype else None, p_spec if scale is not None else None,
+         p_spec if bias is not None else None))
     dscale, dbias = (None if d is None else _reshard(d, mesh, ps)
                      for d, ps in zip((dscale, dbias), param_specs))
-    return dx, dscale, dbias
+    return dx, dres, dscale, dbias
   if jax.device_count() > 1:
     local = functools.partial(_local_backward, bwd2d, st=st, hidden=(), rows=())
-    return _unbatched(lambda dy, x, s, b, mu, r: _bwd_cp(dy, x, (s, b), mu, r, bwd2d, st),
-                      local, dy, x, scale, bias, mean, rstd)
-  return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), ())
+    return _unbatched(
+        lambda dy, x, s, b, mu, r, dh: _bwd_cp(dy, x, (s, b), mu, r, dh, bwd2d, st),
+        lambda dy, x, s, b, mu, r, dh: local(dy, x, s, b, mu, r, dh=dh),
+        dy, x, scale, bias, mean, rstd, dh)
+  return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), (), dh)

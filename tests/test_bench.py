@@ -24,6 +24,8 @@ def test_bytes_model():
   assert bench.bytes_model(3, 5, 4, "fwd") == 120
   with pytest.raises(ValueError, match="pass_"):
     bench.bytes_model(1, 1, 2, "bwd")
+  assert bench.bytes_model(3, 5, 2, "fwd", "rms_res") == 4 * 30
+  assert bench.bytes_model(3, 5, 2, "fwdbwd", "layer_res") == 8 * 30
 
 
 def test_rotations_cover_four_l2():
@@ -171,7 +173,8 @@ def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
   assert rc == 0
   doc = json.loads(out.read_text())
   assert doc["meta"]["copy_gbs"] is None and "CUPTI" in doc["meta"]["copy_reason"]
-  assert doc["meta"]["bytes_model"] == {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize"}
+  assert doc["meta"]["bytes_model"]["fwd"] == "2*M*N*itemsize"
+  assert doc["meta"]["bytes_model"]["fwdbwd"] == "5*M*N*itemsize"
   by = {(r["impl"], r["op"], r["pass"]): r for r in doc["rows"]}
   assert len(by) == 12
   for (impl, op, p), r in by.items():
@@ -184,6 +187,27 @@ def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
   assert "dbias" in by[("flax", "layer", "fwdbwd")]["check_detail"]
   assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
   assert capsys.readouterr().out.strip().splitlines()[-1].startswith("xla=xla")
+
+
+def test_residual_ops_on_cpu(tmp_path, monkeypatch):
+  """The fused residual add ("*_res" ops): only pallas, xla and flax are planned; their
+  bytes model is 4 (fwd) and 8 (fwdbwd) x M*N*itemsize; --check passes for each (six
+  outputs for LayerNorm's fwdbwd: y, h, dx, dresidual, dscale, dbias)."""
+  monkeypatch.setattr(bench, "_COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench, "_MAX_ROTATIONS", 2)
+  out = tmp_path / "res.json"
+  args = _args("--shapes", "16x256", "--ops", "rms_res,layer_res", "--impls",
+               "pallas,xla,flax,torch,tokamax", "--iters", "2", "--check", "--out", str(out))
+  plan = bench.build_plan(args)
+  assert {c.impl for c in plan} == {"pallas", "xla", "flax"}
+  assert bench._run(args, plan) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 12
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert r["bytes"] == {"fwd": 4, "fwdbwd": 8}[r["pass"]] * 16 * 256 * 2
+  layer_bwd = [r for r in rows if r["op"] == "layer_res" and r["pass"] == "fwdbwd"][0]
+  assert "dresidual" in layer_bwd["check_detail"] and "dbias" in layer_bwd["check_detail"]
 
 
 def test_check_flags_a_wrong_output():

@@ -1,4 +1,14 @@
-"""Workarounds for JAX's Pallas Triton lowering.
+"""Workarounds for JAX's Pallas Triton lowering, and the kernels' output types.
+
+``out_struct(shape, dtype, like)`` / ``varying_axes`` / ``to_varying``: inside a
+``jax.shard_map`` with ``check_vma=True`` (its default) every value's type names the
+mesh axes it varies over, and a ``pallas_call`` needs that type on each output
+(``jax.ShapeDtypeStruct(..., manual_axis_type=)``; older JAX: ``vma=``). The kernels
+type each output like their main input; ``ops`` first brings x, scale and bias to the
+same varying axes (``to_varying``, whose transpose is the ``psum`` that gives dscale
+of a replicated scale). jax-triton types its outputs as invariant, so the Triton
+launches are re-typed with ``to_varying`` after the call. Outside such a shard_map
+nothing varies and these are plain ShapeDtypeStructs.
 
 ``stream_cache_modifier()``: the cache modifier of the kernels' x and dy loads, data
 read from HBM for one row block and not reused by the program's SM.
@@ -24,6 +34,9 @@ same results.
 from __future__ import annotations
 
 import functools
+import inspect
+
+import jax
 
 _CG = ".cg"
 
@@ -64,3 +77,46 @@ def stream_cache_modifier() -> str | None:
     if not key.startswith("."):
       table.setdefault("." + key, value)
   return _CG if _lowers(_CG) else None
+
+
+# --------------------------------------------------------------------------- check_vma
+
+
+def varying_axes(a) -> frozenset:
+  """The mesh axes that ``a`` varies over, by its type (inside a ``jax.shard_map`` with
+  ``check_vma=True``); empty elsewhere."""
+  t = jax.typeof(a)
+  mat = getattr(t, "mat", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(t, "vma", None) or ())
+
+
+@functools.cache
+def _struct_params() -> frozenset:
+  return frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """``jax.ShapeDtypeStruct(shape, dtype)`` for a pallas_call output that varies over
+  the mesh axes ``like`` varies over."""
+  mat = getattr(jax.typeof(like), "mat", None)
+  if mat is not None and "manual_axis_type" in _struct_params():
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mat)(varying=mat.varying))
+  if "vma" in _struct_params():
+    return jax.ShapeDtypeStruct(shape, dtype, vma=varying_axes(like))
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def to_varying(a, axes):
+  """``a`` typed to vary over ``axes`` too (``jax.lax.pcast``; a no-op on the values).
+  None stays None."""
+  if a is None:
+    return None
+  missing = tuple(sorted(frozenset(axes) - varying_axes(a)))
+  if not missing:
+    return a
+  pcast = getattr(jax.lax, "pcast", None)
+  if pcast is not None:
+    return pcast(a, missing, to="varying")
+  return jax.lax.pvary(a, missing)

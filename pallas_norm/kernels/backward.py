@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
+from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
                                          _slot_bits, _split_count, _split_rows_call,
                                          _split_rows_loop, _split_rows_refs,
@@ -67,23 +68,49 @@ def _row_stats(mean_ref, rstd_ref, rows, row_mask):
   return mean, rstd
 
 
+class _DxOut:
+  """dx's destination with a fused residual add (``residual=``): ``dh`` (the cotangent
+  of h = x + residual, or None) is added to dx in float32, and the sum is stored in
+  x's dtype (``dx``) and, when it differs, in the residual's (``dres``)."""
+
+  def __init__(self, dx_ref, dres_ref, dh_ref):
+    self.dx, self.dres, self.dh = dx_ref, dres_ref, dh_ref
+
+
+def _dx_out(dx_ref, dres_ref, dh_ref):
+  if dres_ref is None and dh_ref is None:
+    return dx_ref
+  return _DxOut(dx_ref, dres_ref, dh_ref)
+
+
 def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd):
   dx = g - x_hat * c1[:, None]
   if c2 is not None:
     dx = dx - c2[:, None]
   dx = dx * rstd[:, None]
-  plgpu.store(dx_ref.at[rows[:, None], cols[None, :]], dx.astype(dx_ref.dtype), mask=mask)
+  idx = (rows[:, None], cols[None, :])
+  if isinstance(dx_ref, _DxOut):
+    if dx_ref.dh is not None:
+      dx = dx + _load_stream(dx_ref.dh.at[idx], mask).astype(_F32)
+    if dx_ref.dres is not None:
+      plgpu.store(dx_ref.dres.at[idx], dx.astype(dx_ref.dres.dtype), mask=mask)
+    dx_ref = dx_ref.dx
+  plgpu.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
 
 
-def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0):
-  """(dy, x, scale, mean, rstd, *extra) inputs then (dx, dscale_part, dbias_part)."""
+def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0, has_dh=False,
+                has_dres=False):
+  """(dy, x, scale, mean, rstd, *extra, dh) inputs then (dx, dres, dscale_part,
+  dbias_part) outputs; with dh or dres, dx_ref is their _DxOut."""
   refs = list(refs)
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
   extra = [refs.pop(0) for _ in range(n_extra_in)]
+  dh_ref = refs.pop(0) if has_dh else None
   dx_ref = refs.pop(0)
+  dx_ref = _dx_out(dx_ref, refs.pop(0) if has_dres else None, dh_ref)
   dw_ref = refs.pop(0) if has_scale else None
   db_ref = refs.pop(0) if has_bias else None
   return dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, extra, dx_ref, dw_ref, db_ref
@@ -199,12 +226,14 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                           block_m, block_n, num_programs, chunked, pieces=()):
+                           has_dh, has_dres, block_m, block_n, num_programs, chunked,
+                           pieces=()):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, c_refs,
-   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, n_c)
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, n_c,
+                                         has_dh, has_dres)
   _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
@@ -244,7 +273,7 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
 
 
 def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                       block_m, block_n, num_programs):
+                       has_dh, has_dres, block_m, block_n, num_programs):
   """Stage 1 for rows of a few chunks: G persistent programs, each over whole rows.
 
   Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
@@ -255,7 +284,8 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
   (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and dx once.
   """
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
-   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean)
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
+                                         has_dh, has_dres)
   m = x_ref.shape[0]
   r = pl.program_id(0)
   num_chunks = cdiv(n, block_n)
@@ -302,8 +332,8 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                      block_m, block_n, chunk_n, num_splits, num_groups, num_warps, lag,
-                      early, phase):
+                      has_dh, has_dres, block_m, block_n, chunk_n, num_splits, num_groups,
+                      num_warps, lag, early, phase):
   """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once
   from HBM).
 
@@ -344,11 +374,13 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
+  dh_ref = refs.pop(0) if has_dh else None
   m = x_ref.shape[0]
   slot_refs, outs, r, k = _split_rows_refs(refs, 2 if subtract_mean else 1, num_splits,
                                            phase)
   if outs:
     dx_ref = outs.pop(0)
+    dx_ref = _dx_out(dx_ref, outs.pop(0) if has_dres else None, dh_ref)
     dw_ref = outs.pop(0) if has_scale else None
     db_ref = outs.pop(0) if has_bias else None
   c1_ref, c2_ref = (*slot_refs, None)[:2]
@@ -457,7 +489,7 @@ def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
   n = parts[0].shape[1]
   return pl.pallas_call(
       functools.partial(_reduce_kernel, block_g=cfg.reduce_block_g, block_n=cfg.reduce_block_n),
-      out_shape=[jax.ShapeDtypeStruct((n,), dt) for dt in dtypes],
+      out_shape=[out_struct((n,), dt, parts[0]) for dt in dtypes],
       grid=(cdiv(n, cfg.reduce_block_n), len(parts)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.reduce_num_warps, num_stages=1),
       interpret=interpret,
@@ -467,7 +499,8 @@ def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
 
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config: BackwardConfig, interpret: bool,
-                  scale_dtype=None, bias_dtype=None, combine_row_sums=None):
+                  scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
+                  dx_dtype=None, residual_dtype=None):
   """Two-stage backward.
 
   Args:
@@ -486,9 +519,15 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       shard's row sums (over its N columns, divided by N) into the whole row's (a
       ``pmean`` over the hidden axes). It selects the row-statistics + column-tiled
       pair, whatever ``block_n``; ``config.pieces`` are not used.
+    dh, dx_dtype, residual_dtype: the fused residual add (``norm_forward(residual=)``,
+      x then being h = x + residual): dh [M, N] (h's cotangent) or None is added to dx
+      in float32; dx is written in ``dx_dtype`` (default x's dtype) and, given a
+      different ``residual_dtype``, once more in that dtype (dresidual).
 
   Returns:
-    (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
+    (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
+    with a ``residual_dtype``, (dx, dresidual, dscale, dbias), dresidual being dx
+    itself when the dtypes agree.
 
   Raises:
     ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``.
@@ -504,29 +543,37 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   statics = dict(n=n, scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=has_scale, block_m=cfg.block_m, block_n=cfg.block_n)
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
-  out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
-  out_shape += [jax.ShapeDtypeStruct((g, n), _F32)] * (int(has_scale) + int(has_bias))
+  dx_dtype = jnp.dtype(dx_dtype or x.dtype)
+  has_dres = residual_dtype is not None and jnp.dtype(residual_dtype) != dx_dtype
+  out_shape = [out_struct((m, n), dx_dtype, x)]
+  if has_dres:
+    out_shape.append(out_struct((m, n), residual_dtype, x))
+  out_shape += [out_struct((g, n), _F32, x)] * (int(has_scale) + int(has_bias))
+  fused = dict(has_dh=dh is not None, has_dres=has_dres)  # the stage-1 kernels' statics
+  tail = [] if dh is None else [dh]  # the stage-1 kernels' last input
   chunked = cfg.block_n < n or combine_row_sums is not None
   pieces = () if combine_row_sums is not None else cfg.pieces
   if pieces and (chunked or sum(pieces) < n):
     raise ValueError(f"config.pieces={cfg.pieces} must cover the row (N={n}) inside one "
                      f"tile (block_n={cfg.block_n})")
   if chunked and cfg.split_rows and combine_row_sums is None:
-    dx, *parts = _split_stage1(inputs, out_shape, statics, has_bias, g, cfg, interpret)
+    dx, *parts = _split_stage1(inputs + tail, out_shape, dict(statics, **fused), has_bias,
+                               g, cfg, interpret)
   elif chunked and cfg.reload_rows and combine_row_sums is None:
     dx, *parts = pl.pallas_call(
-        functools.partial(_bwd_reload_kernel, has_bias=has_bias, num_programs=g, **statics),
+        functools.partial(_bwd_reload_kernel, has_bias=has_bias, num_programs=g, **fused,
+                          **statics),
         out_shape=out_shape,
         grid=(g,),
         compiler_params=params,
         interpret=interpret,
         name="pallas_norm_bwd_reload",
-    )(*inputs)
+    )(*inputs, *tail)
   else:
     if chunked:
       c = pl.pallas_call(
           functools.partial(_bwd_row_stats_kernel, **statics),
-          out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
+          out_shape=[out_struct((m,), _F32, x)] * (2 if subtract_mean else 1),
           grid=(num_row_blocks,),
           compiler_params=params,
           interpret=interpret,
@@ -538,17 +585,20 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       inputs += list(c)
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                          chunked=chunked, pieces=pieces, **statics),
+                          chunked=chunked, pieces=pieces, **fused, **statics),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
         interpret=interpret,
         name="pallas_norm_bwd_columns" if chunked else "pallas_norm_bwd_persistent",
-    )(*inputs)
+    )(*inputs, *tail)
+  dres = parts.pop(0) if has_dres else dx
   dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
   sums = list(_reduce_partials(parts, dtypes, cfg, interpret)) if parts else []
   dscale = sums.pop(0) if has_scale else None
   dbias = sums.pop(0) if has_bias else None
+  if residual_dtype is not None:
+    return dx, dres, dscale, dbias
   return dx, dscale, dbias
 
 

@@ -48,7 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, device_info,
                                 next_power_of_2, split_resident_programs)
-from pallas_norm.kernels._compat import stream_cache_modifier
+from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 
 __all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply"]
 
@@ -107,12 +107,41 @@ def _load_stream(ref_at, mask, eviction_policy=None):
   return _load(ref_at, mask, cache_modifier=stream_cache_modifier())
 
 
+class _Sum:
+  """x + residual as a kernel's input (``residual=``, flash-attention's fused add).
+
+  ``_load_x`` of it returns the float32 sum ``h`` of the x and residual tiles; with
+  ``first`` (the one load of each element that the kernel's schedule makes first) it
+  also stores h, in h_ref's dtype. Passes that reload x reload both and add again, so
+  y is computed from the float32 sum whatever h's dtype.
+  """
+
+  def __init__(self, x_ref, r_ref, h_ref):
+    self.x, self.r, self.h = x_ref, r_ref, h_ref
+
+  @property
+  def shape(self):
+    return self.x.shape
+
+
+def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
+  """The [rows, cols] tile of x (x's dtype), or of x + residual (float32; see _Sum)."""
+  idx = (rows[:, None], cols[None, :])
+  if not isinstance(src, _Sum):
+    return _load_stream(src.at[idx], mask, eviction_policy)
+  h = (_load_stream(src.x.at[idx], mask, eviction_policy).astype(_F32)
+       + _load_stream(src.r.at[idx], mask, eviction_policy).astype(_F32))
+  if first:
+    plgpu.store(src.h.at[idx], h.astype(src.h.dtype), mask=mask)
+  return h
+
+
 def _where0(mask, a):
   return a if mask is None else jnp.where(mask, a, 0.0)
 
 
-def _load_tile(ref, rows, cols, mask):
-  return _load_stream(ref.at[rows[:, None], cols[None, :]], mask).astype(_F32)  # f32 tile
+def _load_tile(ref, rows, cols, mask, first=False):
+  return _load_x(ref, rows, cols, mask, first=first).astype(_F32)  # f32 tile
 
 
 def _f32_again(x_raw):
@@ -156,7 +185,7 @@ def _load_row_block(x_ref, rb, *, n, block_m, block_n):
   """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
   rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                        block_n=block_n)
-  return _load_stream(x_ref.at[rows[:, None], cols[None, :]], mask)
+  return _load_x(x_ref, rows, cols, mask, first=True)
 
 
 def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None):
@@ -218,7 +247,7 @@ def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n):
     # Cached in L2 only (".cg"), like pass 2's reload: with the L1 eviction hints of
     # before (evict_last here, evict_first there), which ptxas refuses with ".cg",
     # RMSNorm 16384^2 took 288.0 us against 275.2 (H200, load_cg.txt).
-    x = _load_tile(x_ref, rows, cols, mask)
+    x = _load_tile(x_ref, rows, cols, mask, first=True)
     if not subtract_mean:
       # acc is [block_m, block_n]: squares are summed across the row once, after the
       # last chunk, not once a chunk.
@@ -376,23 +405,28 @@ def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, 
 # --------------------------------------------------------------------------- kernels
 
 
-def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals):
-  """(x, scale, bias) inputs then (y, mean, rstd) outputs; absent ones are None."""
+def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
+                has_residual=False):
+  """(x, residual, scale, bias) inputs then (y, h, mean, rstd) outputs; absent ones are
+  None. With a residual, x_ref is the _Sum of x and residual (storing h)."""
   refs = list(refs)
   x_ref = refs.pop(0)
+  r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   y_ref = refs.pop(0)
+  if has_residual:
+    x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
   rstd_ref = refs.pop(0) if return_residuals else None
   return x_ref, scale_ref, bias_ref, (x_ref, y_ref, mean_ref, rstd_ref)
 
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals,
+                   return_residuals, has_residual,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals)
+                                               return_residuals, has_residual)
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
@@ -400,20 +434,20 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals,
+                   return_residuals, has_residual,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals)
+                                               return_residuals, has_residual)
   _chunked_rows(pl.program_id(0), io, scale_ref, bias_ref, n=n, eps=eps,
                 scale_offset=scale_offset, subtract_mean=subtract_mean,
                 block_m=block_m, block_n=block_n)
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       return_residuals,
+                       return_residuals, has_residual,
                        block_m, block_n, num_programs):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals)
+                                               return_residuals, has_residual)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
@@ -442,8 +476,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                  return_residuals, block_m, block_n, chunk_n, num_splits, num_warps,
-                  max_polls, interpret):
+                  return_residuals, has_residual, block_m, block_n, chunk_n, num_splits,
+                  num_warps, max_polls, interpret):
   """multi_wave_cached for rows split over ``num_splits`` programs (block_n < N).
 
   Program p = rb * num_splits + k holds columns [k * block_n, (k + 1) * block_n) of
@@ -476,10 +510,13 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   so CPU tests run both paths.
   """
   refs = list(refs)
+  r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   refs.pop(0)  # the zeroed counters (input), aliased to the output below
   y_ref = refs.pop(0)
+  if has_residual:
+    x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
   rstd_ref = refs.pop(0) if return_residuals else None
   # int32, one counter every _SYNC_STRIDE: one arrival counter a row block.
@@ -494,14 +531,14 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   chunk_tile = functools.partial(_chunk_index, rb, m=m, n=n, block_m=block_m,
                                  block_n=block_n, chunk_n=chunk_n, rows_in_bounds=True)
 
-  def load_chunk(j, c):  # chunk c of split j: (x tile, mask)
+  def load_chunk(j, c, first=False):  # chunk c of split j: (x tile, mask)
     _, cols_c, _, _, mask_c = chunk_tile(j * num_chunks + c)
-    return _load_stream(x_ref.at[rows[:, None], cols_c[None, :]], mask_c), mask_c
+    return _load_x(x_ref, rows, cols_c, mask_c, first=first), mask_c
 
   partials = functools.partial(_split_partials, n=n, block_n=block_n,
                                subtract_mean=subtract_mean)
   rows, _, row_mask, _, _ = chunk_tile(0)
-  chunks = [load_chunk(k, c) for c in range(num_chunks)]
+  chunks = [load_chunk(k, c, first=True) for c in range(num_chunks)]
   s1, s2 = partials(lambda c: chunks[c], num_chunks, k)
   plgpu.store(p1_ref.at[rows, k], s1, mask=row_mask)
   if subtract_mean:
@@ -656,7 +693,7 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
                                                                 num_stages=1))
   if interpret:
     slots = call(functools.partial(kernel, phase="publish"),
-                 out_shape=[jax.ShapeDtypeStruct(slot_shape, jnp.int32)] * n_slots,
+                 out_shape=[out_struct(slot_shape, jnp.int32, inputs[0])] * n_slots,
                  grid=(num_row_blocks, num_splits), name=f"{name}_publish")(*inputs)
     return call(functools.partial(kernel, phase="consume"), out_shape=out_shape,
                 grid=(num_groups, num_splits), name=name)(*inputs, *slots)
@@ -664,7 +701,7 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
   sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
   first = len(inputs)
   outs = call(functools.partial(kernel, phase="all"),
-              out_shape=[*out_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sync)],
+              out_shape=[*out_shape, *(out_struct(a.shape, a.dtype, a) for a in sync)],
               grid=(num_groups * num_splits,),
               input_output_aliases={first + i: len(out_shape) + i for i in range(len(sync))},
               name=name)(*inputs, *sync)
@@ -672,8 +709,8 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
 
 
 def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale,
-                             has_bias, return_residuals, block_m, block_n, num_splits,
-                             num_groups, num_warps, lag, early, phase):
+                             has_bias, return_residuals, has_residual, block_m, block_n,
+                             num_splits, num_groups, num_warps, lag, early, phase):
   """static_persistent with ``split_rows``: each row over ``num_splits`` programs, x read
   once from HBM and nothing held across the wait.
 
@@ -694,23 +731,28 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
   dy; the machinery is _split_rows_refs / _split_rows_loop / _split_rows_call.
   """
   refs = list(refs)
+  r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   n_slots = 2 if subtract_mean else 1
   slot_refs, outs, r, k = _split_rows_refs(refs, n_slots, num_splits, phase)
   y_ref = mean_ref = rstd_ref = None
+  # (h is stored by finish, which each row block's split reaches once; publish only
+  # reads: in interpret mode the two are separate calls and only finish's has outputs)
+  src = _Sum(x_ref, r_ref, None) if has_residual else x_ref
   if outs:
     y_ref = outs.pop(0)
+    if has_residual:
+      src = _Sum(x_ref, r_ref, outs.pop(0))
     mean_ref = outs.pop(0) if subtract_mean and return_residuals else None
     rstd_ref = outs.pop(0) if return_residuals else None
   m = x_ref.shape[0]
   tile = functools.partial(_tile_index, k=k, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)  # the loop visits valid row blocks only
 
-  def load(rb, eviction_policy):
+  def load(rb, eviction_policy, first=False):
     rows, cols, row_mask, col_mask, mask = tile(rb)
-    x = _load_stream(x_ref.at[rows[:, None], cols[None, :]], mask,
-                     eviction_policy=eviction_policy)
+    x = _load_x(src, rows, cols, mask, first=first, eviction_policy=eviction_policy)
     return rows, cols, row_mask, col_mask, mask, x
 
   def publish(rb):
@@ -729,7 +771,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)  # hoisted
 
   def finish(rb, carry):
-    rows, cols, row_mask, _, mask, x = load(rb, "evict_first")
+    rows, cols, row_mask, _, mask, x = load(rb, "evict_first", first=True)
     ks, tiles = _split_slot_tiles(slot_refs, rows, row_mask, num_splits=num_splits,
                                   num_threads=32 * num_warps, poll=phase == "all")
     mean, rstd = _combine_splits(tiles[0], tiles[1] if subtract_mean else None, ks, n=n,
@@ -745,8 +787,31 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 # --------------------------------------------------------------------------- launcher
 
 
+def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean):
+  """The kernels' inputs (x, residual, scale, bias; the present ones) and outputs
+  (y, h, mean, rstd; the wanted ones)."""
+  m, n = x.shape
+  inputs = [a for a in (x, residual, scale, bias) if a is not None]
+  outs = [out_struct((m, n), x.dtype, x)]
+  if residual is not None:
+    outs.append(out_struct((m, n), residual_dtype, x))
+  if return_residuals:
+    outs += [out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
+  return inputs, outs
+
+
+def _results(outs, has_residual, return_residuals, subtract_mean):
+  """(y, mean, rstd), and h last with a residual, from the outputs _io asked for."""
+  y, *rest = outs
+  h = rest.pop(0) if has_residual else None
+  mean = rest.pop(0) if return_residuals and subtract_mean else None
+  rstd = rest.pop(0) if return_residuals else None
+  return (y, mean, rstd, h) if has_residual else (y, mean, rstd)
+
+
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
-                 config: ForwardConfig, interpret: bool, return_residuals: bool = True):
+                 config: ForwardConfig, interpret: bool, return_residuals: bool = True,
+                 residual=None, residual_dtype=None):
   """Launch the forward kernel that ``config.mode`` names.
 
   Args:
@@ -757,10 +822,13 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     interpret: run in Pallas interpret mode.
     return_residuals: write mean/rstd (what the backward needs). A plain forward skips
       them: at 4096 x 1024 bf16 the kernel writing them took ~1.3 us more (H200).
+    residual: None, or [M, N] float: the kernel normalises h = x + residual (summed in
+      float32) and also writes h, in ``residual_dtype`` (default: residual's dtype).
 
   Returns:
-    (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None). mean is None for
-    RMSNorm; both are None without ``return_residuals``.
+    (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
+    with a residual. mean is None for RMSNorm; both are None without
+    ``return_residuals``.
 
   Raises:
     NotImplementedError: multi_wave_cached split over more programs than the device has
@@ -771,12 +839,23 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   statics = dict(n=n, eps=float(eps), scale_offset=float(scale_offset),
                  subtract_mean=subtract_mean, has_scale=scale is not None,
                  has_bias=bias is not None, return_residuals=return_residuals,
-                 block_m=cfg.block_m, block_n=cfg.block_n)
+                 has_residual=residual is not None, block_m=cfg.block_m, block_n=cfg.block_n)
+  if residual is not None and residual_dtype is None:
+    residual_dtype = residual.dtype
+  io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean)
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
-    return _split_forward(x, scale, bias, statics, cfg, interpret)
-  if cfg.mode == "static_persistent" and cfg.split_rows and cfg.block_n < n:
-    return _split_persistent_forward(x, scale, bias, statics, cfg, interpret)
+    outs = _split_forward(x, *io, statics, cfg, interpret)
+  elif cfg.mode == "static_persistent" and cfg.split_rows and cfg.block_n < n:
+    outs = _split_persistent_forward(x, *io, statics, cfg, interpret)
+  else:
+    outs = _whole_rows_forward(*io, statics, cfg, num_row_blocks, interpret)
+  return _results(outs, residual is not None, return_residuals, subtract_mean)
+
+
+def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_blocks: int,
+                        interpret: bool):
+  """multi_wave_cached (a row a tile), multi_wave_reload, static_persistent."""
   if cfg.mode == "multi_wave_cached":
     kernel, grid, name = _cached_kernel, num_row_blocks, "pallas_norm_fwd_cached"
   elif cfg.mode == "multi_wave_reload":
@@ -785,30 +864,21 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     grid = _persistent_programs(cfg, num_row_blocks)
     statics["num_programs"] = grid
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
-  out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
-  if return_residuals:
-    out_shape += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1)
-  inputs = [a for a in (x, scale, bias) if a is not None]
-  outs = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(kernel, **statics),
-      out_shape=out_shape,
+      out_shape=outs,
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
       interpret=interpret,
       name=name,
   )(*inputs)
-  y, *stats = outs
-  if not return_residuals:
-    return y, None, None
-  return (y, *stats) if subtract_mean else (y, None, *stats)
 
 
-def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool):
+def _split_forward(x, inputs, outs, statics, cfg: ForwardConfig, interpret: bool):
   """multi_wave_cached with the row split over cdiv(N, block_n) programs (_split_kernel)."""
   m, n = x.shape
   sm = statics["subtract_mean"]
-  return_residuals = statics["return_residuals"]
   num_splits = _split_count(n, cfg.block_n, interpret, what="multi_wave_cached",
                             remedy=f"use a larger block_n (up to {_SPLIT_MAX_BLOCK_N}) or "
                                    f"mode='static_persistent'")
@@ -816,35 +886,28 @@ def _split_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool)
   chunk_n = min(cfg.chunk_n or cfg.block_n, cfg.block_n)
   statics = dict(statics, chunk_n=chunk_n, num_splits=num_splits, num_warps=cfg.num_warps,
                  max_polls=0 if interpret else _SPLIT_MAX_POLLS, interpret=interpret)
-  slots = [jax.ShapeDtypeStruct((num_row_blocks * cfg.block_m, num_splits), _F32)
+  slots = [out_struct((num_row_blocks * cfg.block_m, num_splits), _F32, x)
            ] * (2 if sm else 1)
-  outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
-  if return_residuals:
-    outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
-  params_in = [a for a in (scale, bias) if a is not None]
   sync = jnp.zeros((num_row_blocks * _SYNC_STRIDE,), jnp.int32)
-  inputs = [x, *params_in, sync]
+  inputs = [*inputs, sync]
   res = pl.pallas_call(
       functools.partial(_split_kernel, **statics),
-      out_shape=outs + [jax.ShapeDtypeStruct(sync.shape, sync.dtype)] + slots,
+      out_shape=outs + [out_struct(sync.shape, sync.dtype, sync)] + slots,
       grid=(num_row_blocks * num_splits,),
       input_output_aliases={len(inputs) - 1: len(outs)},
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
       interpret=interpret,
       name="pallas_norm_fwd_split")(*inputs)
-  y, *stats = res[:len(outs)]
-  if not return_residuals:
-    return y, None, None
-  return (y, *stats) if sm else (y, None, *stats)
+  return res[:len(outs)]
 
 
-def _split_persistent_forward(x, scale, bias, statics, cfg: ForwardConfig, interpret: bool):
+def _split_persistent_forward(x, inputs, outs, statics, cfg: ForwardConfig,
+                              interpret: bool):
   """static_persistent with the row split over cdiv(N, block_n) programs
   (_split_persistent_kernel)."""
   m, n = x.shape
   sm = statics["subtract_mean"]
-  return_residuals = statics["return_residuals"]
   num_splits = _split_count(n, cfg.block_n, interpret, what="static_persistent with split_rows",
                             remedy="use a larger block_n or split_rows=False",
                             per_sm=split_resident_programs(cfg.num_warps))
@@ -852,18 +915,11 @@ def _split_persistent_forward(x, scale, bias, statics, cfg: ForwardConfig, inter
   num_groups = _persistent_programs(cfg, num_row_blocks)
   statics = dict(statics, num_splits=num_splits, num_groups=num_groups,
                  num_warps=cfg.num_warps, lag=cfg.split_lag, early=cfg.split_early_publish)
-  outs = [jax.ShapeDtypeStruct((m, n), x.dtype)]
-  if return_residuals:
-    outs += [jax.ShapeDtypeStruct((m,), _F32)] * (2 if sm else 1)
-  inputs = [a for a in (x, scale, bias) if a is not None]
-  y, *stats = _split_rows_call(
+  return _split_rows_call(
       functools.partial(_split_persistent_kernel, **statics), inputs, outs,
       num_row_blocks=num_row_blocks, block_m=cfg.block_m, num_splits=num_splits,
       num_groups=num_groups, n_slots=2 if sm else 1, num_warps=cfg.num_warps,
       interpret=interpret, name="pallas_norm_fwd_split_persistent")
-  if not return_residuals:
-    return y, None, None
-  return (y, *stats) if sm else (y, None, *stats)
 
 
 _SYNC_STRIDE = 32  # int32s: one counter a 128-byte line
@@ -900,8 +956,17 @@ def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: st
 # ----------------------------------------------------- tensor parallel: statistics, then y
 
 
-def _stats_kernel(x_ref, s1_ref, *s2_ref, n, subtract_mean, block_m, block_n, num_programs):
-  """Per row of this shard: RMSNorm s1 = sum(x^2); LayerNorm s1 = mean, s2 = M2."""
+def _stats_kernel(*refs, n, subtract_mean, has_residual, block_m, block_n, num_programs):
+  """Per row of this shard: RMSNorm s1 = sum(x^2); LayerNorm s1 = mean, s2 = M2 (of
+  h = x + residual with one, storing h)."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  r_ref = refs.pop(0) if has_residual else None
+  s1_ref = refs.pop(0)
+  s2_ref = [refs.pop(0)] if subtract_mean else []
+  if has_residual:
+    x_ref = _Sum(x_ref, r_ref, refs.pop(0))
+
   def row_block(rb):
     mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
                              block_n=block_n)
@@ -915,9 +980,12 @@ def _stats_kernel(x_ref, s1_ref, *s2_ref, n, subtract_mean, block_m, block_n, nu
 
 
 def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                  block_m, block_n, num_programs):
-  """y from x and the whole row's mean (LayerNorm) and rstd, [M] f32 inputs."""
+                  has_residual, block_m, block_n, num_programs):
+  """y from x (+ residual) and the whole row's mean (LayerNorm) and rstd, [M] f32
+  inputs."""
   refs = list(refs)
+  if has_residual:
+    x_ref = _Sum(x_ref, refs.pop(0), None)  # h was stored by the statistics kernel
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   mean_ref = refs.pop(0) if subtract_mean else None
@@ -958,7 +1026,8 @@ def _tp_launch(cfg: ForwardConfig, m: int):
   return grid, grid
 
 
-def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpret: bool):
+def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpret: bool,
+                       residual=None, residual_dtype=None):
   """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
 
   The row block is walked in ``config.block_n`` chunks (one chunk when the row fits, as
@@ -968,35 +1037,43 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpr
   Args:
     x: [M, n] the shard's columns of each row.
     subtract_mean: LayerNorm (True) or RMSNorm.
-    config, interpret: as in ``norm_forward``.
+    config, interpret, residual, residual_dtype: as in ``norm_forward``; with a
+      residual the statistics are those of h = x + residual, and h is written.
 
   Returns:
     (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
-    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards.
+    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards;
+    and h [M, n] third with a residual.
   """
   m, n = x.shape
   cfg = config
   grid, num_programs = _tp_launch(cfg, m)
+  outs = [out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
+  if residual is not None:
+    outs.append(out_struct((m, n), residual_dtype or residual.dtype, x))
   out = pl.pallas_call(
-      functools.partial(_stats_kernel, n=n, subtract_mean=subtract_mean, block_m=cfg.block_m,
+      functools.partial(_stats_kernel, n=n, subtract_mean=subtract_mean,
+                        has_residual=residual is not None, block_m=cfg.block_m,
                         block_n=cfg.block_n, num_programs=num_programs),
-      out_shape=[jax.ShapeDtypeStruct((m,), _F32)] * (2 if subtract_mean else 1),
+      out_shape=outs,
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="pallas_norm_fwd_shard_stats",
-  )(x)
-  return (out[0], out[1]) if subtract_mean else (out[0], None)
+  )(*[a for a in (x, residual) if a is not None])
+  s = (out[0], out[1]) if subtract_mean else (out[0], None)
+  return s if residual is None else (*s, out[-1])
 
 
 def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
-                       config: ForwardConfig, interpret: bool):
+                       config: ForwardConfig, interpret: bool, residual=None):
   """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
 
   Args:
     x: [M, n]; scale, bias: [n] or None (the shard's columns).
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
     scale_offset, config, interpret: as in ``norm_forward``.
+    residual: the residual given to ``norm_forward_stats``: y is that of x + residual.
 
   Returns:
     y: [M, n] in x's dtype.
@@ -1004,13 +1081,13 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
   m, n = x.shape
   cfg = config
   grid, num_programs = _tp_launch(cfg, m)
-  inputs = [a for a in (x, scale, bias, mean, rstd) if a is not None]
+  inputs = [a for a in (x, residual, scale, bias, mean, rstd) if a is not None]
   return pl.pallas_call(
       functools.partial(_apply_kernel, n=n, scale_offset=float(scale_offset),
                         subtract_mean=mean is not None, has_scale=scale is not None,
-                        has_bias=bias is not None, block_m=cfg.block_m, block_n=cfg.block_n,
-                        num_programs=num_programs),
-      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+                        has_bias=bias is not None, has_residual=residual is not None,
+                        block_m=cfg.block_m, block_n=cfg.block_n, num_programs=num_programs),
+      out_shape=out_struct((m, n), x.dtype, x),
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_norm import config as _config
+from pallas_norm.kernels._compat import to_varying, varying_axes
 
 __all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply", "norm_backward",
            "INSTALL_HINT"]
@@ -53,9 +54,17 @@ def _triton_call(kernel, *args, out, plan, name):
   jt = _jax_triton()
   version = tuple(getattr(jt, "__version_info__", (0, 3)))
   out_kw = "out_type" if version >= (0, 4) else "out_shape"
-  return jt.triton_call(*args, kernel=kernel, grid=plan.grid, num_warps=plan.num_warps,
+  outs = jt.triton_call(*args, kernel=kernel, grid=plan.grid, num_warps=plan.num_warps,
                         num_stages=plan.num_stages, name=name, **{out_kw: out},
                         **plan.kwargs)
+  # jax-triton types its outputs as invariant; inside a check_vma shard_map they vary
+  # like the inputs (_compat.to_varying).
+  axes = frozenset().union(*(varying_axes(a) for a in args if hasattr(a, "shape")))
+  if not axes:
+    return outs
+  if isinstance(outs, (list, tuple)):
+    return type(outs)(to_varying(o, axes) for o in outs)
+  return to_varying(outs, axes)
 
 
 def _f32(*shape):

@@ -10,6 +10,7 @@ their shardings (y and dx: x's; dscale and dbias: the hidden axes'); no all-gath
 the compiled forward+backward; bitwise-identical results on a second run.
 """
 
+import functools
 import math
 
 import jax
@@ -182,6 +183,70 @@ def _check_sharded(layout, rank, n_shard, op, dtype, axis_type, backend):
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,op", [("dp", "rms"), ("sp", "layer"), ("tp", "layer"),
+                                       ("dp_tp", "rms")])
+def test_residual_sharded(layout, op, axis_type):
+  """The fused residual add, sharded: (y, h) and the grads of x, residual, scale and
+  bias against the unsharded formula; y, h, dx, dresidual keep x's sharding; no
+  all-gather; bitwise-identical reruns. bf16 x with an fp32 residual stream."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 40)
+  hidden = spec[-1]
+  x, scale, bias, dy = _inputs(shape, jnp.bfloat16, seed=11)
+  r = jax.random.normal(jax.random.key(12), shape, jnp.float32)
+  dh = jax.random.normal(jax.random.key(13), shape, jnp.float32)
+  layer = op == "layer"
+
+  def ours(x, r, s, b):
+    if layer:
+      return pallas_norm.layer_norm(x, s, b, residual=r)
+    return pallas_norm.rms_norm(x, s, residual=r)
+
+  def ref(x, r, s, b):
+    h = x.astype(jnp.float32) + r
+    y = reference.norm(h, s, b if layer else None, eps=1e-5 if layer else _EPS_RMS,
+                       subtract_mean=layer)[0]
+    return y.astype(x.dtype), h
+
+  def step_of(f):
+    def step(x, r, s, b, dy, dh):
+      out, vjp = jax.vjp(f, x, r, s, b)
+      return (*out, *vjp((dy, dh)))
+    return jax.jit(step)
+
+  put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+  args = (put(x, spec), put(r, spec), put(scale, P(hidden)), put(bias, P(hidden)),
+          put(dy, spec), put(dh, spec))
+  step = step_of(ours)
+  out = step(*args)
+  want = step_of(ref)(x, r, scale, bias, dy, dh)
+  names_ = ("y", "h", "dx", "dresidual", "dscale", "dbias")
+  for name, g, w in zip(names_, out, want):
+    if name == "dbias" and not layer:
+      continue
+    tol = 2e-2 if name in ("y", "dx") else 2e-4 * math.sqrt(math.prod(shape[:-1]))
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=tol, rtol=tol, err_msg=name)
+  x_spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  same = lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), a.ndim)
+  for g in out[:4]:
+    assert same(g, x_spec), g.sharding
+  assert same(out[4], (hidden,)), out[4].sharding
+  assert _collectives(step.lower(*args).compile().as_text())["all-gather"] == 0
+  for a, b in zip(out, step(*args)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_residual_sharded_differently_is_an_error():
+  mesh = jax.make_mesh((NDEV,), ("data",), axis_types=(AxisType.Explicit,))
+  x = jax.device_put(jnp.ones((NDEV, 2 * NDEV)), NamedSharding(mesh, P("data")))
+  r = jax.device_put(jnp.ones((NDEV, 2 * NDEV)), NamedSharding(mesh, P(None, "data")))
+  with pytest.raises(ValueError, match="residual is sharded"):
+    jax.jit(lambda x, r: pallas_norm.rms_norm(x, residual=r))(x, r)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 @pytest.mark.parametrize("layout,op", [("dp", "layer"), ("tp", "rms"), ("dp_tp", "layer")])
 def test_forward_only(layout, op, axis_type):
   """Outside jax.vjp the forward writes no residuals: its own partitioning rule."""
@@ -256,12 +321,70 @@ def test_unbound_axis_name_is_an_error():
     pallas_norm.rms_norm(jnp.ones((2, 8)), axis_name="model")
 
 
-def test_axis_name_under_check_vma_is_a_clear_error():
+@pytest.mark.cpu_only
+def test_check_vma_in_interpret_mode_is_a_clear_error():
+  """JAX's interpret-mode lowering cannot take varying-typed operands: a ValueError
+  before any kernel, naming the remedy."""
   mesh = jax.make_mesh((NDEV,), ("model",), axis_types=(AxisType.Auto,))
   f = jax.jit(jax.shard_map(lambda x: pallas_norm.rms_norm(x, axis_name="model"), mesh=mesh,
                             in_specs=P(None, "model"), out_specs=P(None, "model")))
-  with pytest.raises(ValueError, match="needs check_vma=False"):
+  with pytest.raises(ValueError, match="check_vma=False to that shard_map, or run on a GPU"):
     f(jnp.ones((2, 4 * NDEV)))
+
+
+def _check_vma_cases():
+  """(name, mesh, fn(x, s) inside a default shard_map, in_specs, flax twin)."""
+  mesh = jax.make_mesh((2, HALF), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  return mesh, {
+      # data parallel, scale replicated: dscale is psummed by JAX's transpose of pvary
+      "dp": (lambda x, s, **kw: pallas_norm.rms_norm(x, s, **kw),
+             lambda x, s: nnx.RMSNorm(x.shape[-1], rngs=nnx.Rngs(0), epsilon=_EPS_RMS,
+                                      use_fast_variance=False)(x) * s,
+             (P("data", None), P())),
+      # tensor parallel with flax's axis_name, scale sharded alike
+      "tp": (lambda x, s, **kw: pallas_norm.layer_norm(x, s, axis_name="model", **kw),
+             lambda x, s: nnx.LayerNorm(x.shape[-1], rngs=nnx.Rngs(0), axis_name="model",
+                                        use_fast_variance=False)(x) * s,
+             (P("data", "model"), P("model"))),
+  }
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("case", ["dp", "tp"])
+def test_check_vma_types_lower_for_cuda(case):
+  """Without a GPU: under a default (check_vma=True) shard_map the kernels' outputs are
+  typed varying like x, so forward and grad trace and lower for CUDA (interpret=False),
+  with the collectives the layout needs and no all-gather."""
+  mesh, cases = _check_vma_cases()
+  ours, _, specs = cases[case]
+  f = jax.shard_map(functools.partial(ours, interpret=False), mesh=mesh, in_specs=specs,
+                    out_specs=specs[0])
+  g = jax.grad(lambda x, s: jnp.sum(f(x, s) ** 2), argnums=(0, 1))
+  x, s = jnp.ones((8, 64 * HALF)), jnp.ones(64 * HALF)
+  text = jax.jit(g).trace(x, s).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("all_gather") == 0
+  # dp: the psum of dscale over "data"; tp: also the pmeans of the statistics and row sums
+  assert text.count("all_reduce") == (1 if case == "dp" else 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+@pytest.mark.parametrize("case", ["dp", "tp"])
+def test_check_vma_matches_flax(case, backend):
+  """Inside a default (check_vma=True) shard_map: y and the grads of x and scale equal
+  flax's (nnx.RMSNorm / nnx.LayerNorm, the same axis_name) in the same shard_map."""
+  mesh, cases = _check_vma_cases()
+  ours, theirs, specs = cases[case]
+  x = jax.random.normal(jax.random.key(7), (16, 96 * HALF)) * 2 + 0.5
+  s = 1 + 0.1 * jax.random.normal(jax.random.key(8), (96 * HALF,))
+  got, want = (
+      jax.jit(jax.value_and_grad(
+          lambda x, s: jnp.sum(jnp.sin(jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                                                       out_specs=specs[0])(x, s))),
+          argnums=(0, 1)))(x, s)
+      for fn in (functools.partial(ours, backend=backend), theirs))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4)
 
 
 def _in_shard_map(fn, x, mesh):
