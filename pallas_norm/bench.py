@@ -1001,7 +1001,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
   width = {i.name: max(6, len(i.abbrev)) for i in impls}
   copy = meta.get("copy_gbs")
   lines = [f"{meta.get('device', '?')}  {meta.get('dtype', '?')}  {meta.get('date', '?')}  "
-           f"GB/s (fwd 2*M*N*s, fwd+bwd 5*M*N*s bytes); copy "
+           f"GB/s (fwd 2*M*N*s, fwd+bwd 5*M*N*s bytes"
+           f"{'; *_res 4 and 8' if any(r['op'].endswith('_res') for r in rows) else ''}); copy "
            f"{f'{copy:.0f}' if copy else 'n/a'} GB/s; commit {str(meta.get('git_commit'))[:10]}"]
   for src in meta.get("merged_from", []):  # rows of several runs; % of copy is each run's
     lines.append(f"  merged: {src['file']} ({src['date']}, commit {src['git_commit']}, copy "
