@@ -1098,7 +1098,8 @@ def _parser() -> argparse.ArgumentParser:
                   "torch and Liger (CUPTI kernel time, rotated inputs, median). "
                   "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize.",
       epilog="--sharded: the sharded benchmark over every local GPU instead "
-             "(pallas_norm/bench_sharded.py; its options: --sharded --help).")
+             "(pallas_norm/bench_sharded.py; its options: --sharded --help). "
+             "--e2e: the train-step benchmark (pallas_norm/bench_e2e.py; --e2e --help).")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
                                   "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
   p.add_argument("--ops", default="rms,layer",
@@ -1130,6 +1131,9 @@ def main(argv: list[str] | None = None) -> int:
   if "--sharded" in argv:  # the multi-GPU benchmark, with options of its own
     from pallas_norm import bench_sharded
     return bench_sharded.main([a for a in argv if a != "--sharded"])
+  if "--e2e" in argv:  # the train-step benchmark, with options of its own
+    from pallas_norm import bench_e2e
+    return bench_e2e.main([a for a in argv if a != "--e2e"])
   parser = _parser()
   args = parser.parse_args(argv)
   if args.iters < 1:

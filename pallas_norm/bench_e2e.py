@@ -1,0 +1,474 @@
+"""End-to-end train-step benchmark: ``python -m pallas_norm.bench --e2e``.
+
+Trains decoder stacks with a jitted optax adamw step and times the step with each norm
+variant, in one process, the variants alternated round by round so that machine drift
+cancels:
+
+  flax     flax's norms (``nnx.RMSNorm`` / ``nnx.LayerNorm``; Gemma: its own
+           ``x * rsqrt(mean(x^2) + eps) * (1 + scale)`` in jnp, as flax's Gemma does),
+           the residual add written ``h = h + delta`` before the norm;
+  pallas   ``pallas_norm.RMSNorm`` / ``LayerNorm`` as drop-ins, the same code;
+  fused    pallas_norm with the fused residual add: ``y, h = norm(delta, residual=h)``.
+
+Configs (``--config NAME`` or ``--config key=value,...`` for your own sizes): a Llama-3
+style stack (RMSNorm, GQA, SwiGLU), a Qwen3 style stack (plus QK-norm: RMSNorm over
+head_dim 128 of q and k), and a Gemma style stack (zero-centred gamma: scale_offset=1,
+GeGLU, multi-query attention). bf16 activations, fp32 parameters and adamw state.
+
+Per variant it reports:
+  * step time: wall clock of one step up to ``jax.block_until_ready``, median of
+    ``--rounds`` x ``--steps`` timed steps (after compilation and ``--warmup`` steps),
+    and tokens/s = batch * seq / median;
+  * compiled temp memory (``compile().memory_analysis().temp_size_in_bytes``);
+  * a CUPTI breakdown of one step (``jax.experimental.mosaic.gpu.profiler``): every
+    kernel's time, in categories: ``norm`` (pallas_norm's kernels and every XLA kernel
+    whose HLO instruction carries the ``pn_norm`` name scope, which wraps the residual
+    add and the norm in each variant: what XLA fuses around a norm, and the adds and
+    casts around our calls), ``gemm``, ``attention``, ``other``.
+
+Output: JSON (and a PNG) under ``--out``; the table is printed. The speedup of a
+variant is flax's median step time / its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+__all__ = ["CONFIGS", "Config", "VARIANTS", "build", "classify", "main"]
+
+VARIANTS = ("flax", "pallas", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One decoder stack. ``style``: "llama" (RMSNorm, SwiGLU), "qwen3" (plus QK-norm) or
+  "gemma" (zero-centred RMSNorm gamma, GeGLU)."""
+
+  name: str
+  style: str
+  d: int
+  layers: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  ffn: int
+  seq: int
+  batch: int
+  vocab: int = 32000
+  eps: float = 1e-6
+
+
+CONFIGS = {
+    "llama": Config("llama", "llama", d=4096, layers=2, heads=32, kv_heads=8, head_dim=128,
+                    ffn=14336, seq=2048, batch=2),
+    "qwen3": Config("qwen3", "qwen3", d=2048, layers=4, heads=16, kv_heads=8, head_dim=128,
+                    ffn=6144, seq=4096, batch=1),
+    "gemma": Config("gemma", "gemma", d=2048, layers=4, heads=8, kv_heads=1, head_dim=256,
+                    ffn=16384, seq=2048, batch=2),
+}
+
+
+def parse_config(text: str) -> Config:
+  """A name of CONFIGS, or ``base=llama,d=1024,layers=2,...`` (fields of Config)."""
+  if "=" not in text:
+    if text not in CONFIGS:
+      raise ValueError(f"--config {text!r}: not one of {sorted(CONFIGS)} (or key=value,...)")
+    return CONFIGS[text]
+  kv = dict(tok.split("=", 1) for tok in text.split(",") if tok)
+  base = CONFIGS[kv.pop("base", "llama")]
+  fields = {f.name: f.type for f in dataclasses.fields(Config)}
+  unknown = set(kv) - set(fields)
+  if unknown:
+    raise ValueError(f"--config: unknown keys {sorted(unknown)}; fields: {sorted(fields)}")
+  cast = {k: (float(v) if k == "eps" else v if k in ("name", "style") else int(v))
+          for k, v in kv.items()}
+  return dataclasses.replace(base, **{"name": f"custom_{base.name}", **cast})
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _norm_cls(variant: str, cfg: Config):
+  """A factory ``make(num_features) -> module`` of the variant's norm."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import pallas_norm
+  gemma = cfg.style == "gemma"
+  common = dict(epsilon=cfg.eps, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  if variant == "flax":
+    if gemma:
+      return lambda n, rngs: _GemmaRMSNorm(n, cfg.eps, rngs=rngs)
+    return lambda n, rngs: nnx.RMSNorm(n, **common, rngs=rngs)
+  extra = dict(scale_offset=1.0, scale_init=nnx.initializers.zeros) if gemma else {}
+  return lambda n, rngs: pallas_norm.RMSNorm(n, **common, **extra, rngs=rngs)
+
+
+class _GemmaRMSNorm:  # replaced by an nnx.Module subclass in _modules()
+  pass
+
+
+def _modules():
+  """The nnx classes, defined once flax is imported (the module imports without it)."""
+  global _GemmaRMSNorm
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  class GemmaRMSNorm(nnx.Module):
+    """Gemma's RMSNorm as flax's Gemma writes it: float32, times (1 + scale)."""
+
+    def __init__(self, n, eps, *, rngs):
+      # one params key drawn, as flax's and pallas_norm's norms do: the same stream
+      self.scale = nnx.Param(nnx.initializers.zeros(rngs.params(), (n,), jnp.float32))
+      self.eps = eps
+
+    def __call__(self, x):
+      xf = x.astype(jnp.float32)
+      y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+      return (y * (1.0 + self.scale[...])).astype(x.dtype)
+
+  _GemmaRMSNorm = GemmaRMSNorm
+
+  class Block(nnx.Module):
+    def __init__(self, cfg: Config, variant: str, *, rngs):
+      make = _norm_cls(variant, cfg)
+      lin = functools.partial(nnx.Linear, use_bias=False, dtype=jnp.bfloat16,
+                              param_dtype=jnp.float32, rngs=rngs)
+      d, hd = cfg.d, cfg.head_dim
+      self.cfg, self.fused = cfg, variant == "fused"
+      self.attn_norm, self.mlp_norm = make(d, rngs), make(d, rngs)
+      self.wq, self.wk = lin(d, cfg.heads * hd), lin(d, cfg.kv_heads * hd)
+      self.wv, self.wo = lin(d, cfg.kv_heads * hd), lin(cfg.heads * hd, d)
+      self.q_norm = make(hd, rngs) if cfg.style == "qwen3" else None
+      self.k_norm = make(hd, rngs) if cfg.style == "qwen3" else None
+      self.w_gate, self.w_up, self.w_down = lin(d, cfg.ffn), lin(d, cfg.ffn), lin(cfg.ffn, d)
+
+    def attention(self, y):
+      c = self.cfg
+      b, s, _ = y.shape
+      q = self.wq(y).reshape(b, s, c.heads, c.head_dim)
+      k = self.wk(y).reshape(b, s, c.kv_heads, c.head_dim)
+      v = self.wv(y).reshape(b, s, c.kv_heads, c.head_dim)
+      if self.q_norm is not None:
+        with jax.named_scope("pn_norm"):
+          q, k = self.q_norm(q), self.k_norm(k)
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=_ATTENTION["impl"])
+      return self.wo(o.reshape(b, s, c.heads * c.head_dim))
+
+    def mlp(self, y):
+      act = (functools.partial(jax.nn.gelu, approximate=True) if self.cfg.style == "gemma"
+             else jax.nn.silu)
+      return self.w_down(act(self.w_gate(y)) * self.w_up(y))
+
+    def __call__(self, delta, h):
+      """(delta, h) -> (delta, h): h the residual stream, delta the last sublayer's
+      output not yet added (None before the first block)."""
+      for norm, sub in ((self.attn_norm, self.attention), (self.mlp_norm, self.mlp)):
+        with jax.named_scope("pn_norm"):
+          if delta is None:
+            y = norm(h)
+          elif self.fused:
+            y, h = norm(delta, residual=h)
+          else:
+            h = h + delta
+            y = norm(h)
+        delta = sub(y)
+      return delta, h
+
+  class Model(nnx.Module):
+    def __init__(self, cfg: Config, variant: str, *, rngs):
+      self.embed = nnx.Embed(cfg.vocab, cfg.d, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                             rngs=rngs)
+      self.blocks = nnx.List([Block(cfg, variant, rngs=rngs) for _ in range(cfg.layers)])
+      self.final_norm = _norm_cls(variant, cfg)(cfg.d, rngs)
+      self.head = nnx.Linear(cfg.d, cfg.vocab, use_bias=False, dtype=jnp.bfloat16,
+                             param_dtype=jnp.float32, rngs=rngs)
+      self.fused = variant == "fused"
+
+    def __call__(self, tokens):
+      h, delta = self.embed(tokens), None
+      for block in self.blocks:
+        delta, h = block(delta, h)
+      with jax.named_scope("pn_norm"):
+        if self.fused:
+          y, _ = self.final_norm(delta, residual=h)
+        else:
+          y = self.final_norm(h + delta)
+      return self.head(y)
+
+  return Model
+
+
+_ATTENTION = {"impl": None}  # jax.nn.dot_product_attention's implementation (--attention)
+
+
+def build(cfg: Config, variant: str, seed: int = 0):
+  """(step, donating step, params, opt_state): a jitted adamw step on next-token loss."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  model = _modules()(cfg, variant, rngs=nnx.Rngs(seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx = optax.adamw(1e-4)
+  opt_state = tx.init(params)
+
+  def loss_fn(params, tokens):
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step), jax.jit(step, donate_argnums=(0, 1)), params, opt_state
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+_GEMM = re.compile(r"gemm|cutlass|cublas|nvjet|xmma|sm90|sm100|matmul|dot", re.I)
+_ATTN = re.compile(r"flash|fmha|attention|cudnn|sdpa", re.I)
+
+
+def norm_fusions(hlo_text: str) -> set[str]:
+  """Names of the compiled HLO's top-level instructions (fusions, custom calls) whose
+  metadata carries the ``pn_norm`` name scope: what XLA builds around (or of) the norms.
+  Both spellings: the HLO's ``loop_add_fusion.3`` and the kernel's ``loop_add_fusion_3``."""
+  out = set()
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+    if m and "pn_norm" in line:
+      out.update((m.group(1), m.group(1).replace(".", "_").replace("-", "_")))
+  return out
+
+
+def classify(name: str, norm_names: set[str]) -> str:
+  """A kernel's category: norm, gemm, attention or other."""
+  base = name.split("(")[0].strip()
+  if "pallas_norm" in base or base in norm_names:
+    return "norm"
+  if _ATTN.search(base):
+    return "attention"
+  if _GEMM.search(base):
+    return "gemm"
+  return "other"
+
+
+def _breakdown(step, args, hlo_text: str) -> dict:
+  """CUPTI kernel time of one step by category (us), and the norm kernels' names."""
+  from pallas_norm import bench
+  norm_names = norm_fusions(hlo_text)
+  rot = bench._rotating_step(step, [args])
+  _, timings = bench._profiler().measure(rot, aggregate=False, iterations=3)()
+  calls = timings if timings and isinstance(timings[0], list) else [timings]
+  per_cat = []
+  for it in calls:
+    cats = {"norm": 0.0, "gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for kname, ms in it:
+      cats[classify(kname, norm_names)] += ms * 1e3
+    per_cat.append(cats)
+  import numpy as np
+  out = {k: float(np.median([c[k] for c in per_cat])) for k in per_cat[0]}
+  out["total"] = float(np.median([sum(c.values()) for c in per_cat]))
+  out["norm_kernels"] = sorted({k for k, _ in calls[0] if classify(k, norm_names) == "norm"})
+  return out
+
+
+def _time_round(dstep, state, tokens, steps: int) -> tuple[list[float], tuple]:
+  import jax
+  params, opt_state = state
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    params, opt_state, loss = dstep(params, opt_state, tokens)
+    jax.block_until_ready(loss)
+    jax.block_until_ready(params)
+    times.append(time.perf_counter() - t0)
+  return times, (params, opt_state), float(loss)
+
+
+def run_config(cfg: Config, args) -> list[dict]:
+  import jax
+  import numpy as np
+  tokens = jax.random.randint(jax.random.key(args.seed), (cfg.batch, cfg.seq + 1), 0,
+                              cfg.vocab)
+  variants = [v for v in VARIANTS if v in args.variants.split(",")]
+  live = {}
+  rows = {}
+  for v in variants:
+    step, dstep, params, opt_state = build(cfg, v, args.seed)
+    compiled = step.lower(params, opt_state, tokens).compile()
+    mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    row = {"config": cfg.name, "variant": v, **dataclasses.asdict(cfg),
+           "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+           "norm_fusions": len(norm_fusions(hlo))}
+    try:
+      row["breakdown"] = _breakdown(step, (params, opt_state, tokens), hlo)
+    except Exception as e:  # noqa: BLE001 - CUPTI missing (CPU) or failing
+      row["breakdown"] = {"status": "n/a", "reason": f"{type(e).__name__}: {e}"[:500]}
+    del step, compiled
+    state = (params, opt_state)
+    _, state, _ = _time_round(dstep, state, tokens, args.warmup)
+    live[v], rows[v] = (dstep, state), row
+  samples = {v: [] for v in variants}
+  for _ in range(args.rounds):  # alternate: drift hits every variant alike
+    for v in variants:
+      dstep, state = live[v]
+      ts, state, loss = _time_round(dstep, state, tokens, args.steps)
+      live[v] = (dstep, state)
+      samples[v] += ts
+      rows[v]["loss"] = loss
+  base = float(np.median(samples[variants[0]])) if variants[0] == "flax" else None
+  out = []
+  for v in variants:
+    med = float(np.median(samples[v]))
+    row = rows[v]
+    row.update(step_ms=med * 1e3, step_ms_p10=float(np.percentile(samples[v], 10)) * 1e3,
+               step_ms_p90=float(np.percentile(samples[v], 90)) * 1e3,
+               samples=len(samples[v]), tokens_per_s=cfg.batch * cfg.seq / med,
+               speedup=(base / med) if base else None)
+    out.append(row)
+    print(_line(row), flush=True)
+  return out
+
+
+def _line(r: dict) -> str:
+  b = r.get("breakdown", {})
+  cats = (" ".join(f"{k}={b[k]:.0f}" for k in ("norm", "gemm", "attention", "other", "total"))
+          if "total" in b else f"breakdown n/a ({b.get('reason', '')[:80]})")
+  sp = f"{r['speedup']:.3f}x" if r.get("speedup") else "-"
+  temp = f"{r['temp_bytes'] / 2**30:.2f} GiB" if r.get("temp_bytes") else "n/a"
+  return (f"{r['config']:<7} {r['variant']:<7} step {r['step_ms']:8.2f} ms "
+          f"(p10 {r['step_ms_p10']:.2f}, p90 {r['step_ms_p90']:.2f}, n={r['samples']}) "
+          f"{r['tokens_per_s']:9.0f} tok/s  speedup {sp}  temp {temp}  "
+          f"CUPTI us: {cats}  loss {r['loss']:.4f}")
+
+
+def format_table(rows: list[dict], meta: dict) -> str:
+  lines = [f"{meta['device']}  {meta['date']}  commit {str(meta['git_commit'])[:10]}  "
+           f"(step: median wall ms; CUPTI us of one step by category)",
+           f"{'config':<7} {'variant':<7} {'step ms':>8} {'speedup':>8} {'tok/s':>9} "
+           f"{'norm us':>8} {'gemm us':>8} {'attn us':>8} {'other us':>8} {'temp GiB':>8}"]
+  for r in rows:
+    b = r.get("breakdown", {})
+    g = lambda k: f"{b[k]:8.0f}" if k in b else f"{'n/a':>8}"
+    sp = f"{r['speedup']:8.3f}" if r.get("speedup") else f"{'-':>8}"
+    tb = f"{r['temp_bytes'] / 2**30:8.2f}" if r.get("temp_bytes") else f"{'n/a':>8}"
+    lines.append(f"{r['config']:<7} {r['variant']:<7} {r['step_ms']:8.2f} {sp} "
+                 f"{r['tokens_per_s']:9.0f} {g('norm')} {g('gemm')} {g('attention')} "
+                 f"{g('other')} {tb}")
+  return "\n".join(lines)
+
+
+def plot(doc: dict, png) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = doc["rows"]
+  configs = list(dict.fromkeys(r["config"] for r in rows))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  width = 0.8 / len(VARIANTS)
+  for i, v in enumerate(VARIANTS):
+    rs = [next((r for r in rows if r["config"] == c and r["variant"] == v), None)
+          for c in configs]
+    xs = [j + i * width for j in range(len(configs))]
+    axes[0].bar(xs, [r["speedup"] or 1.0 if r else 0 for r in rs], width, label=v)
+    axes[1].bar(xs, [r["breakdown"].get("norm", 0) if r else 0 for r in rs], width, label=v)
+  for ax, title in zip(axes, ("step speedup over flax (median wall clock)",
+                              "norm-attributed CUPTI us per step")):
+    ax.set_xticks([j + width for j in range(len(configs))], configs)
+    ax.set_title(title)
+    ax.legend()
+  axes[0].axhline(1.0, color="k", lw=0.5)
+  fig.suptitle(f"{doc['meta']['device']} {doc['meta']['date']} {doc['meta']['git_commit']}")
+  fig.tight_layout()
+  fig.savefig(png, dpi=110)
+  plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m pallas_norm.bench --e2e",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", action="append",
+                 help=f"one of {sorted(CONFIGS)} or key=value,... (base=NAME, then Config "
+                      f"fields); repeatable; default: all three")
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--rounds", type=int, default=5, help="alternation rounds")
+  p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
+                 help="jax.nn.dot_product_attention implementation (cudnn falls back to "
+                      "xla, with a note, where it cannot run)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test)")
+  p.add_argument("--out", help="JSON path (PNG beside it)")
+  return p
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  import jax
+  from pallas_norm import bench
+  if jax.default_backend() != "gpu" and not args.allow_cpu:
+    print(f"pallas_norm.bench --e2e needs a GPU (jax.default_backend()="
+          f"{jax.default_backend()!r}); --allow-cpu for a smoke run", file=sys.stderr)
+    return 2
+  configs = [parse_config(c) for c in (args.config or sorted(CONFIGS))]
+  _ATTENTION["impl"] = None if args.attention == "xla" else "cudnn"
+  dev = jax.devices()[0]
+  meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "git_commit": bench._git_commit(), "jax": jax.__version__,
+          "flax": bench._version("flax"), "optax": bench._version("optax"),
+          "argv": list(argv if argv is not None else sys.argv[1:]),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "method": ("wall clock of each step up to block_until_ready, median of rounds x "
+                     "steps, variants alternated round by round in one process; CUPTI "
+                     "breakdown of one non-donating step (median of 3); norm = "
+                     "pallas_norm kernels + XLA kernels of the pn_norm name scope")}
+  rows, notes = [], []
+  for cfg in configs:
+    try:
+      rows += run_config(cfg, args)
+    except Exception as e:  # noqa: BLE001
+      if _ATTENTION["impl"] == "cudnn":
+        notes.append(f"{cfg.name}: cudnn attention failed ({type(e).__name__}: "
+                     f"{str(e)[:200]}); rerun with xla attention")
+        print(notes[-1], flush=True)
+        _ATTENTION["impl"] = None
+        rows += run_config(cfg, args)
+        _ATTENTION["impl"] = "cudnn"
+      else:
+        raise
+  meta["notes"] = notes
+  meta["attention"] = args.attention
+  doc = {"meta": meta, "rows": rows}
+  out = pathlib.Path(args.out or f"benchmarks/results/e2e_{meta['git_commit']}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(doc, indent=1))
+  try:
+    plot(doc, out.with_suffix(".png"))
+  except Exception as e:  # noqa: BLE001
+    print(f"plot failed: {e}", file=sys.stderr)
+  print(format_table(rows, meta))
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,68 @@
+"""CPU tests of pallas_norm.bench_e2e: configs, the kernel classification, and a smoke
+run of the three styles and three variants at toy sizes (no timing claims: the timed
+run is on the GPU)."""
+
+import json
+
+import pytest
+
+from pallas_norm import bench, bench_e2e
+
+pytestmark = pytest.mark.cpu_only
+
+_TOY = "d=32,layers=1,heads=2,kv_heads=1,head_dim=16,ffn=64,seq=8,batch=1,vocab=64"
+
+
+def test_parse_config():
+  assert bench_e2e.parse_config("qwen3") is bench_e2e.CONFIGS["qwen3"]
+  c = bench_e2e.parse_config("base=gemma,d=256,layers=2,eps=1e-5")
+  assert (c.name, c.style, c.d, c.layers, c.eps, c.head_dim) == ("custom_gemma", "gemma",
+                                                                  256, 2, 1e-5, 256)
+  with pytest.raises(ValueError, match="unknown keys"):
+    bench_e2e.parse_config("base=llama,width=3")
+  with pytest.raises(ValueError, match="not one of"):
+    bench_e2e.parse_config("mistral")
+
+
+def test_classify_and_norm_fusions():
+  hlo = "\n".join([
+      'ENTRY %main {',
+      '  %loop_add_fusion.3 = bf16[4,8] fusion(%a, %b), kind=kLoop, calls=%fused_add.3, '
+      'metadata={op_name="jit(step)/jvp(Model)/pn_norm/add"}',
+      '  %input_reduce_fusion.1 = f32[4] fusion(%c), kind=kInput, calls=%f, '
+      'metadata={op_name="jit(step)/loss/reduce_sum"}',
+      '}'])
+  names = bench_e2e.norm_fusions(hlo)
+  assert "loop_add_fusion_3" in names and "input_reduce_fusion_1" not in names
+  assert bench_e2e.classify("loop_add_fusion_3", names) == "norm"
+  assert bench_e2e.classify("pallas_norm_fwd_cached", names) == "norm"
+  assert bench_e2e.classify("input_reduce_fusion_1", names) == "other"
+  assert bench_e2e.classify("sm90_xmma_gemm_bf16bf16_bf16f32", names) == "gemm"
+  assert bench_e2e.classify("cudnn_generated_fort_native_sdpa", names) == "attention"
+
+
+def test_smoke_run_on_cpu(tmp_path):
+  """Every style and variant trains a few toy steps; the rows carry the step time,
+  tokens/s, the speedup against flax, temp memory and (no CUPTI here) the reason the
+  breakdown is missing; fused and drop-in losses agree with flax's."""
+  out = tmp_path / "e2e.json"
+  argv = ["--e2e", "--allow-cpu", "--rounds", "1", "--steps", "2", "--warmup", "1",
+          "--attention", "xla", "--out", str(out)]
+  for style in ("llama", "qwen3", "gemma"):
+    argv += ["--config", f"base={style},{_TOY}"]
+  assert bench.main(argv) == 0
+  doc = json.loads(out.read_text())
+  rows = doc["rows"]
+  assert [(r["style"], r["variant"]) for r in rows] == [
+      (s, v) for s in ("llama", "qwen3", "gemma") for v in bench_e2e.VARIANTS]
+  for r in rows:
+    assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["samples"] == 2
+    assert r["breakdown"]["status"] == "n/a" and "CUPTI" in r["breakdown"]["reason"]
+    assert r["norm_fusions"] > 0
+  for s in ("llama", "qwen3", "gemma"):
+    by = {r["variant"]: r for r in rows if r["style"] == s}
+    assert by["flax"]["speedup"] == 1.0
+    # the same model, the same data: the losses after the same steps agree
+    assert abs(by["pallas"]["loss"] - by["flax"]["loss"]) < 2e-2, (s, by)
+    assert abs(by["fused"]["loss"] - by["flax"]["loss"]) < 2e-2, (s, by)
+  assert out.with_suffix(".png").exists()
