@@ -16,9 +16,10 @@ head_dim 128 of q and k), and a Gemma style stack (zero-centred gamma: scale_off
 GeGLU, multi-query attention). bf16 activations, fp32 parameters and adamw state.
 
 Per variant it reports:
-  * step time: wall clock of one step up to ``jax.block_until_ready``, median of
-    ``--rounds`` x ``--steps`` timed steps (after compilation and ``--warmup`` steps),
-    and tokens/s = batch * seq / median;
+  * step time: ``--chain`` steps dispatched back to back (as a training loop runs
+    them), wall clock up to ``jax.block_until_ready`` divided by ``--chain``; the median
+    of ``--rounds`` x ``--steps`` such samples (after compilation and ``--warmup``
+    steps), and tokens/s = batch * seq / median;
   * compiled temp memory (``compile().memory_analysis().temp_size_in_bytes``);
   * a CUPTI breakdown of one step (``jax.experimental.mosaic.gpu.profiler``): every
     kernel's time, in categories: ``norm`` (pallas_norm's kernels and every XLA kernel
@@ -288,16 +289,20 @@ def _breakdown(step, args, hlo_text: str) -> dict:
   return out
 
 
-def _time_round(dstep, state, tokens, steps: int) -> tuple[list[float], tuple]:
+def _time_round(dstep, state, tokens, samples: int, chain: int):
+  """``samples`` timings of one step each: ``chain`` steps dispatched back to back (as a
+  training loop runs them), wall clock up to ``jax.block_until_ready`` of the last one's
+  outputs, divided by ``chain``. Returns (seconds per step list, state, last loss)."""
   import jax
   params, opt_state = state
+  jax.block_until_ready((params, opt_state))
   times = []
-  for _ in range(steps):
+  for _ in range(samples):
     t0 = time.perf_counter()
-    params, opt_state, loss = dstep(params, opt_state, tokens)
-    jax.block_until_ready(loss)
-    jax.block_until_ready(params)
-    times.append(time.perf_counter() - t0)
+    for _ in range(chain):
+      params, opt_state, loss = dstep(params, opt_state, tokens)
+    jax.block_until_ready((params, opt_state, loss))
+    times.append((time.perf_counter() - t0) / chain)
   return times, (params, opt_state), float(loss)
 
 
@@ -323,13 +328,13 @@ def run_config(cfg: Config, args) -> list[dict]:
       row["breakdown"] = {"status": "n/a", "reason": f"{type(e).__name__}: {e}"[:500]}
     del step, compiled
     state = (params, opt_state)
-    _, state, _ = _time_round(dstep, state, tokens, args.warmup)
+    _, state, _ = _time_round(dstep, state, tokens, args.warmup, 1)
     live[v], rows[v] = (dstep, state), row
   samples = {v: [] for v in variants}
   for _ in range(args.rounds):  # alternate: drift hits every variant alike
     for v in variants:
       dstep, state = live[v]
-      ts, state, loss = _time_round(dstep, state, tokens, args.steps)
+      ts, state, loss = _time_round(dstep, state, tokens, args.steps, args.chain)
       live[v] = (dstep, state)
       samples[v] += ts
       rows[v]["loss"] = loss
@@ -408,8 +413,12 @@ def _parser() -> argparse.ArgumentParser:
                  help=f"one of {sorted(CONFIGS)} or key=value,... (base=NAME, then Config "
                       f"fields); repeatable; default: all three")
   p.add_argument("--variants", default=",".join(VARIANTS))
-  p.add_argument("--rounds", type=int, default=5, help="alternation rounds")
-  p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+  p.add_argument("--rounds", type=int, default=8, help="alternation rounds")
+  p.add_argument("--steps", type=int, default=4,
+                 help="timed samples per variant per round (each of --chain steps)")
+  p.add_argument("--chain", type=int, default=5,
+                 help="steps dispatched back to back per sample, then one "
+                      "block_until_ready; the sample is their mean")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
                  help="jax.nn.dot_product_attention implementation (cudnn falls back to "
@@ -437,8 +446,9 @@ def main(argv=None) -> int:
           "flax": bench._version("flax"), "optax": bench._version("optax"),
           "argv": list(argv if argv is not None else sys.argv[1:]),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "method": ("wall clock of each step up to block_until_ready, median of rounds x "
-                     "steps, variants alternated round by round in one process; CUPTI "
+          "method": ("per sample: --chain steps dispatched back to back, wall clock up to "
+                     "block_until_ready, divided by --chain; median of rounds x steps "
+                     "samples, variants alternated round by round in one process; CUPTI "
                      "breakdown of one non-donating step (median of 3); norm = "
                      "pallas_norm kernels + XLA kernels of the pn_norm name scope")}
   rows, notes = [], []

@@ -46,7 +46,8 @@ def test_smoke_run_on_cpu(tmp_path):
   tokens/s, the speedup against flax, temp memory and (no CUPTI here) the reason the
   breakdown is missing; fused and drop-in losses agree with flax's."""
   out = tmp_path / "e2e.json"
-  argv = ["--e2e", "--allow-cpu", "--rounds", "1", "--steps", "2", "--warmup", "1",
+  argv = ["--e2e", "--allow-cpu", "--rounds", "1", "--steps", "2", "--chain", "1",
+          "--warmup", "1",
           "--attention", "xla", "--out", str(out)]
   for style in ("llama", "qwen3", "gemma"):
     argv += ["--config", f"base={style},{_TOY}"]
