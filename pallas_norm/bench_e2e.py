@@ -27,8 +27,9 @@ Per variant it reports:
     add and the norm in each variant: what XLA fuses around a norm, and the adds and
     casts around our calls), ``gemm``, ``attention``, ``other``.
 
-Output: JSON (and a PNG) under ``--out``; the table is printed. The speedup of a
-variant is flax's median step time / its own.
+Output: JSON (and a PNG) under ``--out``; the table is printed. ``speedup``: flax's
+median step time / the variant's; ``speedup_paired``: the median over rounds of the
+same ratio within a round (drift between rounds cancels), with its interquartile range.
 """
 
 from __future__ import annotations
@@ -331,12 +332,14 @@ def run_config(cfg: Config, args) -> list[dict]:
     _, state, _ = _time_round(dstep, state, tokens, args.warmup, 1)
     live[v], rows[v] = (dstep, state), row
   samples = {v: [] for v in variants}
+  per_round = {v: [] for v in variants}  # each round's median
   for _ in range(args.rounds):  # alternate: drift hits every variant alike
     for v in variants:
       dstep, state = live[v]
       ts, state, loss = _time_round(dstep, state, tokens, args.steps, args.chain)
       live[v] = (dstep, state)
       samples[v] += ts
+      per_round[v].append(float(np.median(ts)))
       rows[v]["loss"] = loss
   base = float(np.median(samples[variants[0]])) if variants[0] == "flax" else None
   out = []
@@ -347,6 +350,12 @@ def run_config(cfg: Config, args) -> list[dict]:
                step_ms_p90=float(np.percentile(samples[v], 90)) * 1e3,
                samples=len(samples[v]), tokens_per_s=cfg.batch * cfg.seq / med,
                speedup=(base / med) if base else None)
+    if base:  # paired by round: flax's round median over this variant's, same round
+      ratios = np.asarray(per_round["flax"]) / np.asarray(per_round[v])
+      row.update(speedup_paired=float(np.median(ratios)),
+                 speedup_paired_p25=float(np.percentile(ratios, 25)),
+                 speedup_paired_p75=float(np.percentile(ratios, 75)),
+                 rounds=len(ratios))
     out.append(row)
     print(_line(row), flush=True)
   return out
@@ -356,7 +365,9 @@ def _line(r: dict) -> str:
   b = r.get("breakdown", {})
   cats = (" ".join(f"{k}={b[k]:.0f}" for k in ("norm", "gemm", "attention", "other", "total"))
           if "total" in b else f"breakdown n/a ({b.get('reason', '')[:80]})")
-  sp = f"{r['speedup']:.3f}x" if r.get("speedup") else "-"
+  sp = (f"{r['speedup']:.3f}x (paired {r['speedup_paired']:.3f}x, IQR "
+        f"{r['speedup_paired_p25']:.3f}-{r['speedup_paired_p75']:.3f})"
+        if r.get("speedup") else "-")
   temp = f"{r['temp_bytes'] / 2**30:.2f} GiB" if r.get("temp_bytes") else "n/a"
   return (f"{r['config']:<7} {r['variant']:<7} step {r['step_ms']:8.2f} ms "
           f"(p10 {r['step_ms_p10']:.2f}, p90 {r['step_ms_p90']:.2f}, n={r['samples']}) "
@@ -367,12 +378,13 @@ def _line(r: dict) -> str:
 def format_table(rows: list[dict], meta: dict) -> str:
   lines = [f"{meta['device']}  {meta['date']}  commit {str(meta['git_commit'])[:10]}  "
            f"(step: median wall ms; CUPTI us of one step by category)",
-           f"{'config':<7} {'variant':<7} {'step ms':>8} {'speedup':>8} {'tok/s':>9} "
+           f"{'config':<7} {'variant':<7} {'step ms':>8} {'speedup':>8} {'paired':>7} {'tok/s':>9} "
            f"{'norm us':>8} {'gemm us':>8} {'attn us':>8} {'other us':>8} {'temp GiB':>8}"]
   for r in rows:
     b = r.get("breakdown", {})
     g = lambda k: f"{b[k]:8.0f}" if k in b else f"{'n/a':>8}"
-    sp = f"{r['speedup']:8.3f}" if r.get("speedup") else f"{'-':>8}"
+    sp = (f"{r['speedup']:8.3f} {r['speedup_paired']:7.3f}" if r.get("speedup")
+          else f"{'-':>8} {'-':>7}")
     tb = f"{r['temp_bytes'] / 2**30:8.2f}" if r.get("temp_bytes") else f"{'n/a':>8}"
     lines.append(f"{r['config']:<7} {r['variant']:<7} {r['step_ms']:8.2f} {sp} "
                  f"{r['tokens_per_s']:9.0f} {g('norm')} {g('gemm')} {g('attention')} "
@@ -413,8 +425,8 @@ def _parser() -> argparse.ArgumentParser:
                  help=f"one of {sorted(CONFIGS)} or key=value,... (base=NAME, then Config "
                       f"fields); repeatable; default: all three")
   p.add_argument("--variants", default=",".join(VARIANTS))
-  p.add_argument("--rounds", type=int, default=8, help="alternation rounds")
-  p.add_argument("--steps", type=int, default=4,
+  p.add_argument("--rounds", type=int, default=12, help="alternation rounds")
+  p.add_argument("--steps", type=int, default=3,
                  help="timed samples per variant per round (each of --chain steps)")
   p.add_argument("--chain", type=int, default=5,
                  help="steps dispatched back to back per sample, then one "
