@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench gpu-check clean venv
+.PHONY: test demo bench bench-e2e gpu-check clean venv
 
 $(VENV)/.stamp-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ gpu-check:
 
 bench:
 	$(gpu_env) XLA_FLAGS="$$XLA_FLAGS --xla_gpu_enable_command_buffer=" $(PYTHON) -m pallas_norm.bench $(BENCH_ARGS)
+
+# The end-to-end train-step benchmark (docs/e2e.md); XLA's default flags, as training runs.
+bench-e2e:
+	$(gpu_env) $(PYTHON) -m pallas_norm.bench --e2e $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
