@@ -65,6 +65,7 @@ class _Norm(nnx.Module):
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
       residual_dtype: tp.Any | None = None,
+      cast: str = "torch",
       rngs: nnx.Rngs,
   ):
     self.scale: nnx.Param[jax.Array] | None = _maybe_param(use_scale, scale_init, rngs,
@@ -80,6 +81,15 @@ class _Norm(nnx.Module):
     self.axis_name = axis_name
     self.axis_index_groups = axis_index_groups
     self.residual_dtype = residual_dtype
+    self.cast = cast
+
+  def _inputs(self, x, *params):
+    """x and the params for the op: flax's promotion to ``dtype``; under cast="llama"
+    x keeps its dtype (HF rounds x_hat to it) and the params are cast to ``dtype``."""
+    if self.cast != "llama":
+      return _dtypes.promote_dtype((x, *params), dtype=self.dtype)
+    return (x, *(p if p is None or self.dtype is None else p.astype(self.dtype)
+                 for p in params))
 
 
 class RMSNorm(_Norm):
@@ -130,6 +140,10 @@ class RMSNorm(_Norm):
     residual_dtype: with ``layer(x, residual=r)``: the dtype of the returned residual
       stream h (default: None, r's dtype; ``jnp.float32`` is flash-attention's
       ``residual_in_fp32``).
+    cast: "torch" (default), "llama" or "gemma": where the casts happen, as in
+      ``pallas_norm.rms_norm`` (HF's LlamaRMSNorm and GemmaRMSNorm; "gemma" implies
+      ``scale_offset=1.0``, use it with ``scale_init=nnx.initializers.zeros``). Under
+      "llama" x is not promoted: y's dtype is that of x times the weight.
     rngs: rng key.
   """
 
@@ -141,8 +155,8 @@ class RMSNorm(_Norm):
     (``pallas_norm.rms_norm(..., residual=)``).
     """
     scale = None if self.scale is None else self.scale[...]
-    x, scale = _dtypes.promote_dtype((x, scale), dtype=self.dtype)
-    return _ops.rms_norm(x, scale, eps=float(self.epsilon),
+    x, scale = self._inputs(x, scale)
+    return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, axis_name=self.axis_name,
                          axis_index_groups=self.axis_index_groups, **_residual(self, residual))
@@ -193,7 +207,7 @@ class LayerNorm(_Norm):
     backend: "pallas" (default), "triton" or "xla", passed to
       ``pallas_norm.layer_norm``.
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
-    residual_dtype: as in ``RMSNorm``.
+    residual_dtype, cast: as in ``RMSNorm``.
     rngs: rng key.
   """
 
@@ -214,13 +228,14 @@ class LayerNorm(_Norm):
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
       residual_dtype: tp.Any | None = None,
+      cast: str = "torch",
       rngs: nnx.Rngs,
   ):
     super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                      use_scale=use_scale, scale_init=scale_init, scale_offset=scale_offset,
                      mode=mode, backend=backend, axis_name=axis_name,
                      axis_index_groups=axis_index_groups, residual_dtype=residual_dtype,
-                     rngs=rngs)
+                     cast=cast, rngs=rngs)
     self.bias: nnx.Param[jax.Array] | None = _maybe_param(use_bias, bias_init, rngs,
                                                            num_features, param_dtype)
     self.use_bias = use_bias
@@ -230,8 +245,8 @@ class LayerNorm(_Norm):
     with a ``residual`` (as ``RMSNorm``)."""
     scale = None if self.scale is None else self.scale[...]
     bias = None if self.bias is None else self.bias[...]
-    x, scale, bias = _dtypes.promote_dtype((x, scale, bias), dtype=self.dtype)
-    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
+    x, scale, bias = self._inputs(x, scale, bias)
+    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, axis_name=self.axis_name,
                            axis_index_groups=self.axis_index_groups,

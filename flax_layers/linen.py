@@ -25,10 +25,13 @@ __all__ = ["RMSNorm", "LayerNorm"]
 
 
 def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses):
-  """Creates the [N] params named ``names`` and casts x to the result dtype."""
+  """Creates the [N] params named ``names`` and casts x to the result dtype (under
+  cast="llama": x keeps its dtype, the params are cast to ``dtype`` if given)."""
   feature_shape = (jnp.shape(x)[-1],)
   params = [mdl.param(name, init, feature_shape, mdl.param_dtype) if use else None
             for name, init, use in zip(names, inits, uses)]
+  if mdl.cast == "llama":
+    return x, [p if p is None or mdl.dtype is None else p.astype(mdl.dtype) for p in params]
   dtype = _dtypes.canonicalize_dtype(x, *params, dtype=mdl.dtype)
   return jnp.asarray(x, dtype), params
 
@@ -82,6 +85,8 @@ class RMSNorm(nn.Module):
     axis_index_groups: groups of axis indices reduced separately, as in flax.
     residual_dtype: with ``layer.apply(variables, x, residual=r)``: the dtype of the
       returned residual stream h (default: None, r's dtype).
+    cast: "torch" (default), "llama" or "gemma", as in ``pallas_norm.rms_norm``; under
+      "llama" x keeps its dtype and the params are cast to ``dtype`` (if given).
   """
 
   epsilon: float = 1e-6
@@ -95,6 +100,7 @@ class RMSNorm(nn.Module):
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None
+  cast: str = "torch"
 
   @nn.compact
   def __call__(self, x, residual=None):
@@ -102,7 +108,7 @@ class RMSNorm(nn.Module):
     shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add)."""
     x, (scale,) = _params_and_input(self, x, ("scale",), (self.scale_init,),
                                     (self.use_scale,))
-    return _ops.rms_norm(x, scale, eps=float(self.epsilon),
+    return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, **_axis_args(self),
                          **_residual(self, residual))
@@ -140,7 +146,7 @@ class LayerNorm(nn.Module):
       heuristic picks).
     backend: "pallas" (default), "triton" or "xla".
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
-    residual_dtype: as in ``RMSNorm``.
+    residual_dtype, cast: as in ``RMSNorm``.
   """
 
   epsilon: float = 1e-6
@@ -156,6 +162,7 @@ class LayerNorm(nn.Module):
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None
+  cast: str = "torch"
 
   @nn.compact
   def __call__(self, x, residual=None):
@@ -164,7 +171,7 @@ class LayerNorm(nn.Module):
     x, (scale, bias) = _params_and_input(self, x, ("scale", "bias"),
                                          (self.scale_init, self.bias_init),
                                          (self.use_scale, self.use_bias))
-    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon),
+    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, **_axis_args(self),
                            **_residual(self, residual))

@@ -49,6 +49,8 @@ class _Static:
   residual_dtype: str | None = None
   x_dtype: str | None = None
   residual_in_dtype: str | None = None
+  # cast="llama": (x's dtype, y's dtype) names; None for "torch" (and "gemma")
+  llama: tuple[str, str] | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -113,6 +115,26 @@ def _check_residual(op: str, x, residual, residual_dtype):
   return jnp.result_type(residual).name, h_dtype.name
 
 
+CASTS = ("torch", "llama", "gemma")
+
+
+def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
+  """The scale_offset the casting mode implies; ValueError for a combination that has
+  no meaning."""
+  if cast not in CASTS:
+    raise ValueError(f"{op}: {cast=} is not a casting mode; valid: {CASTS}")
+  if cast == "gemma":
+    if scale is None:
+      raise ValueError(f"{op}: cast='gemma' multiplies by 1 + scale: pass a scale")
+    if float(scale_offset) not in (0.0, 1.0):
+      raise ValueError(f"{op}: cast='gemma' implies scale_offset=1.0, got {scale_offset}")
+    return 1.0
+  if cast == "llama" and float(scale_offset) != 0.0:
+    raise ValueError(f"{op}: cast='llama' multiplies by the weight itself "
+                     f"(HF LlamaRMSNorm); {scale_offset=} has no meaning there")
+  return float(scale_offset)
+
+
 def _resolve_interpret(interpret: bool | None) -> bool:
   if interpret is None:
     return _config.device_info().platform != "gpu"
@@ -149,15 +171,23 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   if combine_stats is None:
     out = fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                            subtract_mean=st.subtract_mean, config=cfg,
-                           interpret=st.interpret, return_residuals=return_residuals, **res)
+                           interpret=st.interpret, return_residuals=return_residuals,
+                           **res, **_cast_kw(st))
     return out if residual is not None else (*out, None)
   s1, s2, *h = fwd.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
                                       interpret=st.interpret, **res)
   mean, rstd = combine_stats(s1, s2)
   y = fwd.norm_forward_apply(x2, scale, bias, mean, rstd, scale_offset=st.scale_offset,
-                             config=cfg, interpret=st.interpret, residual=residual)
+                             config=cfg, interpret=st.interpret, residual=residual,
+                             **_cast_kw(st))
   h = h[0] if h else None
   return (y, mean, rstd, h) if return_residuals else (y, None, None, h)
+
+
+def _cast_kw(st: _Static) -> dict:
+  """The launchers' casting argument: none for cast="torch" (the Triton backend has no
+  other)."""
+  return {} if st.llama is None else {"cast": "llama"}
 
 
 def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=None,
@@ -180,7 +210,8 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
                           scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                           config=cfg, interpret=st.interpret,
                           scale_dtype=dtype(scale), bias_dtype=dtype(bias),
-                          combine_row_sums=combine_row_sums, **res)
+                          combine_row_sums=combine_row_sums, **res,
+                          **({} if st.llama is None else {"cast": st.llama}))
   return out if res else (out[0], None, *out[1:])
 
 
@@ -258,19 +289,29 @@ def _axis_groups(axis_name, axis_index_groups):
 
 
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
-          axis_name, axis_index_groups, residual=None, residual_dtype=None):
+          axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch"):
   _check_args(op, x, scale, bias, eps, mode, backend)
+  scale_offset = _check_cast(op, cast, scale, scale_offset)
+  if cast == "llama" and backend == "triton":
+    raise NotImplementedError(f"{op}: cast='llama' is served by backend='pallas' and "
+                              f"'xla' (not yet by backend='triton')")
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)
   if residual is not None:
     residual = jnp.asarray(residual)
   if backend == "xla":
+    ref_cast = "llama" if cast == "llama" else "torch"
     if residual is None:
       return reference.norm(x, scale, bias, eps=eps, scale_offset=scale_offset,
                             subtract_mean=subtract_mean, axis_name=names,
-                            axis_index_groups=groups)[0]
+                            axis_index_groups=groups, cast=ref_cast)[0]
     h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    if ref_cast == "llama":  # x_hat of the float32 sum, rounded to x's dtype
+      xr = reference.norm(h, None, None, eps=eps, subtract_mean=subtract_mean,
+                          axis_name=names, axis_index_groups=groups)[0].astype(x.dtype)
+      y = xr if scale is None else xr * scale
+      return (y if bias is None else y + bias), h.astype(h_dtype)
     y = reference.norm(h, scale, bias, eps=eps, scale_offset=scale_offset,
                        subtract_mean=subtract_mean, axis_name=names,
                        axis_index_groups=groups)[0]
@@ -278,9 +319,13 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   if residual is not None and backend != "pallas":
     raise NotImplementedError(f"{op}: residual= is served by backend='pallas' and 'xla' "
                               f"(not yet by {backend=})")
+  llama = None
+  if cast == "llama":
+    llama = (x.dtype.name, jnp.result_type(*(jnp.result_type(a) for a in (x, scale, bias)
+                                            if a is not None)).name)
   m = math.prod(x.shape[:-1])
   if m == 0:
-    y = jnp.zeros(x.shape, x.dtype)
+    y = jnp.zeros(x.shape, x.dtype if llama is None else llama[1])
     if residual is None:
       return y
     return y, (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(h_dtype)
@@ -298,12 +343,12 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   x, residual, scale, bias = (to_varying(a, axes) for a in (x, residual, scale, bias))
   if residual is None:
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-                 names, groups)
+                 names, groups, llama=llama)
     if x.ndim == 1:
       return _norm_nd_jit(x[None], scale, bias, st)[0]
     return _norm_nd_jit(x, scale, bias, st)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-               names, groups, h_dtype, x.dtype.name, res_in_dtype)
+               names, groups, h_dtype, x.dtype.name, res_in_dtype, llama)
   if x.ndim == 1:
     y, h = _norm_res_nd_jit(x[None], residual[None], scale, bias, st)
     return y[0], h[0]
@@ -314,8 +359,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
 
 
 def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
-             scale_offset=0.0, mode=None, backend="pallas", interpret=None, axis_name=None,
-             axis_index_groups=None):
+             scale_offset=0.0, cast="torch", mode=None, backend="pallas", interpret=None,
+             axis_name=None, axis_index_groups=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -338,6 +383,13 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
     eps: added to the mean square; None means ``jnp.finfo(jnp.float32).eps``, as torch
       does for fp16/bf16/fp32 inputs.
     scale_offset: y = x_hat * (scale_offset + scale); 1.0 gives Gemma's zero-centred gamma.
+    cast: where the casts happen, as HF transformers and Liger's ``casting_mode`` define
+      them. "torch" (default): everything in float32, one cast to x's dtype at the end
+      (``torch.nn.functional.rms_norm``). "llama" (HF ``LlamaRMSNorm``): x_hat computed
+      in float32, cast to x's dtype, then multiplied by the weight in jnp's promotion of
+      the two dtypes, which is y's dtype (float32 for bf16 x and float32 scale). "gemma"
+      (HF ``GemmaRMSNorm``): "torch" times ``1 + scale`` (implies scale_offset=1.0; needs
+      a scale). Backends "pallas" and "xla" ("llama" is not on "triton" yet).
     mode: None (the heuristic picks), "multi_wave_reload", "multi_wave_cached" or
       "static_persistent".
     backend: "pallas" (default), "triton" (plain Triton through jax-triton) or "xla"
@@ -359,7 +411,9 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), a residual shape other
-      than x's (or a residual_dtype without a residual), eps < 0, an unknown
+      than x's (or a residual_dtype without a residual), an unknown cast, cast="gemma"
+      without a scale or with a scale_offset other than 0 or 1, cast="llama" with a
+      scale_offset, eps < 0, an unknown
       mode or backend, an axis_name not bound by an enclosing shard_map, a
       ``check_vma=True`` shard_map in Pallas interpret mode (CPU; JAX's interpret
       lowering rejects varying-typed operands: pass ``check_vma=False``), or x sharded
@@ -370,19 +424,20 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
-    NotImplementedError: also, residual with backend="triton" (not yet served).
+    NotImplementedError: also, residual or cast="llama" with backend="triton" (not yet
+      served).
   """
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
   return _norm("rms_norm", x, scale, None, eps=eps, scale_offset=scale_offset,
                subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
-               residual=residual, residual_dtype=residual_dtype)
+               residual=residual, residual_dtype=residual_dtype, cast=cast)
 
 
 def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, eps=1e-5,
-               scale_offset=0.0, mode=None, backend="pallas", interpret=None, axis_name=None,
-               axis_index_groups=None):
+               scale_offset=0.0, cast="torch", mode=None, backend="pallas", interpret=None,
+               axis_name=None, axis_index_groups=None):
   """Layer normalisation over the last axis (Ba et al., 2016,
   https://arxiv.org/abs/1607.06450). Matches ``torch.nn.functional.layer_norm`` over
   the last dimension.
@@ -395,6 +450,8 @@ def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, 
     scale: [N] float array or None.
     bias: [N] float array or None.
     residual, residual_dtype: the fused residual add, as in ``rms_norm``.
+    cast: as in ``rms_norm``; "llama" adds the bias after the rounded product, in the
+      promotion of x's, scale's and bias's dtypes.
     eps: added to the variance (default 1e-5, torch's).
     scale_offset: y = x_hat * (scale_offset + scale) + bias.
     mode, backend, interpret, axis_name, axis_index_groups: as in ``rms_norm``;
@@ -410,4 +467,4 @@ def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, 
   return _norm("layer_norm", x, scale, bias, eps=eps, scale_offset=scale_offset,
                subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
-               residual=residual, residual_dtype=residual_dtype)
+               residual=residual, residual_dtype=residual_dtype, cast=cast)

@@ -29,6 +29,7 @@ def norm(
     subtract_mean: bool,
     axis_name=None,
     axis_index_groups=None,
+    cast: str = "torch",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Reference RMSNorm (``subtract_mean=False``) or LayerNorm (``True``).
 
@@ -42,10 +43,13 @@ def norm(
     axis_name, axis_index_groups: inside ``jax.shard_map``, the mesh axes over which the
       last axis is split (equal shards): the statistics are ``pmean``s of the shards'
       (flax's ``axis_name``).
+    cast: "torch" (the above, one rounding at the end) or "llama" (HF
+      ``LlamaRMSNorm``: ``x_hat.astype(x.dtype) * scale (+ bias)`` in jnp's promotion,
+      scale_offset not applied; y's dtype is that promotion).
 
   Returns:
-    (y, mean, rstd): y is [..., N] in x's dtype; mean and rstd are [...] float32
-    (mean is zeros for RMSNorm).
+    (y, mean, rstd): y is [..., N] in x's dtype (cast="llama": the promotion of x's,
+    scale's and bias's); mean and rstd are [...] float32 (mean is zeros for RMSNorm).
   """
   def pmean(v):
     if axis_name is None:
@@ -63,6 +67,13 @@ def norm(
     var = pmean(jnp.mean(xf * xf, axis=-1))
   rstd = jax.lax.rsqrt(var + jnp.float32(eps))  # [...] f32
   y = xc * rstd[..., None]
+  if cast == "llama":  # HF: self.weight * hidden_states.to(input_dtype)
+    y = y.astype(x.dtype)
+    if scale is not None:
+      y = y * scale
+    if bias is not None:
+      y = y + bias
+    return y, mean, rstd
   if scale is not None:
     y = y * (jnp.float32(scale_offset) + scale.astype(jnp.float32))
   if bias is not None:

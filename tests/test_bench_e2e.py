@@ -42,12 +42,14 @@ def test_classify_and_norm_fusions():
 
 
 def test_smoke_run_on_cpu(tmp_path):
-  """Every style and variant trains a few toy steps; the rows carry the step time,
-  tokens/s, the speedup against flax, temp memory and (no CUPTI here) the reason the
-  breakdown is missing; fused and drop-in losses agree with flax's."""
+  """Every style trains a few toy steps with flax's norms and with the fused residual
+  (the drop-in variant is the same layers without ``residual=``, covered by the flax
+  layer tests; kept out for CI time); the rows carry the step time, tokens/s, the
+  speedup against flax, temp memory and (no CUPTI here) the reason the breakdown is
+  missing; the fused losses agree with flax's."""
   out = tmp_path / "e2e.json"
   argv = ["--e2e", "--allow-cpu", "--rounds", "1", "--steps", "2", "--chain", "1",
-          "--warmup", "1",
+          "--warmup", "1", "--variants", "flax,fused",
           "--attention", "xla", "--out", str(out)]
   for style in ("llama", "qwen3", "gemma"):
     argv += ["--config", f"base={style},{_TOY}"]
@@ -55,7 +57,7 @@ def test_smoke_run_on_cpu(tmp_path):
   doc = json.loads(out.read_text())
   rows = doc["rows"]
   assert [(r["style"], r["variant"]) for r in rows] == [
-      (s, v) for s in ("llama", "qwen3", "gemma") for v in bench_e2e.VARIANTS]
+      (s, v) for s in ("llama", "qwen3", "gemma") for v in ("flax", "fused")]
   for r in rows:
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["samples"] == 2
     assert r["breakdown"]["status"] == "n/a" and "CUPTI" in r["breakdown"]["reason"]
@@ -64,6 +66,5 @@ def test_smoke_run_on_cpu(tmp_path):
     by = {r["variant"]: r for r in rows if r["style"] == s}
     assert by["flax"]["speedup"] == 1.0
     # the same model, the same data: the losses after the same steps agree
-    assert abs(by["pallas"]["loss"] - by["flax"]["loss"]) < 2e-2, (s, by)
     assert abs(by["fused"]["loss"] - by["flax"]["loss"]) < 2e-2, (s, by)
   assert out.with_suffix(".png").exists()

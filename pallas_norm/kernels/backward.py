@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
-                                         _slot_bits, _split_count, _split_rows_call,
+                                         _round, _slot_bits, _split_count, _split_rows_call,
                                          _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0)
 
@@ -123,14 +123,21 @@ def _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy=None):
           _load_stream(dy_ref.at[idx], mask, eviction_policy=eviction_policy))
 
 
-def _x_hat_g(x, dy, mask, mean, rstd, w):
+def _x_hat_g(x, dy, mask, mean, rstd, w, cast=None):
+  """(x_hat, dy, g, x_hat_w) [block_m, block_n] f32: g = dy * w is x_hat's cotangent,
+  x_hat_w what dscale sums dy against. ``cast`` (x's and y's dtype names, for
+  ``cast="llama"``): g through the forward's roundings' transposes (to y's dtype, then
+  x's), and x_hat_w the rounded x_hat the weight multiplied."""
   x = x.astype(_F32)  # [block_m, block_n] f32
   dy = dy.astype(_F32)
   if mean is not None:
     x = x - mean[:, None]
   x_hat = _where0(mask, x * rstd[:, None])
   g = dy if w is None else dy * w[None, :]
-  return x_hat, dy, g
+  if cast is None:
+    return x_hat, dy, g, x_hat
+  x_dtype, y_dtype = cast
+  return x_hat, dy, _round(_round(g, y_dtype), x_dtype), _round(x_hat, x_dtype)
 
 
 def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
@@ -159,7 +166,7 @@ def _sum(terms):
 
 
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
-                        num_programs, pieces=()):
+                        num_programs, pieces=(), cast=None):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
@@ -199,21 +206,22 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
     rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
-    parts = [_x_hat_g(x, dy, t[4], mean, rstd, w) for (x, dy), t, w in zip(xdy, idx, ws)]
+    parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
+             for (x, dy), t, w in zip(xdy, idx, ws)]
     if c_refs is None:
-      c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g in parts]) / n  # [block_m]
+      c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g, _ in parts]) / n  # [block_m]
       c2 = None
       if mean_ref is not None:
-        c2 = _sum([jnp.sum(g, axis=1) for _, _, g in parts]) / n
+        c2 = _sum([jnp.sum(g, axis=1) for _, _, g, _ in parts]) / n
     else:
       c1 = _load(c_refs[0].at[rows], row_mask)
       c2 = None
       if mean_ref is not None:
         c2 = _load(c_refs[1].at[rows], row_mask)
     new_accs = []
-    for (x_hat, dy, g), t, (dw_acc, db_acc) in zip(parts, idx, accs):
+    for (x_hat, dy, g, x_hat_w), t, (dw_acc, db_acc) in zip(parts, idx, accs):
       _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd)
-      new_accs.append((dw_acc + jnp.sum(dy * x_hat, axis=0),
+      new_accs.append((dw_acc + jnp.sum(dy * x_hat_w, axis=0),
                        db_acc + jnp.sum(dy, axis=0)))
     return tuple(new_accs), xdy_next
 
@@ -227,7 +235,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
-                           pieces=()):
+                           pieces=(), cast=None):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -238,11 +246,11 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
                       block_m=block_m, block_n=block_n, num_programs=num_programs,
-                      pieces=pieces)
+                      pieces=pieces, cast=cast)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
-                          block_n):
+                          block_n, cast=None):
   """c1 = sum(x_hat * g) / N and (LayerNorm) c2 = sum(g) / N per row, walking the row in
   chunks."""
   refs = list(refs)
@@ -261,7 +269,8 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
     c1, c2 = carry  # [block_m] f32 running sums
     _, cols, _, col_mask, mask = tile(k)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
-    x_hat, _, g = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd, w)
+    x_hat, _, g, _ = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd,
+                              w, cast)
     c2 = c2 + jnp.sum(g, axis=1) if subtract_mean else c2
     return c1 + jnp.sum(x_hat * g, axis=1), c2
 
@@ -273,7 +282,7 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
 
 
 def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                       has_dh, has_dres, block_m, block_n, num_programs):
+                       has_dh, has_dres, block_m, block_n, num_programs, cast=None):
   """Stage 1 for rows of a few chunks: G persistent programs, each over whole rows.
 
   Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
@@ -296,7 +305,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
     rows, cols, _, col_mask, mask = tile(rb, k)
     xdy = _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy)
     w, _ = _load_params(scale_ref, None, cols, col_mask, scale_offset)
-    return (rows, cols, mask, *_x_hat_g(*xdy, mask, mean, rstd, w))
+    return (rows, cols, mask, *_x_hat_g(*xdy, mask, mean, rstd, w, cast))
 
   def body(i, accs):
     rb = r + i * num_programs
@@ -304,7 +313,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     s1 = s2 = jnp.zeros((block_m, block_n), _F32)
     for k in range(num_chunks):  # pass 1: the row sums, elementwise over chunks
-      *_, x_hat, _, g = chunk(rb, k, mean, rstd, "evict_last")
+      *_, x_hat, _, g, _ = chunk(rb, k, mean, rstd, "evict_last")
       s1 = s1 + x_hat * g
       if subtract_mean:
         s2 = s2 + g
@@ -312,10 +321,10 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
     c2 = jnp.sum(s2, axis=1) / n if subtract_mean else None
     dw, db = list(accs[0]), list(accs[1])
     for k in reversed(range(num_chunks)):  # pass 2: dx, last chunks (likeliest in L2) first
-      rows, cols, mask, x_hat, dy, g = chunk(rb, k, mean, rstd, "evict_first")
+      rows, cols, mask, x_hat, dy, g, x_hat_w = chunk(rb, k, mean, rstd, "evict_first")
       _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
       if dw_ref is not None:
-        dw[k] = dw[k] + jnp.sum(dy * x_hat, axis=0)
+        dw[k] = dw[k] + jnp.sum(dy * x_hat_w, axis=0)
       if db_ref is not None:
         db[k] = db[k] + jnp.sum(dy, axis=0)
     return tuple(dw), tuple(db)
@@ -333,7 +342,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                       has_dh, has_dres, block_m, block_n, chunk_n, num_splits, num_groups,
-                      num_warps, lag, early, phase):
+                      num_warps, lag, early, phase, cast=None):
   """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once
   from HBM).
 
@@ -408,7 +417,7 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
 
   def chunk(rb, c, xdy, mean, rstd):  # (cols, mask, x_hat, dy, g) of chunk c
     _, cols, _, _, mask = tile(rb, c)
-    return (cols, mask, *_x_hat_g(xdy[2 * c], xdy[2 * c + 1], mask, mean, rstd, ws[c]))
+    return (cols, mask, *_x_hat_g(xdy[2 * c], xdy[2 * c + 1], mask, mean, rstd, ws[c], cast))
 
   def publish(rb):  # step 1: this split's share of c1 and c2 of row block rb
     xdy = load(rb, "evict_last")
@@ -417,7 +426,7 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     def complete():
       s1 = s2 = 0.0
       for c in range(num_chunks):
-        _, _, x_hat, _, g = chunk(rb, c, xdy, mean, rstd)
+        _, _, x_hat, _, g, _ = chunk(rb, c, xdy, mean, rstd)
         s1 = s1 + jnp.sum(x_hat * g, axis=1)
         s2 = s2 + jnp.sum(g, axis=1)
       plgpu.store(c1_ref.at[rows, k], _slot_bits(s1), mask=row_mask)
@@ -433,9 +442,9 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
     c1, c2 = (*(jnp.sum(t, axis=1) / n for t in tiles), None)[:2]
     out = []  # [dscale_0, dbias_0, dscale_1, ...] partials
     for c in range(num_chunks):
-      cols, mask, x_hat, dy, g = chunk(rb, c, xdy, mean, rstd)
+      cols, mask, x_hat, dy, g, x_hat_w = chunk(rb, c, xdy, mean, rstd)
       _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd)
-      out.append(acc[2 * c] + jnp.sum(dy * x_hat, axis=0))
+      out.append(acc[2 * c] + jnp.sum(dy * x_hat_w, axis=0))
       out.append(acc[2 * c + 1] + jnp.sum(dy, axis=0) if db_ref is not None
                  else acc[2 * c + 1])
     return tuple(out)
@@ -500,7 +509,7 @@ def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config: BackwardConfig, interpret: bool,
                   scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
-                  dx_dtype=None, residual_dtype=None):
+                  dx_dtype=None, residual_dtype=None, cast=None):
   """Two-stage backward.
 
   Args:
@@ -523,6 +532,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       x then being h = x + residual): dh [M, N] (h's cotangent) or None is added to dx
       in float32; dx is written in ``dx_dtype`` (default x's dtype) and, given a
       different ``residual_dtype``, once more in that dtype (dresidual).
+    cast: None (``cast="torch"``) or (x's dtype name, y's dtype name) for
+      ``cast="llama"`` (the forward's roundings, transposed; dscale sums dy against the
+      rounded x_hat).
 
   Returns:
     (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
@@ -541,7 +553,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   g = max(1, min(cfg.num_programs, num_row_blocks))
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   statics = dict(n=n, scale_offset=float(scale_offset), subtract_mean=subtract_mean,
-                 has_scale=has_scale, block_m=cfg.block_m, block_n=cfg.block_n)
+                 has_scale=has_scale, block_m=cfg.block_m, block_n=cfg.block_n,
+                 cast=None if cast is None else tuple(cast))
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
   dx_dtype = jnp.dtype(dx_dtype or x.dtype)
   has_dres = residual_dtype is not None and jnp.dtype(residual_dtype) != dx_dtype

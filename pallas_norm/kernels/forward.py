@@ -164,10 +164,42 @@ def _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset):
   return w, b
 
 
-def _affine(x_hat, w, b):
-  y = x_hat  # [block_m, block_n] f32
+class _LlamaY:
+  """y's destination under ``cast="llama"`` (HF ``LlamaRMSNorm``): x_hat is rounded to
+  x's dtype before the weight multiplies it, and the product to y's dtype (the
+  promotion of x's and the weight's) before the bias is added. ``.at`` and ``.dtype``
+  are the ref's, so the stores are unchanged."""
+
+  def __init__(self, y_ref, x_dtype):
+    self.ref, self.x_dtype = y_ref, jnp.dtype(x_dtype)
+
+  @property
+  def at(self):
+    return self.ref.at
+
+  @property
+  def dtype(self):
+    return self.ref.dtype
+
+
+def _y_out(y_ref, cast_dtype):
+  return y_ref if cast_dtype is None or y_ref is None else _LlamaY(y_ref, cast_dtype)
+
+
+def _round(v, dtype):
+  """float32 ``v`` rounded to ``dtype`` and back (exact for float32)."""
+  return v if jnp.dtype(dtype) == _F32 else v.astype(dtype).astype(_F32)
+
+
+def _affine(x_hat, w, b, y_ref=None):
+  """y = x_hat * w + b in float32 (``cast="torch"``: one rounding, at the store); with
+  a _LlamaY destination, HF Llama's roundings in between."""
+  llama = isinstance(y_ref, _LlamaY)
+  y = _round(x_hat, y_ref.x_dtype) if llama else x_hat  # [block_m, block_n] f32
   if w is not None:
     y = y * w[None, :]
+    if llama:
+      y = _round(y, y_ref.dtype)
   if b is not None:
     y = y + b[None, :]
   return y
@@ -213,7 +245,7 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   var = jnp.sum(x * x, axis=1) / n  # [block_m] (mean square for RMSNorm)
   rstd = lax.rsqrt(var + _F32(eps))
   w, b = params()
-  y = _affine(x * rstd[:, None], w, b)
+  y = _affine(x * rstd[:, None], w, b, y_ref)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
@@ -294,7 +326,7 @@ def _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd, *, n, sc
     if mean is not None:
       x = x - mean[:, None]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
-    y = _affine(x * rstd[:, None], w, b)
+    y = _affine(x * rstd[:, None], w, b, y_ref)
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
 
   if num_chunks <= RELOAD_UNROLL_MAX_CHUNKS:
@@ -392,7 +424,7 @@ def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, 
   if mean is not None:
     x = _where0(mask, x - mean[:, None])
   w, b = params()
-  y = _affine(x * rstd[:, None], w, b)
+  y = _affine(x * rstd[:, None], w, b, y_ref)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
   if rstd_ref is not None and k is not None:
     first = k == 0
@@ -406,7 +438,7 @@ def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, 
 
 
 def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
-                has_residual=False):
+                has_residual=False, cast_dtype=None):
   """(x, residual, scale, bias) inputs then (y, h, mean, rstd) outputs; absent ones are
   None. With a residual, x_ref is the _Sum of x and residual (storing h)."""
   refs = list(refs)
@@ -414,7 +446,7 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
-  y_ref = refs.pop(0)
+  y_ref = _y_out(refs.pop(0), cast_dtype)
   if has_residual:
     x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
@@ -423,10 +455,10 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals, has_residual,
+                   return_residuals, has_residual, cast_dtype,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual)
+                                               return_residuals, has_residual, cast_dtype)
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
@@ -434,20 +466,20 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals, has_residual,
+                   return_residuals, has_residual, cast_dtype,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual)
+                                               return_residuals, has_residual, cast_dtype)
   _chunked_rows(pl.program_id(0), io, scale_ref, bias_ref, n=n, eps=eps,
                 scale_offset=scale_offset, subtract_mean=subtract_mean,
                 block_m=block_m, block_n=block_n)
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       return_residuals, has_residual,
+                       return_residuals, has_residual, cast_dtype,
                        block_m, block_n, num_programs):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual)
+                                               return_residuals, has_residual, cast_dtype)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
@@ -476,8 +508,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                  return_residuals, has_residual, block_m, block_n, chunk_n, num_splits,
-                  num_warps, max_polls, interpret):
+                  return_residuals, has_residual, cast_dtype, block_m, block_n, chunk_n,
+                  num_splits, num_warps, max_polls, interpret):
   """multi_wave_cached for rows split over ``num_splits`` programs (block_n < N).
 
   Program p = rb * num_splits + k holds columns [k * block_n, (k + 1) * block_n) of
@@ -514,7 +546,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   refs.pop(0)  # the zeroed counters (input), aliased to the output below
-  y_ref = refs.pop(0)
+  y_ref = _y_out(refs.pop(0), cast_dtype)
   if has_residual:
     x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
@@ -709,8 +741,8 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
 
 
 def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale,
-                             has_bias, return_residuals, has_residual, block_m, block_n,
-                             num_splits, num_groups, num_warps, lag, early, phase):
+                             has_bias, return_residuals, has_residual, cast_dtype, block_m,
+                             block_n, num_splits, num_groups, num_warps, lag, early, phase):
   """static_persistent with ``split_rows``: each row over ``num_splits`` programs, x read
   once from HBM and nothing held across the wait.
 
@@ -741,7 +773,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
   # reads: in interpret mode the two are separate calls and only finish's has outputs)
   src = _Sum(x_ref, r_ref, None) if has_residual else x_ref
   if outs:
-    y_ref = outs.pop(0)
+    y_ref = _y_out(outs.pop(0), cast_dtype)
     if has_residual:
       src = _Sum(x_ref, r_ref, outs.pop(0))
     mean_ref = outs.pop(0) if subtract_mean and return_residuals else None
@@ -787,12 +819,13 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 # --------------------------------------------------------------------------- launcher
 
 
-def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean):
+def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
+        y_dtype=None):
   """The kernels' inputs (x, residual, scale, bias; the present ones) and outputs
   (y, h, mean, rstd; the wanted ones)."""
   m, n = x.shape
   inputs = [a for a in (x, residual, scale, bias) if a is not None]
-  outs = [out_struct((m, n), x.dtype, x)]
+  outs = [out_struct((m, n), y_dtype or x.dtype, x)]
   if residual is not None:
     outs.append(out_struct((m, n), residual_dtype, x))
   if return_residuals:
@@ -811,7 +844,7 @@ def _results(outs, has_residual, return_residuals, subtract_mean):
 
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config: ForwardConfig, interpret: bool, return_residuals: bool = True,
-                 residual=None, residual_dtype=None):
+                 residual=None, residual_dtype=None, cast: str = "torch"):
   """Launch the forward kernel that ``config.mode`` names.
 
   Args:
@@ -824,6 +857,9 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       them: at 4096 x 1024 bf16 the kernel writing them took ~1.3 us more (H200).
     residual: None, or [M, N] float: the kernel normalises h = x + residual (summed in
       float32) and also writes h, in ``residual_dtype`` (default: residual's dtype).
+    cast: "torch" (y rounded once, in x's dtype) or "llama" (HF LlamaRMSNorm: x_hat
+      rounded to x's dtype, times the weight in the promotion of x's and the weight's
+      dtypes, which is y's dtype). ("gemma" is "torch" with scale_offset=1: ops.py.)
 
   Returns:
     (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
@@ -839,10 +875,12 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   statics = dict(n=n, eps=float(eps), scale_offset=float(scale_offset),
                  subtract_mean=subtract_mean, has_scale=scale is not None,
                  has_bias=bias is not None, return_residuals=return_residuals,
-                 has_residual=residual is not None, block_m=cfg.block_m, block_n=cfg.block_n)
+                 has_residual=residual is not None, block_m=cfg.block_m, block_n=cfg.block_n,
+                 cast_dtype=x.dtype.name if cast == "llama" else None)
   if residual is not None and residual_dtype is None:
     residual_dtype = residual.dtype
-  io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean)
+  io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
+           llama_dtype(x, scale, bias) if cast == "llama" else None)
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     outs = _split_forward(x, *io, statics, cfg, interpret)
@@ -851,6 +889,11 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   else:
     outs = _whole_rows_forward(*io, statics, cfg, num_row_blocks, interpret)
   return _results(outs, residual is not None, return_residuals, subtract_mean)
+
+
+def llama_dtype(x, scale, bias):
+  """y's dtype under cast="llama": jnp's promotion of x's, scale's and bias's dtypes."""
+  return jnp.result_type(*(a.dtype for a in (x, scale, bias) if a is not None))
 
 
 def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_blocks: int,
@@ -980,7 +1023,7 @@ def _stats_kernel(*refs, n, subtract_mean, has_residual, block_m, block_n, num_p
 
 
 def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                  has_residual, block_m, block_n, num_programs):
+                  has_residual, cast_dtype, block_m, block_n, num_programs):
   """y from x (+ residual) and the whole row's mean (LayerNorm) and rstd, [M] f32
   inputs."""
   refs = list(refs)
@@ -990,6 +1033,7 @@ def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_b
   bias_ref = refs.pop(0) if has_bias else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref, y_ref = refs
+  y_ref = _y_out(y_ref, cast_dtype)
 
   def row_block(rb):
     rows, _, row_mask, _, _ = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
@@ -1066,7 +1110,8 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpr
 
 
 def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
-                       config: ForwardConfig, interpret: bool, residual=None):
+                       config: ForwardConfig, interpret: bool, residual=None,
+                       cast: str = "torch"):
   """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
 
   Args:
@@ -1074,6 +1119,7 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
     scale_offset, config, interpret: as in ``norm_forward``.
     residual: the residual given to ``norm_forward_stats``: y is that of x + residual.
+    cast: as in ``norm_forward``.
 
   Returns:
     y: [M, n] in x's dtype.
@@ -1086,8 +1132,10 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
       functools.partial(_apply_kernel, n=n, scale_offset=float(scale_offset),
                         subtract_mean=mean is not None, has_scale=scale is not None,
                         has_bias=bias is not None, has_residual=residual is not None,
+                        cast_dtype=x.dtype.name if cast == "llama" else None,
                         block_m=cfg.block_m, block_n=cfg.block_n, num_programs=num_programs),
-      out_shape=out_struct((m, n), x.dtype, x),
+      out_shape=out_struct((m, n), llama_dtype(x, scale, bias) if cast == "llama"
+                           else x.dtype, x),
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,

@@ -238,6 +238,40 @@ def test_residual_sharded(layout, op, axis_type):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,op", [("dp", "rms"), ("tp", "layer")])
+def test_llama_cast_sharded(layout, op, axis_type):
+  """cast="llama" sharded: y in the promoted dtype (float32 for bf16 x and float32
+  params) with x's sharding, grads against the unsharded XLA backend's, no all-gather."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 40)
+  x, scale, bias, _ = _inputs(shape, jnp.bfloat16, seed=21)
+  dy = jax.random.normal(jax.random.key(22), shape, jnp.float32)
+  layer = op == "layer"
+
+  def f(backend):
+    def norm(x, s, b):
+      if layer:
+        return pallas_norm.layer_norm(x, s, b, cast="llama", backend=backend)
+      return pallas_norm.rms_norm(x, s, cast="llama", backend=backend)
+    return _fwd_bwd(norm)
+
+  put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+  args = (put(x, spec), put(scale, P(spec[-1])), put(bias, P(spec[-1])), put(dy, spec))
+  step = f("pallas")
+  out, want = step(*args), f("xla")(x, scale, bias, dy)
+  assert out[0].dtype == jnp.float32
+  for name, g, w in zip(("y", "dx", "dscale", "dbias"), out, want):
+    if name == "dbias" and not layer:
+      continue
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=3e-2, rtol=3e-2, err_msg=name)
+  x_spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  assert out[0].sharding.is_equivalent_to(NamedSharding(mesh, P(*x_spec)), out[0].ndim)
+  assert _collectives(step.lower(*args).compile().as_text())["all-gather"] == 0
+
+
 def test_residual_sharded_differently_is_an_error():
   mesh = jax.make_mesh((NDEV,), ("data",), axis_types=(AxisType.Explicit,))
   x = jax.device_put(jnp.ones((NDEV, 2 * NDEV)), NamedSharding(mesh, P("data")))
