@@ -31,7 +31,7 @@ DTYPES = [
     ("float16", "float16", None),
     ("float32", "bfloat16", "bfloat16"),
 ]
-SHAPES = [(1, 1), (7, 3), (6, 1000), (3, 4096)]
+SHAPES = [(1, 1), (7, 3), (6, 1000)]  # (the kernel-variant tests cover long rows)
 # About one unit roundoff; float32 gets a floor of 2^-17 (the launcher tests' 2e-5
 # scale): a LayerNorm row of N = 1 has rstd = 1/sqrt(eps) ~ 316, which amplifies the
 # last bit of any term.
