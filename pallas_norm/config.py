@@ -294,7 +294,7 @@ _PERSISTENT_CHUNK_N_LARGE = 16384
 # Rows padded to 16384 (Pallas backend): static_persistent with the row as one
 # [1, 16384] tile, scale/bias hoisted, the next row prefetched, one program a SM;
 # RMSNorm for N > 12288 at 32 warps, LayerNorm for N > 8192 at 16 warps. The Pallas
-# launch leaves little L1 (README, "The two backends"), so a multi-wave program
+# launch leaves little L1 (docs/performance.md, "The two backends"), so a multi-wave program
 # re-reads its 32 KB of scale from L2 for every row; hoisted, it is read once a
 # program. H200, 2026-11-22, bf16 forward with residuals, CUPTI over rotated inputs,
 # median of 3 rounds of 10 (benchmarks/ab_split_fwd.py "persistent:16384,W,1";

@@ -14,7 +14,7 @@ nothing varies and these are plain ShapeDtypeStructs.
 read from HBM for one row block and not reused by the program's SM.
 
 ``ld.global.cg`` caches a load in L2 only, not in L1. XLA launches Pallas kernels
-preferring shared memory (README, "The two backends"), which leaves about 23 KB of
+preferring shared memory (docs/performance.md, "The two backends"), which leaves about 23 KB of
 each SM's L1 to the loads; with ``.cg`` the streamed x and dy no longer pass through
 it, and scale/bias (read by every row) stay there. H200, 2026-11-22, bf16 forward,
 default configs, CUPTI over rotated inputs (benchmarks/ab_split_fwd.py;
