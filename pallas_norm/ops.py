@@ -292,9 +292,6 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
           axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch"):
   _check_args(op, x, scale, bias, eps, mode, backend)
   scale_offset = _check_cast(op, cast, scale, scale_offset)
-  if cast == "llama" and backend == "triton":
-    raise NotImplementedError(f"{op}: cast='llama' is served by backend='pallas' and "
-                              f"'xla' (not yet by backend='triton')")
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)
@@ -316,9 +313,6 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
                        subtract_mean=subtract_mean, axis_name=names,
                        axis_index_groups=groups)[0]
     return y.astype(x.dtype), h.astype(h_dtype)
-  if residual is not None and backend != "pallas":
-    raise NotImplementedError(f"{op}: residual= is served by backend='pallas' and 'xla' "
-                              f"(not yet by {backend=})")
   llama = None
   if cast == "llama":
     llama = (x.dtype.name, jnp.result_type(*(jnp.result_type(a) for a in (x, scale, bias)
@@ -377,7 +371,7 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
       the backward returns dx = dresidual = (the norm's dx) + dh, added in the same
       kernel. The forward saves h, not x (as flash-attention does): the backward's
       x_hat carries h's rounding when ``residual_dtype`` is narrower than float32.
-      Backends "pallas" and "xla".
+      Every backend.
     residual_dtype: h's dtype (default: residual's); ``jnp.float32`` keeps an fp32
       residual stream (flash-attention's ``residual_in_fp32``).
     eps: added to the mean square; None means ``jnp.finfo(jnp.float32).eps``, as torch
@@ -389,7 +383,7 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
       in float32, cast to x's dtype, then multiplied by the weight in jnp's promotion of
       the two dtypes, which is y's dtype (float32 for bf16 x and float32 scale). "gemma"
       (HF ``GemmaRMSNorm``): "torch" times ``1 + scale`` (implies scale_offset=1.0; needs
-      a scale). Backends "pallas" and "xla" ("llama" is not on "triton" yet).
+      a scale). Every backend.
     mode: None (the heuristic picks), "multi_wave_reload", "multi_wave_cached" or
       "static_persistent".
     backend: "pallas" (default), "triton" (plain Triton through jax-triton) or "xla"
@@ -424,8 +418,6 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
-    NotImplementedError: also, residual or cast="llama" with backend="triton" (not yet
-      served).
   """
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)

@@ -116,6 +116,55 @@ def test_triton_no_affine(layer):
   assert got[2] is None and got[3] is None
 
 
+# (x, residual, residual_dtype, cast, scale dtype) of the fused residual add and the
+# casting modes.
+FUSED = [("bfloat16", "float32", None, "torch", "float32"),
+         ("bfloat16", "bfloat16", "float32", "torch", "bfloat16"),
+         ("float16", "float16", None, "torch", "float16"),
+         ("bfloat16", None, None, "llama", "float32"),
+         ("bfloat16", "float32", None, "llama", "bfloat16"),
+         ("float16", None, None, "gemma", "float32")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,n", [(7, 3), (1024, 1000), (33, 4096), (5, 8192)])
+@pytest.mark.parametrize("case,layer", [(c, layer) for c in FUSED for layer in (False, True)
+                                        if not (layer and c[3] == "gemma")],
+                         ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple)
+                         else ("ln" if c else "rms"))
+def test_triton_fused_matches_pallas(case, layer, m, n, mode):
+  """residual= and cast= on backend="triton" against "pallas" (same algorithms and
+  configs): y within 1 ulp (+ an f32 floor), h bit for bit, dx / dresidual as dx,
+  dscale / dbias within sqrt(M) ulps."""
+  xd, rd, hd, cast, sd = case  # (cast="gemma" is RMSNorm's: GemmaRMSNorm)
+  x, s, b, dy = _inputs(m, n, DTYPES[xd], layer=layer)
+  s = s.astype(sd)
+  r = None if rd is None else (3.0 * x.astype(jnp.float32) - 1.0).astype(rd)
+  kw = dict(mode=mode, cast=cast)
+  if r is not None:
+    kw.update(residual=r, residual_dtype=hd)
+
+  def run(backend):
+    f = (lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend, **kw)) if layer \
+        else (lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend, **kw))
+    out, vjp = jax.vjp(jax.jit(f), x, s, b)
+    outs = out if isinstance(out, tuple) else (out,)
+    cts = tuple(jax.random.normal(jax.random.key(9 + i), o.shape, jnp.float32).astype(o.dtype)
+                for i, o in enumerate(outs))
+    return outs, vjp(cts if isinstance(out, tuple) else cts[0])
+
+  (outs, grads), (outs_w, grads_w) = run("triton"), run("pallas")
+  assert [o.dtype for o in outs] == [o.dtype for o in outs_w]
+  _assert_ulp_close("y", outs[0], outs_w[0], n=n, floor_ulps=2.0)
+  if r is not None:
+    np.testing.assert_array_equal(_f64(outs[1]), _f64(outs_w[1]))
+  _assert_ulp_close("dx", grads[0], grads_w[0], n=n, floor_ulps=4.0,
+                    cancel_scale=_dx_scale(x, s, dy, layer))
+  _assert_param_grad_close("dscale", grads[1], grads_w[1], m=m)
+  if layer:
+    _assert_param_grad_close("dbias", grads[2], grads_w[2], m=m)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
 def test_triton_vmap_grad_jit(layer, mode):

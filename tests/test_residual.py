@@ -220,8 +220,6 @@ def test_errors():
     pallas_norm.rms_norm(x, residual_dtype=jnp.float32)
   with pytest.raises(TypeError, match="residual_dtype=int8"):
     pallas_norm.layer_norm(x, residual=x, residual_dtype=jnp.int8)
-  with pytest.raises(NotImplementedError, match="backend='triton'"):
-    pallas_norm.rms_norm(x, residual=x, backend="triton")
 
 
 # ------------------------------------------------------- every kernel variant, by config

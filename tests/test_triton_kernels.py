@@ -27,6 +27,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as _interpreter  # noqa: E402
 
 import pallas_norm  # noqa: E402
@@ -61,7 +62,30 @@ def _patch_interpreter_index():
 
 _patch_interpreter_index()
 
+
+def _patch_interpreter_bf16_rounding():
+  """triton 3.6's interpreter converts float32 -> bfloat16 by truncating the mantissa;
+  on the GPU the same ``.to(tl.bfloat16)`` is ``cvt.rn`` (round to nearest even), as in
+  XLA and torch. Convert through ml_dtypes (round to nearest even) instead, so that
+  bf16 results (h, the llama roundings) can be compared bit for bit here too."""
+  builder = _interpreter.InterpreterBuilder
+  original = builder.cast_impl
+
+  def cast_impl(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+      data = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+      return _interpreter.TensorHandle(data, dst_type.scalar)
+    return original(self, src, dst_type)
+
+  builder.cast_impl = cast_impl
+  # create_fp_trunc is a lambda bound to cast_impl by name: it picks up the patch.
+
+
+_patch_interpreter_bf16_rounding()
+
 _CPU = pn_config.DeviceInfo("cpu", "cpu", 4)
+# An unused pointer argument (the residual's h / dresidual outputs without a residual).
+_UNUSED = torch.full((1,), float("nan"))
 MODES = pn_config.MODES
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
@@ -104,8 +128,9 @@ def _fwd(x3, scale, bias, cfg, *, eps, scale_offset, layer, return_residuals=Tru
   mean = torch.full((b * m,), float("nan"))
   rstd = torch.full((b * m,), float("nan"))
   tk.norm_fwd_kernel[plan.grid](
-      x3, x3 if scale is None else scale, x3 if bias is None else bias, y, mean, rstd, num_warps=plan.num_warps,
-      num_stages=plan.num_stages, **plan.kwargs)
+      x3, x3, x3 if scale is None else scale, x3 if bias is None else bias,  # r: unread
+      y, _UNUSED, mean, rstd, num_warps=plan.num_warps, num_stages=plan.num_stages,
+      **plan.kwargs)
   return y, mean.reshape(b, m), rstd.reshape(b, m)
 
 
@@ -161,7 +186,7 @@ def _bwd(dy3, x3, scale, mean, rstd, cfg, *, has_bias, scale_offset, layer, scal
   dscale_part = torch.full((b * g, n), float("nan"))
   dbias_part = torch.full((b * g, n), float("nan"))
   tk.norm_bwd_kernel[plan.grid](
-      *inputs, c1, c2, dx, dscale_part, dbias_part,
+      *inputs, c1, c2, dy3, dx, _UNUSED, dscale_part, dbias_part,  # dh, dres: unused
       num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.kwargs)
   rplan = tk.reduce_plan(cfg, batch=b, groups=g, n=n)
   out = []
@@ -183,7 +208,7 @@ def _shard_stats(x3, cfg, *, layer):
   plan = tk.shard_stats_plan(cfg, batch=b, m=m, n=n, subtract_mean=layer)
   s1 = torch.full((b * m,), float("nan"))
   s2 = torch.full((b * m,), float("nan"))
-  tk.fwd_shard_stats_kernel[plan.grid](x3, s1, s2, num_warps=plan.num_warps,
+  tk.fwd_shard_stats_kernel[plan.grid](x3, x3, s1, s2, _UNUSED, num_warps=plan.num_warps,
                                        num_stages=plan.num_stages, **plan.kwargs)
   return s1.reshape(b, m), s2.reshape(b, m)
 
@@ -198,7 +223,7 @@ def _shard_apply(x3, scale, bias, mean, rstd, cfg, *, scale_offset):
                              has_bias=bias is not None, param_stride=0 if pb == 1 else n)
   y = torch.empty_like(x3)
   tk.fwd_shard_apply_kernel[plan.grid](
-      x3, x3 if scale is None else scale, x3 if bias is None else bias,
+      x3, x3, x3 if scale is None else scale, x3 if bias is None else bias,
       rstd if mean is None else mean, rstd, y, num_warps=plan.num_warps,
       num_stages=plan.num_stages, **plan.kwargs)
   return y
@@ -418,9 +443,15 @@ def test_plans():
   assert plan.grid == (10, 1) and plan.num_warps == 4 and plan.num_stages == 1
   # Shapes are constexprs: jax-triton gives integer arguments no divisibility hint.
   assert plan.kwargs == dict(M=100, N=1000, PARAM_STRIDE=0, EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
-                             HAS_BIAS=False, STATS=True, BLOCK_M=4, BLOCK_N=1024,
+                             HAS_BIAS=False, STATS=True, HAS_RESIDUAL=False, LLAMA_X=0,
+                             LLAMA_Y=0, BLOCK_M=4, BLOCK_N=1024,
                              CHUNKED=False, PERSISTENT=True, USE_INT64=False,
                              EVICT_FIRST=False, STREAM_CG=False, LOOP_STAGES=0)
+  fused = tk.forward_plan(cfg, batch=1, m=100, n=1000, has_residual=True,
+                          cast=("bfloat16", "float32"), **kw).kwargs
+  assert (fused["HAS_RESIDUAL"], fused["LLAMA_X"], fused["LLAMA_Y"]) == (True, 2, 1)
+  with pytest.raises(ValueError, match="'int8' is not one of"):
+    tk.forward_plan(cfg, batch=1, m=100, n=1000, cast=("int8", "float32"), **kw)
   assert not tk.forward_plan(cfg, batch=1, m=100, n=1000, return_residuals=False,
                              **kw).kwargs["STATS"]
   assert tk.forward_plan(cfg, batch=4, m=100, n=1000, **kw).grid == (3, 4)
@@ -448,6 +479,11 @@ def test_plans():
   rplan = tk.reduce_plan(bcfg, batch=2, groups=6, n=1000)
   assert rplan.grid == (32, 2) and rplan.num_warps == 2
   assert (rplan.kwargs["G"], rplan.kwargs["N"]) == (6, 1000)
+  fused = tk.backward_plan(bcfg, batch=1, m=100, n=1000, has_bias=True, has_dh=True,
+                           has_dres=True, cast=("float16", "float16"), **bkw).kwargs
+  assert (fused["HAS_DH"], fused["HAS_DRES"], fused["LLAMA_X"], fused["LLAMA_Y"]) == (
+      True, True, 3, 3)
+  assert not bplan.kwargs["HAS_DH"] and not bplan.kwargs["LLAMA_X"]
   batched = tk.backward_plan(bcfg, batch=2, m=100, n=1000, has_bias=True, param_stride=1000,
                              **bkw)
   assert (batched.kwargs["M"], batched.kwargs["N"], batched.kwargs["PARAM_STRIDE"]) == (
@@ -689,6 +725,12 @@ def fake_jt(request, monkeypatch):
   monkeypatch.setattr(glue, "_jax_triton", lambda: _fake_jax_triton(request.param))
 
 
+@pytest.fixture
+def fake_jt4(monkeypatch):
+  """jax-triton 0.4's stand-in only (the version switch is covered by ``fake_jt``)."""
+  monkeypatch.setattr(glue, "_jax_triton", lambda: _fake_jax_triton((0, 4, 1)))
+
+
 def _loss(backend, mode, layer, scale_offset=0.0):
   def f(x, s, b):
     if layer:
@@ -821,3 +863,182 @@ def test_glue_shard(monkeypatch, layer, mode):
     _assert_tree_close(dbias.sum(0).reshape(n), dbias_ref, rtol=1e-4, atol=1e-4)
   else:
     assert dbias is None
+
+
+# ------------------------------------------- the fused residual add and cast="llama"
+
+# (x, residual, residual_dtype): bf16 x with an fp32 residual stream, an fp32 h of bf16
+# inputs (dresidual then differs from dx), and a bf16 h of an fp32 x.
+_RES_DTYPES = [("bfloat16", "float32", None), ("bfloat16", "bfloat16", "float32"),
+               ("float32", "bfloat16", "bfloat16")]
+# Unit roundoff per dtype; float32 with test_residual's floor (rstd amplifies last bits).
+_RES_ULP = {"float32": 2.0**-17, "bfloat16": 2.0**-8, "float16": 2.0**-10}
+_RED = pn_config.reduce_config(1000, 2)
+# Every forward code path of the Triton kernels (single tile, chunked reload, persistent
+# with either) and both backward ones (single tile; row statistics + column tiles).
+GLUE_FWD = {
+    "cached": pn_config.ForwardConfig("multi_wave_cached", 2, 1024, 4),
+    "reload": pn_config.ForwardConfig("multi_wave_reload", 2, 256, 4),
+    "persistent": pn_config.ForwardConfig("static_persistent", 2, 1024, 4, 3),
+    "persistent_chunked": pn_config.ForwardConfig("static_persistent", 2, 256, 4, 3),
+}
+GLUE_BWD = {
+    "tile": pn_config.BackwardConfig(2, 1024, 4, 2, **_RED),
+    "columns": pn_config.BackwardConfig(2, 256, 4, 2, **_RED),
+}
+
+
+def _res_inputs(m, n, xd, rd, *, layer, sd="float32", seed=0):
+  rng = np.random.default_rng(seed + 31 * m + n)
+  f = lambda *s: rng.standard_normal(s).astype(np.float32)
+  x = jnp.asarray(f(m, n) * 2 + 0.5, xd)
+  r = jnp.asarray(f(m, n) * 3 + (2.0 if layer else 0.0), rd)
+  scale = jnp.asarray(1 + 0.5 * f(n), sd)
+  bias = jnp.asarray(f(n), sd) if layer else None
+  return x, r, scale, bias
+
+
+def _res_close(got, want, dtypes, n, what):
+  """Within 4 units roundoff of the coarsest of ``dtypes`` (x's, h's: the backward
+  recomputes x_hat from the saved h), times sqrt(n) / 8 for the sums."""
+  name = max((jnp.dtype(d).name for d in dtypes if d is not None), key=_RES_ULP.get)
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, what
+  tol = 4 * _RES_ULP[name] * max(1.0, np.sqrt(n) / 8)
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()),
+                             err_msg=what)
+
+
+def _fused_op(layer, backend, *, residual, cast, mode=None, residual_dtype=None):
+  """(x, r, scale, bias) -> the public op's output(s), with or without the residual."""
+  kw = dict(cast=cast, mode=mode, backend=backend)
+  if residual:
+    kw["residual_dtype"] = residual_dtype
+  def f(x, r, s, b):
+    extra = dict(kw, residual=r) if residual else kw
+    if layer:
+      return pallas_norm.layer_norm(x, s, b, **extra)
+    return pallas_norm.rms_norm(x, s, **extra)
+  return f
+
+
+def _check_fused_vjp(ours, want, args, *, n, dtypes, what):
+  """jax.vjp of ``ours`` against ``want``: values (h bit for bit) and every grad, with
+  random cotangents on every output."""
+  out, pull = jax.vjp(ours, *args)
+  out_w, pull_w = jax.vjp(want, *args)
+  outs, outs_w = (out, out_w) if isinstance(out, tuple) else ((out,), (out_w,))
+  for i, (o, w) in enumerate(zip(outs, outs_w)):
+    assert o.dtype == w.dtype and o.shape == w.shape, (what, i, o.dtype, w.dtype)
+    if i == 1:  # h = x + residual, rounded once
+      np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(w, np.float32))
+    else:
+      _res_close(o, w, dtypes, n, f"{what}: y")
+  rng = np.random.default_rng(5)
+  cts = tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs)
+  grads = pull(cts if isinstance(out, tuple) else cts[0])
+  grads_w = pull_w(cts if isinstance(out, tuple) else cts[0])
+  for name, g, w in zip(("dx", "dresidual", "dscale", "dbias"), grads, grads_w):
+    if w is None or name == "dresidual" and len(outs) == 1:
+      continue
+    assert g.dtype == w.dtype, (what, name, g.dtype, w.dtype)
+    _res_close(g, w, dtypes, args[0].shape[0] if name in ("dscale", "dbias") else n,
+               f"{what}: {name}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_glue_residual_and_llama(fake_jt4, mode, layer):
+  """The public op on backend="triton" (through the glue) against backend="xla" (the
+  formula), jitted, in every mode: the fused residual add over the dtype table, and
+  cast="llama" with and without a residual (bf16 x with an fp32 scale: y in fp32; a
+  bf16 scale: y in bf16)."""
+  del fake_jt4
+  m, n = 6, 200
+  for xd, rd, hd in _RES_DTYPES:
+    x, r, s, b = _res_inputs(m, n, xd, rd, layer=layer)
+    kw = dict(residual=True, cast="torch", residual_dtype=hd)
+    _check_fused_vjp(jax.jit(_fused_op(layer, "triton", mode=mode, **kw)),
+                     _fused_op(layer, "xla", **kw), (x, r, s, b), n=n,
+                     dtypes=(xd, hd or rd), what=f"{mode} residual {xd}/{rd}/{hd}")
+  for sd, residual in (("float32", False), ("bfloat16", False), ("float32", True)):
+    x, r, s, b = _res_inputs(m, n, "bfloat16", "float32", layer=layer, sd=sd)
+    kw = dict(residual=residual, cast="llama")
+    _check_fused_vjp(jax.jit(_fused_op(layer, "triton", mode=mode, **kw)),
+                     _fused_op(layer, "xla", **kw), (x, r, s, b), n=n,
+                     dtypes=("bfloat16",), what=f"{mode} llama scale {sd} res {residual}")
+
+
+@pytest.mark.parametrize("fwd,bwd,cast", [("cached", "tile", "torch"),
+                                          ("reload", "columns", "llama"),
+                                          ("persistent", "columns", "torch"),
+                                          ("persistent_chunked", "tile", "llama")])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
+def test_glue_fused_kernel_paths(fake_jt4, fwd, bwd, cast, layer):
+  """Every Triton forward and backward code path with a residual (bf16 x, fp32 residual,
+  bf16 h: dresidual in its own dtype), each backward path under each cast, called
+  through the glue with a forced config, against the xla formula's values and vjp."""
+  del fake_jt4
+  m, n = 5, 600
+  x, r, s, b = _res_inputs(m, n, "bfloat16", "float32", layer=layer)
+  b = b if layer else None
+  llama = ("bfloat16", "float32") if cast == "llama" else None
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=True)
+  y, mean, rstd, h = glue.norm_forward(x, s, b, config=GLUE_FWD[fwd], residual=r,
+                                       residual_dtype=jnp.bfloat16, cast=cast, **kw)
+  want = lambda x, r, s, b: _fused_op(layer, "xla", residual=True, cast=cast,
+                                      residual_dtype=jnp.bfloat16)(x, r, s, b)
+  (y_w, h_w), pull = jax.vjp(want, x, r, s, b)
+  assert (y.dtype, h.dtype) == (y_w.dtype, h_w.dtype)
+  _res_close(y, y_w, ("bfloat16",), n, "y")
+  np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_w, np.float32))
+  rng = np.random.default_rng(3)
+  dy = jnp.asarray(rng.standard_normal((m, n)), y.dtype)
+  dh = jnp.asarray(rng.standard_normal((m, n)), h.dtype)
+  dx, dres, ds, db = glue.norm_backward(
+      dy, h, s, mean, rstd, has_bias=layer, scale_offset=0.0, subtract_mean=layer,
+      config=GLUE_BWD[bwd], interpret=True, scale_dtype=s.dtype, bias_dtype=s.dtype, dh=dh,
+      dx_dtype=jnp.bfloat16, residual_dtype=jnp.float32, cast=llama)
+  assert (dx.dtype, dres.dtype) == (jnp.bfloat16, jnp.float32)
+  for name, g, w in zip(("dx", "dres", "dscale", "dbias"), (dx, dres, ds, db),
+                        pull((dy, dh))):
+    if w is not None:
+      _res_close(g, w, ("bfloat16",), m if name in ("dscale", "dbias") else n, name)
+
+
+@pytest.mark.parametrize("layer,mode", [(False, "static_persistent"),
+                                        (True, "multi_wave_reload")], ids=["rms", "ln"])
+def test_glue_shard_fused(fake_jt4, layer, mode):
+  """The tensor-parallel pair with a residual and cast="llama", one shard (its combines
+  are then the identity): the statistics kernel writes h and takes h's statistics, the
+  apply kernel adds again and rounds as Llama does, and the backward with given row
+  sums adds dh and writes dresidual; against the xla formula."""
+  del fake_jt4
+  m, n, eps = 7, 300, 1e-5
+  x, r, s, b = _res_inputs(m, n, "bfloat16", "float32", layer=layer)
+  b = b if layer else None
+  cfg = pn_config.forward_config(m, n, jnp.bfloat16, mode, _CPU, subtract_mean=layer,
+                                 backend="triton")
+  bcfg = pn_config.backward_config(m, n, jnp.bfloat16, _CPU, backend="triton")
+  s1, s2, h = glue.norm_forward_stats(x, subtract_mean=layer, config=cfg, interpret=True,
+                                      residual=r)
+  mean, rstd = spmd._combine_stats(s1, s2, n=n, eps=eps, axes=(), groups=None)
+  y = glue.norm_forward_apply(x, s, b, mean, rstd, scale_offset=0.0, config=cfg,
+                              interpret=True, residual=r, cast="llama")
+  want = lambda x, r, s, b: _fused_op(layer, "xla", residual=True, cast="llama")(x, r, s, b)
+  (y_w, h_w), pull = jax.vjp(want, x, r, s, b)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(h_w))
+  assert y.dtype == y_w.dtype == jnp.float32
+  _res_close(y, y_w, ("bfloat16",), n, "y")
+  rng = np.random.default_rng(4)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  dx, dres, ds, db = glue.norm_backward(
+      dy, h, s, mean if layer else None, rstd, has_bias=layer, scale_offset=0.0,
+      subtract_mean=layer, config=bcfg, interpret=True, scale_dtype=s.dtype,
+      bias_dtype=s.dtype, combine_row_sums=lambda c1, c2: (c1, c2), dh=dh,
+      dx_dtype=jnp.bfloat16, residual_dtype=jnp.float32, cast=("bfloat16", "float32"))
+  for name, g, w in zip(("dx", "dres", "dscale", "dbias"), (dx, dres, ds, db),
+                        pull((dy, dh))):
+    if w is not None:
+      _res_close(g, w, ("bfloat16",), m if name in ("dscale", "dbias") else n, name)

@@ -93,38 +93,53 @@ class _FwdStatic:
   subtract_mean: bool
   config: _config.ForwardConfig
   return_residuals: bool
+  residual_dtype: str | None = None  # h's dtype, with the fused residual add
+  llama: tuple[str, str] | None = None  # cast="llama": (x's, y's dtype names)
 
 
-def _launch_forward(x3, scale, bias, st: _FwdStatic):
-  """x3: [B, M, N]; scale, bias: [PB, N] (PB in {1, B}) or None.
+def _y_dtype(x, st):
+  """y's dtype: x's, or the promotion of x's and the params' under cast="llama"."""
+  return x.dtype if st.llama is None else jnp.dtype(st.llama[1])
 
-  Returns (y [B, M, N] x.dtype,), then with ``st.return_residuals`` mean [B, M] f32
-  (LayerNorm only) and rstd [B, M] f32.
+
+def _launch_forward(x3, r3, scale, bias, st: _FwdStatic):
+  """x3: [B, M, N]; r3: [B, M, N] (the residual) or None; scale, bias: [PB, N] (PB in
+  {1, B}) or None.
+
+  Returns (y [B, M, N],), then h [B, M, N] (h's dtype) with a residual, then with
+  ``st.return_residuals`` mean [B, M] f32 (LayerNorm only) and rstd [B, M] f32.
   """
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
   (scale, bias), pb = _param_rows((scale, bias), batch)
   # Shared params: fold the batch into the rows (one row space, better tail blocks).
   kb, km = (1, batch * m) if pb == 1 else (batch, m)
+  has_res = r3 is not None
   plan = tk.forward_plan(st.config, batch=kb, m=km, n=n, eps=st.eps,
                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                          has_scale=scale is not None, has_bias=bias is not None,
                          return_residuals=st.return_residuals,
-                         param_stride=0 if pb == 1 else n)
-  # Without residuals the kernel writes no statistics: 1-element placeholders.
+                         param_stride=0 if pb == 1 else n, has_residual=has_res,
+                         cast=st.llama)
+  # Without residuals the kernel writes no statistics, without a residual no h: 1-element
+  # placeholders.
   rows = batch * m if st.return_residuals else 1
-  y, mean, rstd = _triton_call(
+  h_out = (jax.ShapeDtypeStruct(x3.shape, st.residual_dtype) if has_res
+           else _f32(1))
+  y, h, mean, rstd = _triton_call(
       tk.norm_fwd_kernel,
-      x3, x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
-      out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
+      x3, r3 if has_res else x3,  # absent: unread
+      x3 if scale is None else scale, x3 if bias is None else bias,
+      out=(jax.ShapeDtypeStruct(x3.shape, _y_dtype(x3, st)), h_out,
            _f32(rows if st.subtract_mean else 1), _f32(rows)),
       plan=plan, name=f"pallas_norm_triton_fwd_{st.config.mode}")
+  out = (y, h) if has_res else (y,)
   if not st.return_residuals:
-    return (y,)
+    return out
   rstd = rstd.reshape(batch, m)
   if st.subtract_mean:
-    return y, mean.reshape(batch, m), rstd
-  return y, rstd
+    return (*out, mean.reshape(batch, m), rstd)
+  return (*out, rstd)
 
 
 def _vmapped(launch, fold_args):
@@ -143,17 +158,18 @@ def _vmapped(launch, fold_args):
   return call
 
 
-def _fwd_fold(axis_size, in_batched, x3, scale, bias):
+def _fwd_fold(axis_size, in_batched, x3, r3, scale, bias):
   """The forward's arguments with the new vmap axis merged into the batch."""
-  x_b, s_b, b_b = in_batched
+  x_b, r_b, s_b, b_b = in_batched
   params_shared = not (s_b or b_b) and all(
       p is None or p.shape[0] == 1 for p in (scale, bias))
-  if params_shared:  # x must be the batched one: fold the new axis into B.
-    x4 = x3
+  if params_shared:  # fold the new axis into B
+    x4 = _new_axis(axis_size, x3, x_b)
   else:
     x4, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
     scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
-  return _merge(x4), scale, bias
+  r4 = _new_axis(axis_size, r3, r_b)
+  return _merge(x4), None if r4 is None else _merge(r4), scale, bias
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,8 +217,23 @@ def _broadcast_new_axis(axis_size, *pairs):
   return tuple(out)
 
 
+def _llama_cast(cast, x, *params):
+  """(x's, y's dtype names) for cast="llama" (y's: jnp's promotion of x's and the
+  present params' dtypes, as ``forward.llama_dtype``), None for "torch".
+
+  Raises:
+    ValueError: another cast (``ops`` turns "gemma" into "torch" with an offset).
+  """
+  if cast == "torch":
+    return None
+  if cast != "llama":
+    raise ValueError(f"{cast=}: the kernels take 'torch' or 'llama'")
+  y = jnp.result_type(*(a.dtype for a in (x, *params) if a is not None))
+  return (jnp.dtype(x.dtype).name, jnp.dtype(y).name)
+
+
 def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, interpret,
-                 return_residuals=True):
+                 return_residuals=True, residual=None, residual_dtype=None, cast="torch"):
   """Forward through jax-triton.
 
   Args:
@@ -213,10 +244,14 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
     interpret: ignored (jax-triton runs on GPU only).
     return_residuals: write and return mean/rstd (what the backward needs); a plain
       forward skips them (the kernel's ``STATS`` constexpr).
+    residual: None, or [M, N] float: the kernel normalises h = x + residual (summed in
+      float32) and also writes h, in ``residual_dtype`` (default: residual's dtype).
+    cast: "torch" or "llama", as in ``forward.norm_forward``.
 
   Returns:
-    (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None): mean is None for
-    RMSNorm, both are None without ``return_residuals``.
+    (y [M, N], mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last with a
+    residual: y in x's dtype (the promotion of x's and the params' under "llama"),
+    mean None for RMSNorm, both None without ``return_residuals``.
 
   Raises:
     NotImplementedError: ``config.split_rows`` (that long-row kernel is Pallas-only).
@@ -228,16 +263,21 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
         "ForwardConfig(split_rows=True) is Pallas-only; backend='triton' walks rows wider "
         "than block_n in chunks (split_rows=False)")
   _jax_triton()
+  if residual is not None and residual_dtype is None:
+    residual_dtype = residual.dtype
   st = _FwdStatic(float(eps), float(scale_offset), bool(subtract_mean), config,
-                  bool(return_residuals))
-  out = _forward_fn(st)(x2[None], *(None if p is None else p[None] for p in (scale, bias)))
-  if not return_residuals:
-    return out[0][0], None, None
-  if subtract_mean:
-    y, mean, rstd = out
-  else:
-    (y, rstd), mean = out, None
-  return y[0], None if mean is None else mean[0], rstd[0]
+                  bool(return_residuals),
+                  None if residual is None else jnp.dtype(residual_dtype).name,
+                  _llama_cast(cast, x2, scale, bias))
+  out = list(_forward_fn(st)(x2[None], None if residual is None else residual[None],
+                             *(None if p is None else p[None] for p in (scale, bias))))
+  y = out.pop(0)[0]
+  h = None if residual is None else out.pop(0)[0]
+  mean = rstd = None
+  if return_residuals:
+    mean = out.pop(0)[0] if subtract_mean else None
+    rstd = out.pop(0)[0]
+  return (y, mean, rstd) if residual is None else (y, mean, rstd, h)
 
 
 # ------------------------------------------------------ tensor parallel: statistics, then y
@@ -248,25 +288,32 @@ class _ShardStatic:
   subtract_mean: bool
   config: _config.ForwardConfig
   scale_offset: float = 0.0  # the apply kernel's
+  residual_dtype: str | None = None  # the statistics kernel's h, with a residual
+  llama: tuple[str, str] | None = None  # the apply kernel's, as in _FwdStatic
 
 
-def _launch_shard_stats(x3, st: _ShardStatic):
-  """x3: [B, M, n] -> (s1 [B, M] f32,), then s2 [B, M] f32 for LayerNorm."""
+def _launch_shard_stats(x3, r3, st: _ShardStatic):
+  """x3: [B, M, n]; r3: [B, M, n] (the residual) or None -> (s1 [B, M] f32,), then s2
+  [B, M] f32 for LayerNorm, then h [B, M, n] with a residual."""
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
+  has_res = r3 is not None
   # No params: the batch always folds into the rows.
   plan = tk.shard_stats_plan(st.config, batch=1, m=batch * m, n=n,
-                             subtract_mean=st.subtract_mean)
-  s1, s2 = _triton_call(
-      tk.fwd_shard_stats_kernel, x3,
-      out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1)),
+                             subtract_mean=st.subtract_mean, has_residual=has_res)
+  s1, s2, h = _triton_call(
+      tk.fwd_shard_stats_kernel, x3, r3 if has_res else x3,  # absent: unread
+      out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1),
+           jax.ShapeDtypeStruct(x3.shape, st.residual_dtype) if has_res else _f32(1)),
       plan=plan, name="pallas_norm_triton_fwd_shard_stats")
-  return tuple(s.reshape(batch, m) for s in ((s1, s2) if st.subtract_mean else (s1,)))
+  out = tuple(s.reshape(batch, m) for s in ((s1, s2) if st.subtract_mean else (s1,)))
+  return (*out, h) if has_res else out
 
 
-def _shard_stats_fold(axis_size, in_batched, x3):
-  (x_b,) = in_batched
-  return (_merge(_new_axis(axis_size, x3, x_b)),)
+def _shard_stats_fold(axis_size, in_batched, x3, r3):
+  x_b, r_b = in_batched
+  r4 = _new_axis(axis_size, r3, r_b)
+  return _merge(_new_axis(axis_size, x3, x_b)), None if r4 is None else _merge(r4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,32 +322,36 @@ def _shard_stats_fn(st: _ShardStatic):
   return _vmapped(functools.partial(_launch_shard_stats, st=st), _shard_stats_fold)
 
 
-def _launch_shard_apply(x3, scale, bias, mean, rstd, st: _ShardStatic):
-  """x3: [B, M, n]; scale, bias: [PB, n] (PB in {1, B}) or None; mean (LayerNorm only),
-  rstd: [B, M] f32. Returns (y [B, M, n] x.dtype,)."""
+def _launch_shard_apply(x3, r3, scale, bias, mean, rstd, st: _ShardStatic):
+  """x3: [B, M, n]; r3: [B, M, n] (the residual) or None; scale, bias: [PB, n] (PB in
+  {1, B}) or None; mean (LayerNorm only), rstd: [B, M] f32. Returns (y [B, M, n],) in
+  x's dtype (y's under cast="llama")."""
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
   (scale, bias), pb = _param_rows((scale, bias), batch)
   kb, km = (1, batch * m) if pb == 1 else (batch, m)  # shared params: rows fold
   plan = tk.shard_apply_plan(st.config, batch=kb, m=km, n=n, scale_offset=st.scale_offset,
                              subtract_mean=st.subtract_mean, has_scale=scale is not None,
-                             has_bias=bias is not None, param_stride=0 if pb == 1 else n)
+                             has_bias=bias is not None, param_stride=0 if pb == 1 else n,
+                             has_residual=r3 is not None, cast=st.llama)
   return _triton_call(
       tk.fwd_shard_apply_kernel,
-      x3, x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
+      x3, x3 if r3 is None else r3,
+      x3 if scale is None else scale, x3 if bias is None else bias,  # absent: unread
       rstd if mean is None else mean, rstd,
-      out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),),
+      out=(jax.ShapeDtypeStruct(x3.shape, _y_dtype(x3, st)),),
       plan=plan, name="pallas_norm_triton_fwd_shard_apply")
 
 
-def _shard_apply_fold(axis_size, in_batched, x3, scale, bias, mean, rstd):
-  x_b, s_b, b_b, mean_b, rstd_b = in_batched
+def _shard_apply_fold(axis_size, in_batched, x3, r3, scale, bias, mean, rstd):
+  x_b, r_b, s_b, b_b, mean_b, rstd_b = in_batched
   if s_b or b_b or any(p is not None and p.shape[0] > 1 for p in (scale, bias)):
     _, scale, bias = _broadcast_new_axis(axis_size, (x3, x_b), (scale, s_b), (bias, b_b))
     scale, bias = (None if p is None else _merge(p) for p in (scale, bias))
-  x4, mean4, rstd4 = (_new_axis(axis_size, a, b)
-                      for a, b in ((x3, x_b), (mean, mean_b), (rstd, rstd_b)))
-  return _merge(x4), scale, bias, None if mean4 is None else _merge(mean4), _merge(rstd4)
+  x4, r4, mean4, rstd4 = (_new_axis(axis_size, a, b) for a, b in
+                          ((x3, x_b), (r3, r_b), (mean, mean_b), (rstd, rstd_b)))
+  merged = lambda a: None if a is None else _merge(a)
+  return _merge(x4), merged(r4), scale, bias, merged(mean4), _merge(rstd4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,7 +361,7 @@ def _shard_apply_fn(st: _ShardStatic):
 
 
 def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
-                       interpret: bool):
+                       interpret: bool, residual=None, residual_dtype=None):
   """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
 
   As ``forward.norm_forward_stats`` (Pallas): the row block is walked in
@@ -323,22 +374,32 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
     subtract_mean: LayerNorm (True) or RMSNorm.
     config: ``ForwardConfig``.
     interpret: ignored (jax-triton runs on GPU only).
+    residual, residual_dtype: as in ``norm_forward``: the statistics are those of
+      h = x + residual, and h is written.
 
   Returns:
     (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
-    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards.
+    sum((x - mean)^2)) over the n columns, for Chan et al.'s combination across shards;
+    and h [M, n] third with a residual.
 
   Raises:
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
   _jax_triton()
-  out = _shard_stats_fn(_ShardStatic(bool(subtract_mean), config))(x[None])
-  return (out[0][0], out[1][0]) if subtract_mean else (out[0][0], None)
+  if residual is not None and residual_dtype is None:
+    residual_dtype = residual.dtype
+  st = _ShardStatic(bool(subtract_mean), config,
+                    residual_dtype=None if residual is None else jnp.dtype(residual_dtype).name)
+  out = [o[0] for o in _shard_stats_fn(st)(x[None],
+                                           None if residual is None else residual[None])]
+  s = (out[0], out[1]) if subtract_mean else (out[0], None)
+  return s if residual is None else (*s, out[-1])
 
 
 def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
-                       config: _config.ForwardConfig, interpret: bool):
+                       config: _config.ForwardConfig, interpret: bool, residual=None,
+                       cast: str = "torch"):
   """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
 
   y = (x - mean) * rstd * (scale_offset + scale) + bias, computed in f32; grid and
@@ -350,18 +411,21 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
     scale_offset: as in ``ops``.
     config: ``ForwardConfig``.
     interpret: ignored (jax-triton runs on GPU only).
+    residual: the residual given to ``norm_forward_stats``: y is that of x + residual.
+    cast: as in ``norm_forward``.
 
   Returns:
-    y: [M, n] in x's dtype.
+    y: [M, n] in x's dtype (the promotion of x's and the params' under "llama").
 
   Raises:
     ImportError: jax-triton or a GPU jaxlib is missing.
   """
   del interpret
   _jax_triton()
-  st = _ShardStatic(mean is not None, config, float(scale_offset))
+  st = _ShardStatic(mean is not None, config, float(scale_offset),
+                    llama=_llama_cast(cast, x, scale, bias))
   (y,) = _shard_apply_fn(st)(x[None], *(None if a is None else a[None]
-                                          for a in (scale, bias, mean, rstd)))
+                                        for a in (residual, scale, bias, mean, rstd)))
   return y[0]
 
 
@@ -377,6 +441,9 @@ class _BwdStatic:
   scale_dtype: jnp.dtype | None
   bias_dtype: jnp.dtype | None
   combine_row_sums: bool = False  # c1 / c2 of a shard, combined by the caller
+  dx_dtype: str | None = None  # default: x's
+  dres_dtype: str | None = None  # dresidual's, when it differs from dx's
+  llama: tuple[str, str] | None = None  # cast="llama": (x's, y's dtype names)
 
 
 def _bwd_launch_args(dy3, x3, scale, mean, rstd, st: _BwdStatic):
@@ -385,7 +452,8 @@ def _bwd_launch_args(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   (scale,), pb = _param_rows((scale,), batch)
   common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
                 subtract_mean=st.subtract_mean, has_scale=scale is not None,
-                param_stride=0 if pb == 1 else n, combine_row_sums=st.combine_row_sums)
+                param_stride=0 if pb == 1 else n, combine_row_sums=st.combine_row_sums,
+                cast=st.llama)
   inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
   return common, inputs
 
@@ -408,19 +476,23 @@ def _launch_row_sums(dy3, x3, scale, mean, rstd, st: _BwdStatic):
   return tuple(c.reshape(batch, m) for c in ((c1, c2) if st.subtract_mean else (c1,)))
 
 
-def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st: _BwdStatic):
+def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, dh3, st: _BwdStatic):
   """dy3, x3: [B, M, N]; scale: [PB, N] (PB in {1, B}) or None; mean (LayerNorm only),
   rstd: [B, M] f32; c1, c2 (LayerNorm only): [B, M] f32, the row sums combined across
-  the shards of the hidden dim with ``st.combine_row_sums``, else None (computed here).
+  the shards of the hidden dim with ``st.combine_row_sums``, else None (computed here);
+  dh3: [B, M, N], h's cotangent with the fused residual add (x3 is then h), or None.
 
-  Returns a tuple of dx [B, M, N] x.dtype, then dscale [B, N] (with a scale) and
-  dbias [B, N] (with a bias): the per-batch-entry sums over rows.
+  Returns a tuple of dx [B, M, N] (``st.dx_dtype``, default x's), dresidual [B, M, N]
+  (with ``st.dres_dtype``), then dscale [B, N] (with a scale) and dbias [B, N] (with a
+  bias): the per-batch-entry sums over rows.
   """
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
   common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, st)
   has_scale = common["has_scale"]
-  plan = tk.backward_plan(st.config, has_bias=st.has_bias, **common)
+  has_dres = st.dres_dtype is not None
+  plan = tk.backward_plan(st.config, has_bias=st.has_bias, has_dh=dh3 is not None,
+                          has_dres=has_dres, **common)
   if not st.combine_row_sums:
     stats_plan = tk.row_stats_plan(st.config, **common)
     c1 = c2 = rstd  # single tile: c1/c2 are reduced in stage 1 (unread placeholders)
@@ -429,14 +501,15 @@ def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st: _BwdStatic):
   elif c2 is None:
     c2 = c1  # RMSNorm: unread
   part_rows = batch * plan.grid[0]
-  dx, dscale_part, dbias_part = _triton_call(
-      tk.norm_bwd_kernel, *inputs, c1, c2,
-      out=(jax.ShapeDtypeStruct(x3.shape, x3.dtype),
+  dx, dres, dscale_part, dbias_part = _triton_call(
+      tk.norm_bwd_kernel, *inputs, c1, c2, dy3 if dh3 is None else dh3,  # absent: unread
+      out=(jax.ShapeDtypeStruct(x3.shape, st.dx_dtype or x3.dtype),
+           jax.ShapeDtypeStruct(x3.shape, st.dres_dtype) if has_dres else _f32(1),
            _f32(part_rows if has_scale else 1, n if has_scale else 1),
            _f32(part_rows if st.has_bias else 1, n if st.has_bias else 1)),
       plan=plan, name=("pallas_norm_triton_bwd_columns" if plan.kwargs["CHUNKED"]
                        else "pallas_norm_triton_bwd_persistent"))
-  out = [dx]
+  out = [dx, dres] if has_dres else [dx]
   rplan = tk.reduce_plan(st.config, batch=batch, groups=plan.grid[0], n=n)
   for present, part, dtype in ((has_scale, dscale_part, st.scale_dtype),
                                (st.has_bias, dbias_part, st.bias_dtype)):
@@ -450,8 +523,8 @@ def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, st: _BwdStatic):
 
 def _bwd_vmap_args(axis_size, in_batched, dy3, x3, scale, *rows):
   """The new vmap axis merged into the batch of the backward's arguments: dy, x and the
-  [B, M] row arrays (mean, rstd, c1, c2; None stays None) all get it (their batch B is
-  shared); scale too unless it is one row shared by every entry."""
+  per-row arrays (mean, rstd, c1, c2 [B, M], dh [B, M, N]; None stays None) all get it
+  (their batch B is shared); scale too unless it is one row shared by every entry."""
   dy_b, x_b, s_b, *rows_b = in_batched
   dy4, x4 = _new_axis(axis_size, dy3, dy_b), _new_axis(axis_size, x3, x_b)
   if scale is not None and (s_b or scale.shape[0] > 1):
@@ -475,11 +548,12 @@ def _backward_fn(st: _BwdStatic):
 
 
 def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract_mean,
-                  config, interpret, scale_dtype, bias_dtype, combine_row_sums=None):
+                  config, interpret, scale_dtype, bias_dtype, combine_row_sums=None,
+                  dh=None, dx_dtype=None, residual_dtype=None, cast=None):
   """Backward through jax-triton (stage 1 dx + partials, stage 2 reduction).
 
   Args:
-    dy, x2: [M, N] in x's dtype.
+    dy, x2: [M, N] in x's dtype (dy in y's under cast="llama").
     scale: [N] or None.
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
     has_bias, scale_offset, subtract_mean: as in ``ops``.
@@ -493,9 +567,17 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
       the column-tiled stage 1. It selects that pair whatever ``block_n``;
       ``config.split_rows``, ``reload_rows`` and ``pieces`` are not used (as in the
       Pallas ``norm_backward``).
+    dh, dx_dtype, residual_dtype: the fused residual add, as in the Pallas
+      ``norm_backward`` (x2 is then h = x + residual): dh [M, N] or None is added to dx
+      in float32 inside stage 1; dx is written in ``dx_dtype`` (default x2's) and,
+      given a different ``residual_dtype``, once more in that dtype (dresidual).
+    cast: None (``cast="torch"``) or (x's dtype name, y's dtype name) for
+      ``cast="llama"``, as in the Pallas ``norm_backward``.
 
   Returns:
-    (dx [M, N] x.dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
+    (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
+    with a ``residual_dtype``, (dx, dresidual, dscale, dbias), dresidual being dx
+    itself when the dtypes agree.
 
   Raises:
     NotImplementedError: without ``combine_row_sums``, ``config.split_rows`` or
@@ -515,10 +597,15 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
           f"BackwardConfig(pieces={config.pieces}) is Pallas-only; backend='triton' takes "
           "one block_n-wide tile")
   _jax_triton()
+  dx_name = jnp.dtype(dx_dtype or x2.dtype).name
+  dres_name = None
+  if residual_dtype is not None and jnp.dtype(residual_dtype).name != dx_name:
+    dres_name = jnp.dtype(residual_dtype).name
   st = _BwdStatic(float(scale_offset), bool(subtract_mean), bool(has_bias), config,
                   None if scale is None else jnp.dtype(scale_dtype),
                   jnp.dtype(bias_dtype) if has_bias else None,
-                  combine_row_sums is not None)
+                  combine_row_sums is not None, dx_name, dres_name,
+                  None if cast is None else tuple(cast))
   args = (dy[None], x2[None], None if scale is None else scale[None],
           None if mean is None else mean[None], rstd[None])
   c1 = c2 = None
@@ -526,8 +613,11 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
     c = _row_sums_fn(st)(*args)
     c1, c2 = combine_row_sums(c[0][0], c[1][0] if subtract_mean else None)
     c1, c2 = c1[None], (c2[None] if subtract_mean else None)
-  out = list(_backward_fn(st)(*args, c1, c2))
+  out = list(_backward_fn(st)(*args, c1, c2, None if dh is None else dh[None]))
   dx = out.pop(0)[0]
+  dres = out.pop(0)[0] if dres_name is not None else dx
   dscale = out.pop(0)[0] if scale is not None else None
   dbias = out.pop(0)[0] if has_bias else None
-  return dx, dscale, dbias
+  if residual_dtype is None:
+    return dx, dscale, dbias
+  return dx, dres, dscale, dbias

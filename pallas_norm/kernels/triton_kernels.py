@@ -14,6 +14,18 @@ Forward, per row (N = row length, eps added before the square root):
 ``STATS`` (``return_residuals``) writes mean / rstd for the backward; a plain forward
 (outside ``jax.vjp``) skips them.
 
+Fused residual add (``HAS_RESIDUAL``, flash-attention's ``residual=``): the kernels read
+x and the residual r, normalise h = x + r summed in float32, and store h (in h's dtype)
+at its first load; passes that reload x reload both and add again, so y comes from the
+float32 sum. The backward reads the saved h as its x, adds h's cotangent dh to dx in
+float32 (``HAS_DH``) and writes the sum in x's dtype, and once more in the residual's
+(``HAS_DRES``) when they differ.
+
+``cast="llama"`` (HF LlamaRMSNorm; ``LLAMA_X`` / ``LLAMA_Y``: ``DTYPE_CODES`` of x's and
+y's dtypes, 0 for "torch"): y = round_y(round_x(x_hat) * w) + bias; the backward takes g
+through the roundings' transposes and sums dscale against the rounded x_hat (as the
+Pallas kernels' ``_LlamaY`` / ``_x_hat_g``).
+
 Backward, per row (x_hat = (x - mean) * rstd, w = scale_offset + scale, g = dy * w, or
 g = dy without a scale):
 
@@ -94,6 +106,7 @@ from pallas_norm import config as _config
 
 __all__ = [
     "KNOBS",
+    "DTYPE_CODES",
     "LaunchPlan",
     "TritonKnobs",
     "forward_plan",
@@ -192,14 +205,51 @@ def _load_param(ptr, offs, mask, OFFSET: tl.constexpr, HAS: tl.constexpr):
 
 
 @triton.jit
-def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-  """x_hat [BLOCK_M, BLOCK_N] f32 * w[None] + bias[None]."""
+def _round(v, CODE: tl.constexpr):
+  """float32 ``v`` rounded to the dtype of ``CODE`` (``DTYPE_CODES``) and back; 0 and
+  float32 leave it as it is."""
+  if CODE == 2:
+    v = v.to(tl.bfloat16).to(tl.float32)
+  elif CODE == 3:
+    v = v.to(tl.float16).to(tl.float32)
+  return v
+
+
+@triton.jit
+def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+            LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr):
+  """x_hat [BLOCK_M, BLOCK_N] f32 * w[None] + bias[None], rounded once at the store
+  (``cast="torch"``). With ``LLAMA_X`` (``cast="llama"``, HF LlamaRMSNorm): x_hat is
+  rounded to x's dtype before the weight multiplies it, and the product to y's dtype
+  (``LLAMA_Y``) before the bias is added."""
   y = x_hat
+  if LLAMA_X != 0:
+    y = _round(y, LLAMA_X)
   if HAS_SCALE:
     y = y * w[None, :]
+    if LLAMA_X != 0:
+      y = _round(y, LLAMA_Y)
   if HAS_BIAS:
     y = y + bias[None, :]
   return y
+
+
+@triton.jit
+def _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr,
+              EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr, EVICT_LAST: tl.constexpr):
+  """The tile of x (x's dtype), or of h = x + residual (``HAS_RESIDUAL``: float32, the
+  sum of the two tiles converted to float32); masked lanes read 0."""
+  if EVICT_LAST:
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+  else:
+    x = _stream_load(x_ptr, offs, mask, EVICT_FIRST, STREAM_CG)
+  if HAS_RESIDUAL:
+    if EVICT_LAST:
+      r = tl.load(r_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    else:
+      r = _stream_load(r_ptr, offs, mask, EVICT_FIRST, STREAM_CG)
+    x = x.to(tl.float32) + r.to(tl.float32)
+  return x
 
 
 @triton.jit
@@ -217,13 +267,15 @@ def _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN: tl.conste
 
 
 @triton.jit
-def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_off, b, rb,
-              M, N, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+def _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_off,
+              b, rb, M, N, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
               SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
+              HAS_BIAS: tl.constexpr, STATS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr, LATE_PARAMS: tl.constexpr):
   """Normalise row block ``rb``, already loaded as one [BLOCK_M, BLOCK_N >= N] tile ``x``
-  (x's dtype, 0 outside).
+  (x's dtype, or the float32 h = x + residual with ``HAS_RESIDUAL``, which is stored
+  here in h's dtype; 0 outside).
 
   With LATE_PARAMS, scale/bias are loaded here once the statistics are done (``w`` and
   ``bias`` are unused), so that they are not live across the reductions (the multi-wave
@@ -231,6 +283,8 @@ def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_
   """
   cols = tl.arange(0, BLOCK_N)
   rows, row_mask, offs, mask = _tile_at(b, rb, cols, cols < N, M, N, BLOCK_M, USE_INT64)
+  if HAS_RESIDUAL:
+    tl.store(h_ptr + offs, x.to(h_ptr.dtype.element_ty), mask=mask)
   x = x.to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
   if SUBTRACT_MEAN:
     mean = tl.sum(x, axis=1) / N  # [BLOCK_M] f32
@@ -246,16 +300,19 @@ def _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr, param_
     col_mask = cols < N
     w = _load_param(scale_ptr, param_off + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     bias = _load_param(bias_ptr, param_off + cols, col_mask, 0.0, HAS_BIAS)
-  y = _affine(xc * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
+  y = _affine(xc * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS, LLAMA_X, LLAMA_Y)
   tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr):
+def _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LOOP_STAGES: tl.constexpr):
   """Statistics pass over one row block in BLOCK_N chunks.
 
-  x is loaded with evict_last: it is read again (the reload pass, or the apply kernel).
+  x (and the residual) are loaded with evict_last: they are read again (the reload
+  pass, or the apply kernel). With ``HAS_RESIDUAL`` the statistics are those of the
+  float32 h = x + residual, and h is stored here (its one store), in h's dtype.
 
   Args:
     row_offs: [BLOCK_M, 1] flat offsets of the rows' first elements.
@@ -273,8 +330,11 @@ def _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
                       num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
     cols = off + cols0
     mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
-    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_last").to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+    offs = row_offs + cols[None, :]
+    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, False, False, True)
+    if HAS_RESIDUAL:
+      tl.store(h_ptr + offs, x.to(h_ptr.dtype.element_ty), mask=mask)
+    x = x.to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
     if SUBTRACT_MEAN:
       # Chan et al. combine of (count, mean, M2) with this chunk's exact two-pass stats.
       cnt = tl.minimum(N - off, BLOCK_N)
@@ -292,13 +352,17 @@ def _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
 
 
 @triton.jit
-def _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
-                     param_off, N, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean,
+                     rstd, param_off, N, SCALE_OFFSET: tl.constexpr,
+                     SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_N: tl.constexpr,
                      LOOP_STAGES: tl.constexpr):
   """Normalising pass over one row block: reload x chunk by chunk (evict_first: last
   use), last chunk first (the last chunks read by the statistics pass are the likeliest
-  to still be in L2), and store y = (x - mean) * rstd * w + bias.
+  to still be in L2), and store y = (x - mean) * rstd * w + bias. With ``HAS_RESIDUAL``
+  x and the residual are both reloaded and added again in float32 (y is computed from
+  the float32 sum, whatever h's dtype).
 
   Args:
     row_offs: [BLOCK_M, 1] flat offsets of the rows' first elements.
@@ -312,55 +376,62 @@ def _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean
     cols = (n_chunks - 1 - j) * BLOCK_N + cols0
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
-    x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
+    offs = row_offs + cols[None, :]
+    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, True, False,
+                  False).to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
     if SUBTRACT_MEAN:
       x = x - mean[:, None]
     w = _load_param(scale_ptr, param_off + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     bias = _load_param(bias_ptr, param_off + cols, col_mask, 0.0, HAS_BIAS)
-    y = _affine(x * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS)
-    tl.store(y_ptr + row_offs + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = _affine(x * rstd[:, None], w, bias, HAS_SCALE, HAS_BIAS, LLAMA_X, LLAMA_Y)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
-                 param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+def _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, b, rb,
+                 M, N, param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
                  SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, STATS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
                  LOOP_STAGES: tl.constexpr):
   """One row block walked in BLOCK_N chunks: stats pass, then a normalising reload."""
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   row_offs = rows[:, None] * N  # [BLOCK_M, 1]
-  mean, acc = _chunk_stats(x_ptr, row_offs, row_mask, N, SUBTRACT_MEAN, BLOCK_M, BLOCK_N,
-                           LOOP_STAGES)
+  mean, acc = _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN,
+                           HAS_RESIDUAL, BLOCK_M, BLOCK_N, LOOP_STAGES)
   rstd = tl.rsqrt(acc / N + EPS)  # [BLOCK_M] f32
   if STATS:
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     if SUBTRACT_MEAN:
       tl.store(mean_ptr + rows, mean, mask=row_mask)
-  _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
+  _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
                    b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                   BLOCK_N, LOOP_STAGES)
+                   HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
 def norm_fwd_kernel(
     # inputs
-    x_ptr, scale_ptr, bias_ptr,
+    x_ptr, r_ptr, scale_ptr, bias_ptr,
     # outputs
-    y_ptr, mean_ptr, rstd_ptr,
+    y_ptr, h_ptr, mean_ptr, rstd_ptr,
     # statics
-    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, EPS: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr,
     PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
     STREAM_CG: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Forward of every mode. Grid (programs, batch).
 
-  x: [batch, M, N]; scale, bias: [batch, N] rows at ``PARAM_STRIDE`` (unused when absent:
-  any pointer); y: [batch, M, N] x.dtype; mean (LayerNorm only), rstd: [batch, M] f32,
-  written only with STATS (else unused: any pointer).
+  x: [batch, M, N]; r (the residual, ``HAS_RESIDUAL`` only, else unused: any pointer):
+  [batch, M, N]; scale, bias: [batch, N] rows at ``PARAM_STRIDE`` (unused when absent:
+  any pointer); y: [batch, M, N] in x's dtype, or y's under ``cast="llama"``
+  (``LLAMA_X`` / ``LLAMA_Y``: x's and y's ``DTYPE_CODES``, 0 for ``cast="torch"``);
+  h = x + r: [batch, M, N] in h's dtype (``HAS_RESIDUAL`` only); mean (LayerNorm
+  only), rstd: [batch, M] f32, written only with STATS (else unused: any pointer).
   """
   pid = tl.program_id(0)
   b = tl.program_id(1)
@@ -368,20 +439,23 @@ def norm_fwd_kernel(
   if CHUNKED:
     if PERSISTENT:
       for rb in tl.range(pid, n_rb, tl.num_programs(0)):
-        _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, rb, M, N,
-                     PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                     STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+        _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, b,
+                     rb, M, N, PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                     HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                     USE_INT64, LOOP_STAGES)
     else:
-      _fwd_chunked(x_ptr, scale_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, b, pid, M, N,
-                   PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                   STATS, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+      _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, b,
+                   pid, M, N, PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                   HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                   USE_INT64, LOOP_STAGES)
   else:
     # Single tile. Persistent: scale/bias are loaded once per program, before the
     # row-block loop. Multi-wave: after the statistics (LATE_PARAMS in _fwd_tile).
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
-    x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
+    x = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, EVICT_FIRST, STREAM_CG,
+                  False)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
       w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
       bias = _load_param(bias_ptr, b * PARAM_STRIDE + cols, col_mask, 0.0, HAS_BIAS)
@@ -391,29 +465,34 @@ def norm_fwd_kernel(
         # rows are all masked.
         _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
                                               USE_INT64)
-        x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
-        _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
+        x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, EVICT_FIRST,
+                           STREAM_CG, False)
+        _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
                   b * PARAM_STRIDE, b, rb, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
-                  HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64, False)
+                  HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M,
+                  BLOCK_N, USE_INT64, False)
         x = x_next
     else:
-      _fwd_tile(x, y_ptr, mean_ptr, rstd_ptr, 0.0, 0.0, scale_ptr, bias_ptr,
+      _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, 0.0, 0.0, scale_ptr, bias_ptr,
                 b * PARAM_STRIDE, b, pid, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
-                HAS_SCALE, HAS_BIAS, STATS, BLOCK_M, BLOCK_N, USE_INT64, True)
+                HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M,
+                BLOCK_N, USE_INT64, True)
 
 
 # ------------------------------------------------------ tensor parallel: statistics, then y
 
 
 @triton.jit
-def _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, rb, M, N, SUBTRACT_MEAN: tl.constexpr,
+def _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, rb, M, N,
+                       SUBTRACT_MEAN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Statistics of row block ``rb`` over its N columns: s1 = sum(x**2) (RMSNorm), or
-  s1 = mean and s2 = M2 (LayerNorm)."""
+  s1 = mean and s2 = M2 (LayerNorm); of h = x + residual, stored, with a residual."""
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
-  mean, acc = _chunk_stats(x_ptr, rows[:, None] * N, row_mask, N, SUBTRACT_MEAN, BLOCK_M,
-                           BLOCK_N, LOOP_STAGES)  # [BLOCK_M] f32 each
+  mean, acc = _chunk_stats(x_ptr, r_ptr, h_ptr, rows[:, None] * N, row_mask, N,
+                           SUBTRACT_MEAN, HAS_RESIDUAL, BLOCK_M, BLOCK_N,
+                           LOOP_STAGES)  # [BLOCK_M] f32 each
   if SUBTRACT_MEAN:
     tl.store(s1_ptr + rows, mean, mask=row_mask)
     tl.store(s2_ptr + rows, acc, mask=row_mask)
@@ -424,76 +503,85 @@ def _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, rb, M, N, SUBTRACT_MEAN: tl.con
 @triton.jit
 def fwd_shard_stats_kernel(
     # inputs
-    x_ptr,
+    x_ptr, r_ptr,
     # outputs
-    s1_ptr, s2_ptr,
+    s1_ptr, s2_ptr, h_ptr,
     # statics
-    M: tl.constexpr, N: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr,
-    LOOP_STAGES: tl.constexpr):
+    M: tl.constexpr, N: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Tensor-parallel forward, pass 1 of 2: row statistics over this shard's N columns.
   Grid (programs, batch).
 
-  x: [batch, M, N]; s1: [batch, M] f32, sum(x**2) (RMSNorm) or the mean (LayerNorm);
+  x: [batch, M, N]; r: [batch, M, N], the residual (``HAS_RESIDUAL`` only, else unused:
+  any pointer); s1: [batch, M] f32, sum(x**2) (RMSNorm) or the mean (LayerNorm);
   s2: [batch, M] f32, M2 = sum((x - mean)**2) (LayerNorm only, else unused: any
-  pointer). PERSISTENT: grid-stride loop over the row blocks, else one a program.
-  """
-  pid = tl.program_id(0)
-  b = tl.program_id(1)
-  if PERSISTENT:
-    for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-      _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, rb, M, N, SUBTRACT_MEAN, BLOCK_M,
-                         BLOCK_N, USE_INT64, LOOP_STAGES)
-  else:
-    _shard_stats_block(x_ptr, s1_ptr, s2_ptr, b, pid, M, N, SUBTRACT_MEAN, BLOCK_M,
-                       BLOCK_N, USE_INT64, LOOP_STAGES)
-
-
-@triton.jit
-def _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb, M, N,
-                       param_stride, SCALE_OFFSET: tl.constexpr,
-                       SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
-                       LOOP_STAGES: tl.constexpr):
-  """y of row block ``rb`` from the whole rows' mean (LayerNorm) and rstd."""
-  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
-  mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
-  _chunk_normalise(x_ptr, scale_ptr, bias_ptr, y_ptr, rows[:, None] * N, row_mask, mean,
-                   rstd, b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                   HAS_BIAS, BLOCK_N, LOOP_STAGES)
-
-
-@triton.jit
-def fwd_shard_apply_kernel(
-    # inputs
-    x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr,
-    # outputs
-    y_ptr,
-    # statics
-    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
-    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
-  """Tensor-parallel forward, pass 2 of 2: y = (x - mean) * rstd * w + bias over this
-  shard's N columns, from the whole rows' statistics. Grid (programs, batch).
-
-  x: [batch, M, N]; scale, bias: [batch, N] rows at ``PARAM_STRIDE`` (unused when
-  absent: any pointer); mean (LayerNorm only, else unused), rstd: [batch, M] f32;
-  y: [batch, M, N] x.dtype. PERSISTENT: grid-stride loop over the row blocks, else one
+  pointer); h = x + r: [batch, M, N] in h's dtype (``HAS_RESIDUAL`` only; the
+  statistics are then h's). PERSISTENT: grid-stride loop over the row blocks, else one
   a program.
   """
   pid = tl.program_id(0)
   b = tl.program_id(1)
   if PERSISTENT:
     for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-      _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb, M, N,
-                         PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                         BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+      _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, rb, M, N, SUBTRACT_MEAN,
+                         HAS_RESIDUAL, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
   else:
-    _shard_apply_block(x_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, pid, M, N,
-                       PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                       BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+    _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, pid, M, N, SUBTRACT_MEAN,
+                       HAS_RESIDUAL, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+
+
+@triton.jit
+def _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb,
+                       M, N, param_stride, SCALE_OFFSET: tl.constexpr,
+                       SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
+                       LOOP_STAGES: tl.constexpr):
+  """y of row block ``rb`` from the whole rows' mean (LayerNorm) and rstd."""
+  rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
+  mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
+  _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, rows[:, None] * N, row_mask,
+                   mean, rstd, b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                   HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
+
+
+@triton.jit
+def fwd_shard_apply_kernel(
+    # inputs
+    x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr,
+    # outputs
+    y_ptr,
+    # statics
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LLAMA_X: tl.constexpr,
+    LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
+  """Tensor-parallel forward, pass 2 of 2: y = (x - mean) * rstd * w + bias over this
+  shard's N columns, from the whole rows' statistics. Grid (programs, batch).
+
+  x: [batch, M, N]; r: the residual given to the statistics kernel (``HAS_RESIDUAL``;
+  y is then that of x + r, else unused: any pointer); scale, bias: [batch, N] rows at
+  ``PARAM_STRIDE`` (unused when absent: any pointer); mean (LayerNorm only, else
+  unused), rstd: [batch, M] f32; y: [batch, M, N] in x's dtype (y's with ``LLAMA_X``,
+  as in ``norm_fwd_kernel``). PERSISTENT: grid-stride loop over the row blocks, else
+  one a program.
+  """
+  pid = tl.program_id(0)
+  b = tl.program_id(1)
+  if PERSISTENT:
+    for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+      _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb,
+                         M, N, PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                         HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                         USE_INT64, LOOP_STAGES)
+  else:
+    _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, pid,
+                       M, N, PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
+                       HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                       USE_INT64, LOOP_STAGES)
 
 
 # --------------------------------------------------------------------------- backward
@@ -501,8 +589,12 @@ def fwd_shard_apply_kernel(
 
 @triton.jit
 def _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN: tl.constexpr,
-              HAS_SCALE: tl.constexpr):
-  """Raw dy, x tiles -> (dy, x_hat, g), each [BLOCK_M, BLOCK_N] f32, 0 where masked."""
+              HAS_SCALE: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr):
+  """Raw dy, x tiles -> (dy, x_hat, g, x_hat_w), each [BLOCK_M, BLOCK_N] f32, 0 where
+  masked: g = dy * w is x_hat's cotangent, x_hat_w what dscale sums dy against. With
+  ``LLAMA_X`` (``cast="llama"``), g goes through the transposes of the forward's
+  roundings (to y's dtype, then x's) and x_hat_w is the rounded x_hat the weight
+  multiplied (as backward.py's ``_x_hat_g``)."""
   dy = dy.to(tl.float32)
   x = x.to(tl.float32)
   if SUBTRACT_MEAN:
@@ -513,7 +605,11 @@ def _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN: tl.constexpr,
     g = dy * w[None, :]
   else:
     g = dy
-  return dy, x_hat, g
+  x_hat_w = x_hat
+  if LLAMA_X != 0:
+    g = _round(_round(g, LLAMA_Y), LLAMA_X)
+    x_hat_w = _round(x_hat, LLAMA_X)
+  return dy, x_hat, g, x_hat_w
 
 
 @triton.jit
@@ -533,15 +629,16 @@ def bwd_row_stats_kernel(
     # outputs
     c1_ptr, c2_ptr,
     # statics
-    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
-    LOOP_STAGES: tl.constexpr):
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Chunked backward, first kernel: c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row,
   walking the row in BLOCK_N chunks. Grid (cdiv(M, BLOCK_M), batch).
 
   dy, x: [batch, M, N]; scale: [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm
   only), rstd: [batch, M] f32; c1: [batch, M] f32; c2: [batch, M] f32 (LayerNorm only,
-  else unused).
+  else unused). ``LLAMA_X`` / ``LLAMA_Y``: as in ``norm_bwd_kernel``.
   """
   rb = tl.program_id(0)
   b = tl.program_id(1)
@@ -560,7 +657,8 @@ def bwd_row_stats_kernel(
     w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    _, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
+    _, x_hat, g, _ = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE,
+                               LLAMA_X, LLAMA_Y)
     c1 += tl.sum(x_hat * g, axis=1)
     c2 += tl.sum(g, axis=1)
   tl.store(c1_ptr + rows, c1 / N, mask=row_mask)
@@ -571,25 +669,32 @@ def bwd_row_stats_kernel(
 @triton.jit
 def norm_bwd_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, dh_ptr,
     # outputs
-    dx_ptr, dscale_part_ptr, dbias_part_ptr,
+    dx_ptr, dres_ptr, dscale_part_ptr, dbias_part_ptr,
     # statics
-    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKED: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    STREAM_CG: tl.constexpr):
+    M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
+    LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, USE_INT64: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr):
   """Backward stage 1, persistent over row blocks. Grid (G, chunks, batch).
 
   Program (r, k, b) handles column chunk k of row blocks r, r + G, ... of batch entry b.
   Without CHUNKED there is one chunk (BLOCK_N >= N) and c1/c2 are reduced here; with
   it, c1/c2 come from ``bwd_row_stats_kernel``.
 
-  dy, x: [batch, M, N]; scale: [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm
-  only), rstd: [batch, M] f32; c1, c2: [batch, M] f32 (CHUNKED only; c2 LayerNorm
-  only); dx: [batch, M, N] x.dtype; dscale_part, dbias_part: [batch * G, N] f32, row
-  ``b * G + r`` columns of chunk k written by program (r, k, b) alone (each only when
-  the param exists).
+  dy, x: [batch, M, N] (x is h = x + residual with the fused residual add); scale:
+  [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm only), rstd: [batch, M] f32; c1,
+  c2: [batch, M] f32 (CHUNKED only; c2 LayerNorm only); dh: [batch, M, N], h's
+  cotangent, added to dx in float32 (``HAS_DH`` only, else unused: any pointer);
+  dx: [batch, M, N] in x's dtype (the residual add's x); dres: [batch, M, N], the same
+  sum in the residual's dtype (``HAS_DRES`` only: when it differs from dx's);
+  dscale_part, dbias_part: [batch * G, N] f32, row ``b * G + r`` columns of chunk k
+  written by program (r, k, b) alone (each only when the param exists). ``LLAMA_X`` /
+  ``LLAMA_Y`` (``cast="llama"``; ``DTYPE_CODES`` of x's and y's dtypes, 0 otherwise):
+  the forward's roundings, transposed (``_bwd_math``).
   """
   pid = tl.program_id(0)
   k = tl.program_id(1)
@@ -613,7 +718,8 @@ def norm_bwd_kernel(
     x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     rows, row_mask, offs, mask = _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M, USE_INT64)
     mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
-    dyf, x_hat, g = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE)
+    dyf, x_hat, g, x_hat_w = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE,
+                                       LLAMA_X, LLAMA_Y)
     if CHUNKED:
       c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)  # [BLOCK_M] f32
       if SUBTRACT_MEAN:
@@ -624,8 +730,12 @@ def norm_bwd_kernel(
       c1 = tl.sum(x_hat * g, axis=1) / N  # [BLOCK_M] f32
       c2 = tl.sum(g, axis=1) / N
     dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
+    if HAS_DH:
+      dx += _stream_load(dh_ptr, offs, mask, EVICT_FIRST, STREAM_CG).to(tl.float32)
+    if HAS_DRES:
+      tl.store(dres_ptr + offs, dx.to(dres_ptr.dtype.element_ty), mask=mask)
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    dscale += tl.sum(dyf * x_hat, axis=0)
+    dscale += tl.sum(dyf * x_hat_w, axis=0)
     dbias += tl.sum(dyf, axis=0)
     dy = dy_next
     x = x_next
@@ -695,6 +805,25 @@ class LaunchPlan:
     return dict(self.constexprs)
 
 
+# ``cast="llama"``'s dtypes as the kernels' LLAMA_X / LLAMA_Y constexprs (0: no llama).
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+
+
+def _llama(cast: tuple[str, str] | None) -> tuple[tuple[str, int], ...]:
+  """LLAMA_X / LLAMA_Y of ``cast`` ((x's dtype name, y's dtype name) for
+  ``cast="llama"``, None for "torch").
+
+  Raises:
+    ValueError: a dtype name outside ``DTYPE_CODES``.
+  """
+  if cast is None:
+    return (("LLAMA_X", 0), ("LLAMA_Y", 0))
+  for name in cast:
+    if name not in DTYPE_CODES:
+      raise ValueError(f"cast={cast}: {name!r} is not one of {tuple(DTYPE_CODES)}")
+  return (("LLAMA_X", DTYPE_CODES[cast[0]]), ("LLAMA_Y", DTYPE_CODES[cast[1]]))
+
+
 def _needs_int64(rows: int, n: int, block_m: int, block_n: int) -> bool:
   # The largest flat offset a (masked) lane can form: padded rows times N plus a padded
   # column.
@@ -704,14 +833,16 @@ def _needs_int64(rows: int, n: int, block_m: int, block_n: int) -> bool:
 def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, eps: float,
                  scale_offset: float, subtract_mean: bool, has_scale: bool,
                  has_bias: bool, return_residuals: bool = True, param_stride: int = 0,
+                 has_residual: bool = False, cast: tuple[str, str] | None = None,
                  knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_fwd_kernel`` for x: [batch, m, n].
 
   ``param_stride``: elements between the scale/bias rows of consecutive batch entries
   (0 when they share one row, else n).
 
-  ``return_residuals=False`` leaves mean / rstd unwritten (``STATS``); ``knobs``
-  defaults to ``KNOBS``.
+  ``return_residuals=False`` leaves mean / rstd unwritten (``STATS``); ``has_residual``:
+  the fused residual add (``HAS_RESIDUAL``); ``cast``: (x's, y's dtype names) for
+  ``cast="llama"``, None for "torch" (``_llama``); ``knobs`` defaults to ``KNOBS``.
 
   Raises:
     ValueError: multi_wave_cached with ``config.block_n < n``, or static_persistent
@@ -734,6 +865,7 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride), ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
       ("SUBTRACT_MEAN", bool(subtract_mean)), ("HAS_SCALE", bool(has_scale)),
       ("HAS_BIAS", bool(has_bias)), ("STATS", bool(return_residuals)),
+      ("HAS_RESIDUAL", bool(has_residual)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
@@ -753,7 +885,8 @@ def _shard_programs(config: _config.ForwardConfig, batch: int, m: int) -> tuple[
 
 
 def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
-                     subtract_mean: bool, knobs: TritonKnobs | None = None) -> LaunchPlan:
+                     subtract_mean: bool, has_residual: bool = False,
+                     knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``fwd_shard_stats_kernel`` for x: [batch, m, n], a shard of the
   hidden dim (s1, s2: [batch * m] f32 each).
 
@@ -764,6 +897,7 @@ def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
   programs, persistent = _shard_programs(config, batch, m)
   constexprs = (
       ("M", m), ("N", n), ("SUBTRACT_MEAN", bool(subtract_mean)),
+      ("HAS_RESIDUAL", bool(has_residual)),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
@@ -773,16 +907,18 @@ def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
 
 def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
                      scale_offset: float, subtract_mean: bool, has_scale: bool,
-                     has_bias: bool, param_stride: int = 0,
+                     has_bias: bool, param_stride: int = 0, has_residual: bool = False,
+                     cast: tuple[str, str] | None = None,
                      knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``fwd_shard_apply_kernel`` for x: [batch, m, n], a shard of the
-  hidden dim; grid and chunks as in ``shard_stats_plan``, ``param_stride`` as in
-  ``forward_plan``."""
+  hidden dim; grid and chunks as in ``shard_stats_plan``, ``param_stride``,
+  ``has_residual`` and ``cast`` as in ``forward_plan``."""
   programs, persistent = _shard_programs(config, batch, m)
   constexprs = (
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
+      ("HAS_RESIDUAL", bool(has_residual)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
@@ -793,6 +929,7 @@ def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
 def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                    scale_offset: float, subtract_mean: bool, has_scale: bool,
                    param_stride: int = 0, combine_row_sums: bool = False,
+                   cast: tuple[str, str] | None = None,
                    knobs: TritonKnobs | None = None) -> LaunchPlan | None:
   """Launch plan of ``bwd_row_stats_kernel`` (c1, c2: [batch * m] f32 each) for dy, x:
   [batch, m, n]; None when ``config.block_n >= n`` (the single-tile backward needs no
@@ -803,7 +940,7 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
   constexprs = (
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
-      ("HAS_SCALE", bool(has_scale)), ("BLOCK_M", config.block_m),
+      ("HAS_SCALE", bool(has_scale)), *_llama(cast), ("BLOCK_M", config.block_m),
       ("BLOCK_N", config.block_n),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
       ("LOOP_STAGES", int((knobs or KNOBS).loop_stages)))
@@ -814,8 +951,13 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
 def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                   scale_offset: float, subtract_mean: bool, has_scale: bool,
                   has_bias: bool, param_stride: int = 0, combine_row_sums: bool = False,
+                  has_dh: bool = False, has_dres: bool = False,
+                  cast: tuple[str, str] | None = None,
                   knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
+
+  ``has_dh`` / ``has_dres``: the fused residual add's dh input and dresidual output
+  (``HAS_DH`` / ``HAS_DRES``); ``cast`` as in ``forward_plan``.
 
   The grid is (G, chunks, batch); the partial buffers are ``[batch * grid[0], n]`` f32.
   With ``CHUNKED`` (``config.block_n < n``, or ``combine_row_sums``: c1 / c2 are given,
@@ -830,6 +972,7 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
+      ("HAS_DH", bool(has_dh)), ("HAS_DRES", bool(has_dres)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
       ("EVICT_FIRST", bool(knobs.evict_first)), ("STREAM_CG", bool(knobs.stream_cg)))
