@@ -127,7 +127,7 @@ FUSED = [("bfloat16", "float32", None, "torch", "float32"),
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m,n", [(7, 3), (1024, 1000), (33, 4096), (5, 8192)])
+@pytest.mark.parametrize("m,n", [(1024, 1000), (5, 8192)])
 @pytest.mark.parametrize("case,layer", [(c, layer) for c in FUSED for layer in (False, True)
                                         if not (layer and c[3] == "gemma")],
                          ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple)
