@@ -1,0 +1,284 @@
+"""Pins every launch config that ``pallas_norm.config`` chooses (issue #28).
+
+The heuristic's rules must not change by accident: this test runs the public selectors
+(``forward_config``, ``backward_config``, ``choose_mode``, ``reduce_config``,
+``split_resident_programs``, ``cached_max_block_n``, ``device_info``) over a table of
+cases and asserts exact equality, field by field, with the values stored in
+``tests/data/config_pinned.json``.
+
+The data file holds, per selector, the distinct configs (one a line: the class name and
+every field in the order of ``"fields"``), the distinct rows of len(MS) x len(DTYPES)
+consecutive cases as indices into those, and each row's index. The table of cases is
+the full product of
+  device        cpu (the interpret-mode fallback: DeviceInfo("cpu", "cpu", 4)),
+                H100 SXM and H200 (132 SMs), and an A100 (108 SMs: another GPU with
+                another SM count, for the rules that depend on the SM count or the name);
+  backend       "pallas", "triton";
+  subtract_mean False (RMSNorm), True (LayerNorm);
+  mode          None (the heuristic) and each of ``config.MODES`` (forward only);
+  N             ``NS``: each threshold of the rules, its neighbours and the usual sizes;
+  M             ``MS``: 1 to 262144;
+  dtype         float32, bfloat16, float16.
+A selector that raises is pinned as the exception's type name.
+
+Regenerate the data file (only when a rule changes on purpose; review the diff of the
+configs table and say why in the commit message):
+
+    .venv/bin/python tests/test_config_pinned.py --regen
+
+Without ``--regen`` the script prints how many cases differ from the stored file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_norm import config as pn_config
+
+DATA = pathlib.Path(__file__).parent / "data" / "config_pinned.json"
+
+DEVICES = {
+    "cpu": pn_config.DeviceInfo("cpu", "cpu", 4),
+    "h100": pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132),
+    "h200": pn_config.DeviceInfo("gpu", "NVIDIA H200", 132),
+    "a100": pn_config.DeviceInfo("gpu", "NVIDIA A100-SXM4-80GB", 108),
+}
+BACKENDS = ("pallas", "triton")
+SUBTRACT_MEAN = (False, True)
+FWD_MODES = (None, *pn_config.MODES)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MS = (1, 7, 128, 1000, 4096, 16384, 65536, 262144)
+# Thresholds of the rules (256, 2048, 3072, 4096, 5120, 6144, 8192, 12288, 16384, 32768,
+# 65536, 262144, 4096 x SMs, 8192 x SMs for 108 and 132 SMs, the backward split's
+# W^2 / 4 steps up to the 32-warp limit), each with a neighbour, and common hidden sizes.
+NS = (1, 64, 127, 128, 200, 256, 257, 512, 768, 1000, 1024, 1536, 2048, 2049, 2560, 3072,
+      3073, 3584, 4096, 4097, 4608, 5120, 5121, 6144, 6145, 7168, 8192, 8193, 10240, 12288,
+      12289, 14336, 16384, 16385, 24576, 32768, 32769, 49152, 65536, 65537, 131072, 262144,
+      262145, 442368, 442369, 524288, 540672, 540673, 884736, 884737, 1048576, 1048577,
+      1081344, 1081345, 2097152, 67108864, 67108865)
+# reduce_config(n, num_programs) and split_resident_programs(num_warps) on their own.
+REDUCE_NS = (1, 8, 100, 128, 1024, 5120, 8192, 65536)
+REDUCE_GS = (1, 2, 3, 31, 32, 100, 132, 264, 512, 528, 1000, 1024, 2048, 4096)
+WARPS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _grid() -> dict:
+  return dict(devices={k: dataclasses.astuple(v) for k, v in DEVICES.items()},
+              backends=list(BACKENDS), subtract_mean=list(SUBTRACT_MEAN),
+              fwd_modes=list(FWD_MODES), dtypes=list(DTYPES), ms=list(MS), ns=list(NS),
+              reduce_ns=list(REDUCE_NS), reduce_gs=list(REDUCE_GS), warps=list(WARPS))
+
+
+def _fields() -> dict:
+  return {c.__name__: [f.name for f in dataclasses.fields(c)]
+          for c in (pn_config.ForwardConfig, pn_config.BackwardConfig)}
+
+
+def _fwd_cases(devices=DEVICES):
+  """(label, kwargs) in a fixed order, the device outermost: the stored index list
+  follows it."""
+  for dev, be, sm, mode, n, m, dt in itertools.product(
+      devices, BACKENDS, SUBTRACT_MEAN, FWD_MODES, NS, MS, DTYPES):
+    yield ((dev, be, sm, mode, n, m, dt),
+           dict(m=m, n=n, dtype=DTYPES[dt], mode=mode, device=DEVICES[dev],
+                subtract_mean=sm, backend=be))
+
+
+def _bwd_cases(devices=DEVICES):
+  for dev, be, sm, n, m, dt in itertools.product(
+      devices, BACKENDS, SUBTRACT_MEAN, NS, MS, DTYPES):
+    yield ((dev, be, sm, n, m, dt),
+           dict(m=m, n=n, dtype=DTYPES[dt], device=DEVICES[dev], subtract_mean=sm,
+                backend=be))
+
+
+_STR: dict = {}
+
+
+def _encode(fn, **kw) -> str:
+  """One line per config: the class name and every field, or ``!ErrorType``."""
+  try:
+    cfg = fn(**kw)
+  except (ValueError, NotImplementedError) as e:
+    return f"!{type(e).__name__}"
+  # Every field in declaration order (vars(): dataclasses.astuple deep-copies, 10x
+  # slower), formatted once per distinct config.
+  key = (type(cfg).__name__, tuple(vars(cfg).values()))
+  if key not in _STR:
+    _STR[key] = f"{key[0]}{key[1]}"
+  return _STR[key]
+
+
+def _values(name: str, devices=DEVICES) -> list[str]:
+  """The current config.py's answer for each case of table ``name`` (forward and
+  backward: on ``devices`` only), in order."""
+  if name == "forward":
+    return [_encode(pn_config.forward_config, **kw) for _, kw in _fwd_cases(devices)]
+  if name == "backward":
+    return [_encode(pn_config.backward_config, **kw) for _, kw in _bwd_cases(devices)]
+  if name == "reduce":
+    return [repr(pn_config.reduce_config(n, g)) for n in REDUCE_NS for g in REDUCE_GS]
+  if name == "split_resident_programs":
+    return [repr(pn_config.split_resident_programs(w)) for w in WARPS]
+  if name == "cached_max_block_n":
+    return [repr(pn_config.cached_max_block_n(d)) for d in DTYPES.values()]
+  assert name == "constants", name
+  return [repr(pn_config.MODES), repr(pn_config.RELOAD_UNROLL_MAX_CHUNKS)]
+
+
+def _labels(name: str, devices=DEVICES) -> list:
+  if name == "forward":
+    return [c for c, _ in _fwd_cases(devices)]
+  if name == "backward":
+    return [c for c, _ in _bwd_cases(devices)]
+  if name == "reduce":
+    return [(n, g) for n in REDUCE_NS for g in REDUCE_GS]
+  return {"split_resident_programs": list(WARPS), "cached_max_block_n": list(DTYPES),
+          "constants": ["MODES", "RELOAD_UNROLL_MAX_CHUNKS"]}[name]
+
+
+TABLES = ("forward", "backward", "reduce", "split_resident_programs", "cached_max_block_n",
+          "constants")
+_ROW = len(MS) * len(DTYPES)  # forward/backward: the cases of one N of one group
+
+
+def _pack(values: list[str], row: int) -> dict:
+  """Stored form: the distinct configs (one a line), the distinct rows of ``row``
+  consecutive cases as config indices, and each row's index."""
+  configs = sorted(set(values))
+  ci = {v: i for i, v in enumerate(configs)}
+  rows_of = [tuple(ci[v] for v in values[i:i + row]) for i in range(0, len(values), row)]
+  rows = sorted(set(rows_of))
+  ri = {r: i for i, r in enumerate(rows)}
+  return {"configs": configs, "rows": [list(r) for r in rows],
+          "cases": [ri[r] for r in rows_of]}
+
+
+def _unpack(t: dict) -> list[str]:
+  return [t["configs"][c] for r in t["cases"] for c in t["rows"][r]]
+
+
+def _row_len(name: str) -> int:
+  return _ROW if name in ("forward", "backward") else 1
+
+
+def _dump() -> str:
+  """The data file: JSON with one config, one row a line, the case indices in lines
+  of len(NS) (the Ns of one (device, backend, op, mode) group)."""
+  out = ["{", f'"grid": {json.dumps(_grid())},', f'"fields": {json.dumps(_fields())},',
+         '"tables": {']
+  for ti, name in enumerate(TABLES):
+    t = _pack(_values(name), _row_len(name))
+    cases = t["cases"]
+    out.append(f"{json.dumps(name)}: {{")
+    out.append(' "configs": [\n  ' + ",\n  ".join(map(json.dumps, t["configs"])) + "],")
+    out.append(' "rows": [\n  ' + ",\n  ".join(map(json.dumps, t["rows"])) + "],")
+    out.append(' "cases": [\n  ' + ",\n  ".join(
+        ",".join(map(str, cases[i:i + len(NS)])) for i in range(0, len(cases), len(NS)))
+               + "]}" + ("," if ti < len(TABLES) - 1 else ""))
+  out += ["}", "}"]
+  return "\n".join(out) + "\n"
+
+
+def _diff(stored: dict, name: str, device: str | None = None) -> list[str]:
+  """Differences between the stored and the current answers of table ``name`` (on
+  ``device`` only, if given: the forward and backward tables put the device
+  outermost)."""
+  want = _unpack(stored["tables"][name])
+  devices = DEVICES
+  if device is not None:
+    i, per = list(DEVICES).index(device), len(want) // len(DEVICES)
+    want, devices = want[i * per:(i + 1) * per], {device: DEVICES[device]}
+  got = _values(name, devices)
+  assert len(want) == len(got), f"{name}: {len(want)} stored cases, {len(got)} now"
+  return [f"{label}: pinned {w}, now {g}"
+          for label, w, g in zip(_labels(name, devices), want, got) if w != g]
+
+
+@pytest.fixture(scope="module")
+def stored():
+  data = json.loads(DATA.read_text())
+  assert data["grid"] == json.loads(json.dumps(_grid())), (
+      "the case grid changed: regenerate with `python tests/test_config_pinned.py --regen`")
+  assert data["fields"] == _fields(), "the config dataclasses' fields changed"
+  return data
+
+
+@pytest.mark.parametrize("name, device", [
+    *((t, d) for t in ("forward", "backward") for d in DEVICES),
+    *((t, None) for t in TABLES[2:])])
+def test_config_pinned(stored, name, device):
+  bad = _diff(stored, name, device)
+  assert not bad, f"{len(bad)} {name} configs changed, e.g.:\n" + "\n".join(bad[:25])
+
+
+def test_choose_mode_is_forward_configs_mode(stored):
+  """choose_mode (demo.py calls it alone) picks the pinned forward_config(mode=None)'s
+  mode."""
+  want = _unpack(stored["tables"]["forward"])
+  for ((dev, be, sm, mode, n, m, dt), _), w in zip(_fwd_cases(), want):
+    if mode is not None:
+      continue
+    got = pn_config.choose_mode(m, n, DTYPES[dt], DEVICES[dev], subtract_mean=sm,
+                                backend=be)
+    assert w.startswith(f"ForwardConfig({got!r},"), (dev, be, sm, n, m, dt, got, w)
+
+
+class _FakeDevice:
+
+  def __init__(self, platform, device_kind, core_count=None):
+    self.platform, self.device_kind = platform, device_kind
+    if core_count is not None:
+      self.core_count = core_count
+
+
+@pytest.mark.parametrize("fake, want", [
+    (("gpu", "NVIDIA H100 80GB HBM3", 132), DEVICES["h100"]),
+    (("gpu", "NVIDIA H200", 132), DEVICES["h200"]),
+    (("gpu", "NVIDIA A100-SXM4-80GB", 108), DEVICES["a100"]),
+    (("cpu", "cpu"), DEVICES["cpu"]),
+    # A GPU that reports no SM count is treated as the interpret-mode fallback.
+    (("gpu", "NVIDIA H200"), pn_config.DeviceInfo("cpu", "NVIDIA H200", 4)),
+    (("gpu", "NVIDIA H200", 0), pn_config.DeviceInfo("cpu", "NVIDIA H200", 4)),
+])
+def test_device_info(monkeypatch, fake, want):
+  dev = _FakeDevice(*fake)
+  assert pn_config.device_info(dev) == want
+  monkeypatch.setattr(pn_config.jax, "devices", lambda *a, **k: [dev])
+  assert pn_config.device_info() == want
+  # device=None falls back to device_info(): the same configs as passing it.
+  for n in (1024, 8192, 16384, 65536):
+    for sm in SUBTRACT_MEAN:
+      assert (_encode(pn_config.forward_config, m=4096, n=n, dtype=jnp.bfloat16,
+                      subtract_mean=sm)
+              == _encode(pn_config.forward_config, m=4096, n=n, dtype=jnp.bfloat16,
+                         device=want, subtract_mean=sm))
+      assert (pn_config.backward_config(4096, n, jnp.bfloat16, subtract_mean=sm)
+              == pn_config.backward_config(4096, n, jnp.bfloat16, want, subtract_mean=sm))
+
+
+def test_unknown_mode_raises():
+  with pytest.raises(ValueError):
+    pn_config.forward_config(128, 1024, jnp.float32, "bogus", DEVICES["h200"])
+
+
+if __name__ == "__main__":
+  if "--regen" in sys.argv[1:]:
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    DATA.write_text(_dump())
+    data = json.loads(DATA.read_text())
+    print(f"wrote {DATA} ({DATA.stat().st_size} bytes): " + ", ".join(
+        f"{k} {len(_unpack(t))} cases / {len(t['configs'])} configs"
+        for k, t in data["tables"].items()))
+  else:
+    data = json.loads(DATA.read_text())
+    for name in TABLES:
+      bad = _diff(data, name)
+      print(f"{name}: {len(bad)} differ" + "".join(f"\n  {b}" for b in bad[:10]))
