@@ -56,12 +56,12 @@ def _f64(a):
   return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
 
-def _assert_ulp_close(name, a, b, *, n, floor_ulps=0.0, cancel_scale=0.0):
-  """|a - b| <= 1 ulp (of a's dtype, at max(|a|, |b|)) + floor_ulps f32 ulps * sqrt(n) *
-  max(mean|b|, cancel_scale): a floor for values that cancel in f32. ``cancel_scale`` is
-  the size of the terms that cancel, e.g. mean|dy w| rstd for dx, which is exactly 0 at
-  N = 1."""
-  fi = jnp.finfo(a.dtype)
+def _assert_ulp_close(name, a, b, *, n, floor_ulps=0.0, cancel_scale=0.0, ulp_dtype=None):
+  """|a - b| <= 1 ulp (of a's dtype, or ``ulp_dtype``'s, at max(|a|, |b|)) + floor_ulps
+  f32 ulps * sqrt(n) * max(mean|b|, cancel_scale): a floor for values that cancel in f32.
+  ``cancel_scale`` is the size of the terms that cancel, e.g. mean|dy w| rstd for dx,
+  which is exactly 0 at N = 1."""
+  fi = jnp.finfo(ulp_dtype or a.dtype)
   a64, b64 = _f64(a), _f64(b)
   mag = np.maximum(np.abs(a64), np.abs(b64))
   ulp = np.exp2(np.floor(np.log2(np.maximum(mag, float(fi.tiny))))) * float(fi.eps)
@@ -155,7 +155,10 @@ def test_triton_fused_matches_pallas(case, layer, m, n, mode):
 
   (outs, grads), (outs_w, grads_w) = run("triton"), run("pallas")
   assert [o.dtype for o in outs] == [o.dtype for o in outs_w]
-  _assert_ulp_close("y", outs[0], outs_w[0], n=n, floor_ulps=2.0)
+  # cast="llama" rounds x_hat to x's dtype before the weight: where the two backends'
+  # x_hat straddle a rounding boundary, y differs by one ulp of x's dtype, not y's.
+  _assert_ulp_close("y", outs[0], outs_w[0], n=n, floor_ulps=2.0,
+                    ulp_dtype=DTYPES[xd] if cast == "llama" else None)
   if r is not None:
     np.testing.assert_array_equal(_f64(outs[1]), _f64(outs_w[1]))
   _assert_ulp_close("dx", grads[0], grads_w[0], n=n, floor_ulps=4.0,
