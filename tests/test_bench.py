@@ -1,4 +1,4 @@
-"""CPU tests of pallas_norm.bench: the plan, the bytes model, the output files and the
+"""CPU tests of pallas_norm.bench: the plan, the bytes model, the output files, the
 refusal to time without a GPU. The timing itself runs only on the GPU machine."""
 
 import inspect
@@ -10,12 +10,14 @@ import sys
 import pytest
 
 from pallas_norm import bench
+from pallas_norm.bench import cli, peers, run, timing
+from pallas_norm.bench import plan as bench_plan
 
 pytestmark = pytest.mark.cpu_only
 
 
 def _args(*argv):
-  return bench._parser().parse_args(list(argv))
+  return cli.parser().parse_args(list(argv))
 
 
 def test_bytes_model():
@@ -43,7 +45,7 @@ def test_rotating_step_cycles_and_is_not_rejitted():
   import jax.numpy as jnp
   step = jax.jit(lambda x, dy: (x * 2, (dy + 1, x[:1])))
   sets = [(jnp.full((4,), float(i)), jnp.zeros((4,))) for i in range(3)]
-  rot = bench._rotating_step(step, sets)
+  rot = timing.rotating_step(step, sets)
   assert isinstance(rot, jax.stages.Wrapped)  # profiler.measure calls it as it is
   firsts = [float(rot()[0]) for _ in range(4)]
   assert firsts == [0.0, 1.0, 2.0, 0.0]  # the smallest output, from copy i % R
@@ -96,16 +98,28 @@ def _run_cli(*argv, cwd=None):
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_cli_help_dry_run_and_gpu_refusal(tmp_path):
-  assert _run_cli("--help").returncode == 0
-  dry = _run_cli("--dry-run", "--shapes", "4096x1024")
-  assert dry.returncode == 0, dry.stderr
-  assert "phase 0 4096x1024" in dry.stdout and "R=32" in dry.stdout
-  no_gpu = _run_cli("--shapes", "64x128", "--out", str(tmp_path / "r.json"))
-  assert no_gpu.returncode == 2
-  assert "needs a GPU" in no_gpu.stderr
+def _cli(capsys, *argv):
+  """``python -m pallas_norm.bench ARGV`` in this process (CPU): (exit code, stdout,
+  stderr). One test runs the real ``python -m``; the others save its start-up."""
+  try:
+    rc = cli.main(list(argv))
+  except SystemExit as e:  # argparse
+    rc = e.code
+  out, err = capsys.readouterr()
+  return rc, out, err
+
+
+def test_cli_help_dry_run_and_gpu_refusal(tmp_path, capsys):
+  helped = _run_cli("--help")
+  assert helped.returncode == 0 and "--plot-only" in helped.stdout
+  rc, out, err = _cli(capsys, "--dry-run", "--shapes", "4096x1024")
+  assert rc == 0, err
+  assert "phase 0 4096x1024" in out and "R=32" in out
+  rc, out, err = _cli(capsys, "--shapes", "64x128", "--out", str(tmp_path / "r.json"))
+  assert rc == 2
+  assert "needs a GPU" in err
   assert not (tmp_path / "r.json").exists()
-  assert _run_cli("--shapes", "64").returncode == 2  # argparse error
+  assert _cli(capsys, "--shapes", "64")[0] == 2  # argparse error
 
 
 def _synthetic_doc():
@@ -125,29 +139,29 @@ def _synthetic_doc():
   return {"meta": meta, "rows": rows}
 
 
-def test_plot_only_redraws_png_and_table(tmp_path):
+def test_plot_only_redraws_png_and_table(tmp_path, capsys):
   src = tmp_path / "h200.json"
   src.write_text(json.dumps(_synthetic_doc()))
-  proc = _run_cli("--plot-only", str(src))
-  assert proc.returncode == 0, proc.stderr
+  rc, out, err = _cli(capsys, "--plot-only", str(src))
+  assert rc == 0, err
   png = tmp_path / "h200.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  last = proc.stdout.strip().splitlines()
+  last = out.strip().splitlines()
   assert last[-1].startswith("pal=pallas")  # the table is printed last
   row = next(line for line in last if line.startswith("rms   fwd    4096x4096"))
   assert row.split()[-1] == "1.10" and "xla" in row  # pallas / best peer (xla)
   assert "skip" in next(line for line in last if line.startswith("rms   fwd    4096x128 "))
 
 
-def test_plot_only_merges_into_out(tmp_path):
+def test_plot_only_merges_into_out(tmp_path, capsys):
   a, b = _synthetic_doc(), _synthetic_doc()
   b["rows"] = [dict(r, gbs=r["gbs"] * 2) for r in b["rows"] if r["impl"] == "xla"]
   (tmp_path / "a.json").write_text(json.dumps(a))
   (tmp_path / "b.json").write_text(json.dumps(b))
   out = tmp_path / "merged" / "m.json"
-  proc = _run_cli("--plot-only", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                  "--out", str(out))
-  assert proc.returncode == 0, proc.stderr
+  rc, stdout, err = _cli(capsys, "--plot-only", str(tmp_path / "a.json"),
+                         str(tmp_path / "b.json"), "--out", str(out))
+  assert rc == 0, err
   doc = json.loads(out.read_text())
   assert len(doc["rows"]) == len(a["rows"])
   xla = [r for r in doc["rows"] if r["impl"] == "xla"]
@@ -157,19 +171,19 @@ def test_plot_only_merges_into_out(tmp_path):
   assert all(s["best_peer"] == "xla" for s in doc["summary"])
   # The merged file names both runs (each row keeps its own run's % of copy).
   assert [m["file"] for m in doc["meta"]["merged_from"]] == ["a.json", "b.json"]
-  assert proc.stdout.count("  merged: ") == 2
+  assert stdout.count("  merged: ") == 2
 
 
 def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
   """The run loop end to end on CPU: CUPTI is missing there, so timings are n/a with the
   reason (never a number), --check still compares with the reference, torch rows are
   unavailable, and the files are written."""
-  monkeypatch.setattr(bench, "_COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench, "_MAX_ROTATIONS", 2)
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
   out = tmp_path / "cpu.json"
   args = _args("--shapes", "16x256", "--impls", "xla,flax,torch", "--iters", "2", "--check",
                "--out", str(out))
-  rc = bench._run(args, bench.build_plan(args))
+  rc = run.run_plan(args, bench.build_plan(args))
   assert rc == 0
   doc = json.loads(out.read_text())
   assert doc["meta"]["copy_gbs"] is None and "CUPTI" in doc["meta"]["copy_reason"]
@@ -193,14 +207,14 @@ def test_residual_ops_on_cpu(tmp_path, monkeypatch):
   """The fused residual add ("*_res" ops): only pallas, xla and flax are planned; their
   bytes model is 4 (fwd) and 8 (fwdbwd) x M*N*itemsize; --check passes for each (six
   outputs for LayerNorm's fwdbwd: y, h, dx, dresidual, dscale, dbias)."""
-  monkeypatch.setattr(bench, "_COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench, "_MAX_ROTATIONS", 2)
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
   out = tmp_path / "res.json"
   args = _args("--shapes", "16x256", "--ops", "rms_res,layer_res", "--impls",
                "pallas,xla,flax,torch,tokamax", "--iters", "2", "--check", "--out", str(out))
   plan = bench.build_plan(args)
   assert {c.impl for c in plan} == {"pallas", "xla", "flax"}
-  assert bench._run(args, plan) == 0
+  assert run.run_plan(args, plan) == 0
   rows = json.loads(out.read_text())["rows"]
   assert len(rows) == 12
   for r in rows:
@@ -213,9 +227,9 @@ def test_residual_ops_on_cpu(tmp_path, monkeypatch):
 def test_check_flags_a_wrong_output():
   import jax.numpy as jnp
   ref = jnp.linspace(-3, 3, 512, dtype=jnp.float32).reshape(2, 256)
-  assert bench._compare(ref.astype(jnp.bfloat16), ref, "bf16")["check"] == "ok"
-  assert bench._compare(ref * 1.1, ref, "bf16")["check"] == "FAIL"
-  assert bench._compare(ref.at[0, 0].set(jnp.nan), ref, "bf16")["check"] == "FAIL"
+  assert run.compare(ref.astype(jnp.bfloat16), ref, "bf16")["check"] == "ok"
+  assert run.compare(ref * 1.1, ref, "bf16")["check"] == "FAIL"
+  assert run.compare(ref.at[0, 0].set(jnp.nan), ref, "bf16")["check"] == "FAIL"
 
 
 def test_cupti_time_reports_each_kernels_median(monkeypatch):
@@ -230,8 +244,8 @@ def test_cupti_time_reports_each_kernels_median(monkeypatch):
       assert aggregate is False and iterations == 3
       return lambda: (None, calls)
 
-  monkeypatch.setattr(bench, "_profiler", lambda: FakeProfiler)
-  out = bench._cupti_time(lambda x: x, [(1,)], 3)
+  monkeypatch.setattr(timing, "profiler", lambda: FakeProfiler)
+  out = timing.cupti_time(lambda x: x, [(1,)], 3)
   assert out["kernels"] == ["fwd", "bwd"]
   assert out["us"] == pytest.approx(36.0)  # sums 30, 42, 36
   assert out["kernel_us"] == pytest.approx([11.0, 25.0])
@@ -264,7 +278,7 @@ def _fake_tokamax_vjp(monkeypatch, with_block=True):
 
 def test_tokamax_vjp_without_alias_drops_only_the_alias(monkeypatch):
   tv, block, calls = _fake_tokamax_vjp(monkeypatch)
-  vjp = bench.tokamax_vjp_without_alias()
+  vjp = peers.tokamax_vjp_without_alias()
   assert isinstance(vjp, tv.PallasTritonNormalizationVjp)
   # tokamax binds arguments by the signature of _fwd (it drops "config" from it).
   assert list(inspect.signature(vjp._fwd).parameters) == ["x", "config"]
@@ -278,4 +292,5 @@ def test_tokamax_vjp_without_alias_drops_only_the_alias(monkeypatch):
 def test_tokamax_vjp_without_alias_refuses_an_unknown_tokamax(monkeypatch):
   _fake_tokamax_vjp(monkeypatch, with_block=False)
   with pytest.raises(RuntimeError, match="dx-onto-x alias"):
-    bench.tokamax_vjp_without_alias()
+    peers.tokamax_vjp_without_alias()
+

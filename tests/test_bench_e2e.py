@@ -1,12 +1,13 @@
-"""CPU tests of pallas_norm.bench_e2e: configs, the kernel classification, and a smoke
-run of the three styles and three variants at toy sizes (no timing claims: the timed
-run is on the GPU)."""
+"""CPU tests of pallas_norm.bench.e2e (``--e2e``): configs, the kernel classification,
+and a smoke run of the three styles at toy sizes (no timing claims: the timed run is on
+the GPU)."""
 
 import json
 
 import pytest
 
-from pallas_norm import bench, bench_e2e
+from pallas_norm import bench
+from pallas_norm.bench import e2e as bench_e2e
 
 pytestmark = pytest.mark.cpu_only
 

@@ -1,15 +1,16 @@
 """CPU tests of ``python -m pallas_norm.bench --sharded``: the plan, the HLO collective count,
 and one whole run on two fake CPU devices (interpret mode, wall clock). Fake devices must be
-set before jax starts, so the runs are subprocesses."""
+set before jax starts, so the run is a subprocess."""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from pallas_norm import bench_sharded
+from pallas_norm.bench import sharded as bench_sharded
 
 pytestmark = pytest.mark.cpu_only
 
@@ -45,22 +46,34 @@ def test_collectives_count_opcodes_not_names():
       "collective-permute": 1}
 
 
-def test_help_and_dry_run_plan_every_cell_without_a_gpu():
-  helped = _run_cli("--help")
-  assert helped.returncode == 0 and "--axis-types" in helped.stdout
-  proc = _run_cli("--dry-run", "--shapes", "16x4096x4096")
-  assert proc.returncode == 0, proc.stderr
-  assert "plan: 24 cells" in proc.stdout
-  assert 'dp x P("data", None, None) local [32768, 4096]' in proc.stdout
-  assert 'tp x P(None, None, "model") local [65536, 2048]' in proc.stdout
-  uneven = _run_cli("--dry-run", "--shapes", "3x8x128")
-  assert uneven.returncode == 2 and "unevenly" in uneven.stderr
+def _main(capsys, *argv):
+  """``--sharded ARGV`` in this process (one CPU device; the plan assumes 2 devices):
+  (exit code, stdout, stderr)."""
+  try:
+    rc = bench_sharded.main(list(argv))
+  except SystemExit as e:  # argparse
+    rc = e.code
+  out, err = capsys.readouterr()
+  return rc, out, err
 
 
-def test_refuses_cpu_without_allow_cpu(tmp_path):
-  proc = _run_cli("--shapes", "2x8x128", "--out", str(tmp_path))
-  assert proc.returncode == 2
-  assert "needs >= 2 GPUs" in proc.stderr
+def test_help_and_dry_run_plan_every_cell_without_a_gpu(capsys):
+  rc, out, _ = _main(capsys, "--help")
+  assert rc == 0 and "--axis-types" in out
+  rc, out, err = _main(capsys, "--dry-run", "--shapes", "16x4096x4096")
+  assert rc == 0, err
+  ndev = max(2, jax.device_count())  # one CPU device here: planned as the 2 of a GPU pair
+  assert "plan: 24 cells" in out
+  assert f'dp x P("data", None, None) local [{16 * 4096 // ndev}, 4096]' in out
+  assert f'tp x P(None, None, "model") local [65536, {4096 // ndev}]' in out
+  rc, _, err = _main(capsys, "--dry-run", "--shapes", "3x8x128")
+  assert rc == 2 and "unevenly" in err
+
+
+def test_refuses_cpu_without_allow_cpu(tmp_path, capsys):
+  rc, _, err = _main(capsys, "--shapes", "2x8x128", "--out", str(tmp_path))
+  assert rc == 2
+  assert "needs >= 2 GPUs" in err
   assert not list(tmp_path.iterdir())
 
 

@@ -9,7 +9,7 @@ compiles to), in one process on the same inputs, over a 1-D mesh of every local 
   TP  x sharded P(None, None, "model") on its last axis; scale and bias P("model").
 
 for RMSNorm and LayerNorm, forward and forward+backward (``jax.vjp``; the step returns
-y, dx, dscale(, dbias), as ``bench._fwdbwd``), on meshes of Explicit and of Auto axis
+y, dx, dscale(, dbias), as ``peers.fwdbwd``), on meshes of Explicit and of Auto axis
 types (``--axis-types``). Two forward+backward passes:
 
   fwdbwd      dy is an input of the step, as in the single-GPU bench: nothing orders the
@@ -43,13 +43,13 @@ Method (``../shared/BENCHMARKING.md``, its "Sharded" section):
     ``jax.block_until_ready``, with ``"method": "wall"`` and the reason. Rows are only
     compared (speedup, DP ratio) when both were timed by the same method.
   * L2: R rotated copies of x (and dy), R * bytes(local shard) >= 4 * L2
-    (``bench.rotations``), fewer where R copies of x and dy would take over a quarter of
+    (``rotations``), fewer where R copies of x and dy would take over a quarter of
     a device's memory. Compilation and one warm-up call are excluded.
   * DP against one device: the same step on one device's local shard [B/ndev, S, N] (its
     shard of the rotated inputs, unsharded on that device), timed by the same rule;
     ``dp_over_single`` = DP per-device time / that time (target: <= 1.10).
   * Correctness, in the same run: max |ours - XLA| in float32 of y, dx, dscale and dbias
-    (``err_y``, ``err_dx``, ``err``) on rotation 0; ``check`` is ``bench._compare``'s
+    (``err_y``, ``err_dx``, ``err``) on rotation 0; ``check`` is ``run.compare``'s
     per-dtype relative tolerance.
 
 Bytes model, per device on its local shard [M_loc, N_loc] (DP: M_loc = B*S/ndev,
@@ -83,7 +83,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_norm import bench
+from pallas_norm.bench import peers, run, timing
+from pallas_norm.bench.plan import (ASSUMED_L2, DTYPES, IMPL_BY_NAME, OPS, bytes_model,
+                                    parse_list, rotations)
 
 __all__ = ["DEFAULT_SHAPES", "COLLECTIVES", "collectives", "parse_shapes", "build_plan",
            "format_table", "plot", "main"]
@@ -147,10 +149,10 @@ def build_plan(args: argparse.Namespace, ndev: int, platform: str) -> list[dict]
     shapes = parse_shapes(args.shapes)
   else:
     shapes = _CPU_SHAPES if args.allow_cpu and platform != "gpu" else DEFAULT_SHAPES
-  ops = bench._parse_list(args.ops, bench._OPS, "--ops")
-  passes = bench._parse_list(args.passes, _PASSES, "--passes")
-  layouts = bench._parse_list(args.layouts, _LAYOUTS, "--layouts")
-  axis_types = bench._parse_list(args.axis_types, _AXIS_TYPES, "--axis-types")
+  ops = parse_list(args.ops, OPS, "--ops")
+  passes = parse_list(args.passes, _PASSES, "--passes")
+  layouts = parse_list(args.layouts, _LAYOUTS, "--layouts")
+  axis_types = parse_list(args.axis_types, _AXIS_TYPES, "--axis-types")
   for shape in shapes:
     for layout in layouts:
       dim = shape[0] if layout == "dp" else shape[2]
@@ -164,16 +166,16 @@ def build_plan(args: argparse.Namespace, ndev: int, platform: str) -> list[dict]
 
 
 def _print_plan(plan: list[dict], args, ndev: int, platform: str) -> None:
-  itemsize = jnp.dtype(bench._DTYPES[args.dtype]).itemsize
+  itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
   print(f"plan: {len(plan)} cells x {tuple(_IMPLS)}, dtype={args.dtype}, iters={args.iters}, "
         f"over {ndev} devices (here: {jax.device_count()} {platform}; a run needs >= 2 "
-        f"GPUs, or --allow-cpu); R assumes L2={bench._ASSUMED_L2 >> 20} MiB")
+        f"GPUs, or --allow-cpu); R assumes L2={ASSUMED_L2 >> 20} MiB")
   for shape in dict.fromkeys(c["shape"] for c in plan):
     cells = [c for c in plan if c["shape"] == shape]
     print(f"  {'x'.join(map(str, shape))}")
     for layout in dict.fromkeys(c["layout"] for c in cells):
       m, n = _local(shape, layout, ndev)
-      r = _rotations(m, n, itemsize, "cpu" if args.allow_cpu else "gpu", bench._ASSUMED_L2,
+      r = _rotations(m, n, itemsize, "cpu" if args.allow_cpu else "gpu", ASSUMED_L2,
                      None)
       sub = [c for c in cells if c["layout"] == layout]
       print(f"    {layout} x {_spec_txt(layout)} local [{m}, {n}] "
@@ -194,11 +196,11 @@ def _spec_txt(layout: str) -> str:
 
 def _rotations(m: int, n: int, itemsize: int, platform: str, l2_bytes: int,
                mem_bytes: int | None) -> int:
-  """bench.rotations, fewer where R copies of x and dy would pass a quarter of memory;
+  """rotations, fewer where R copies of x and dy would pass a quarter of memory;
   1 off the GPU (wall clock: no L2 to defeat)."""
   if platform != "gpu":
     return 1
-  r = bench.rotations(m, n, itemsize, l2_bytes)
+  r = rotations(m, n, itemsize, l2_bytes)
   if mem_bytes:
     r = max(1, min(r, mem_bytes // (8 * m * n * itemsize)))
   return r
@@ -248,7 +250,7 @@ def _shard0(arg_sets: list[tuple]) -> list[tuple]:
 
 def _cupti_time(step, arg_sets, iters: int, ndev: int) -> dict:
   """Mean per-device CUPTI kernel time of one call (module docstring), or {reason}."""
-  rot = bench._rotating_step(step, arg_sets)
+  rot = timing.rotating_step(step, arg_sets)
 
   class _Calls(jax.stages.Wrapped):
     """``iters`` rotated calls as one function: measure runs it to warm up, then under
@@ -258,7 +260,7 @@ def _cupti_time(step, arg_sets, iters: int, ndev: int) -> dict:
       return [rot() for _ in range(iters)]
 
   try:
-    _, records = bench._profiler().measure(_Calls(), aggregate=False)()
+    _, records = timing.profiler().measure(_Calls(), aggregate=False)()
   except RuntimeError as e:
     return {"reason": f"CUPTI: {e}"}
   if not records:
@@ -269,7 +271,7 @@ def _cupti_time(step, arg_sets, iters: int, ndev: int) -> dict:
     return {"reason": f"CUPTI: {len(records)} kernel records for {iters} calls on {ndev} "
                       f"devices: not the same kernels on every device and call"}
   chunks = [records[i * per_call:(i + 1) * per_call] for i in range(iters)]
-  out = bench._summarise([sum(ms for _, ms in c) * 1e3 / ndev for c in chunks])
+  out = timing.summarise([sum(ms for _, ms in c) * 1e3 / ndev for c in chunks])
   out.update(method="cupti", kernels_per_device=per_call // ndev,
              kernels=list(dict.fromkeys(name for name, _ in chunks[0])))
   return out
@@ -282,7 +284,7 @@ def _wall_time(step, arg_sets, iters: int) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(step(*arg_sets[i % len(arg_sets)]))
     per_call.append((time.perf_counter() - t0) * 1e6)
-  return {**bench._summarise(per_call), "method": "wall"}
+  return {**timing.summarise(per_call), "method": "wall"}
 
 
 def _time(step, arg_sets, iters: int, ndev: int, platform: str) -> dict:
@@ -301,7 +303,7 @@ _BYTES_PASS = {"fwd": "fwd", "fwdbwd": "fwdbwd", "fwdbwd_dep": "fwdbwd"}
 
 
 def _fwdbwd_dependent(f):
-  """bench._fwdbwd's step with dy released only once y exists (a training step's order)."""
+  """peers.fwdbwd's step with dy released only once y exists (a training step's order)."""
   def step(x, s, b, dy):
     y, pull = jax.vjp(f, x, s, b)
     y, dy = jax.lax.optimization_barrier((y, dy))
@@ -311,8 +313,8 @@ def _fwdbwd_dependent(f):
 
 def _compile_and_time(impl: str, op: str, pass_: str, arg_sets, iters, ndev, platform):
   """(timing and collectives of one implementation's step, its outputs on rotation 0)."""
-  f = bench._jax_fn(bench._IMPL_BY_NAME[_IMPLS[impl]], op)
-  step = jax.jit({"fwd": f, "fwdbwd": bench._fwdbwd(f),
+  f = peers.jax_fn(IMPL_BY_NAME[_IMPLS[impl]], op)
+  step = jax.jit({"fwd": f, "fwdbwd": peers.fwdbwd(f),
                   "fwdbwd_dep": _fwdbwd_dependent(f)}[pass_])
   t0 = time.perf_counter()
   compiled = step.lower(*arg_sets[0]).compile()
@@ -324,12 +326,12 @@ def _compile_and_time(impl: str, op: str, pass_: str, arg_sets, iters, ndev, pla
 
 
 def _errors(out, ref, dtype_name: str) -> dict:
-  """Max |out - ref| (f32) per output, and bench._compare's check."""
+  """Max |out - ref| (f32) per output, and run.compare's check."""
   names = ("y", "dx", "dscale", "dbias")
-  err = {nm: bench._rel_err(o, r)[1]
+  err = {nm: run.rel_err(o, r)[1]
          for nm, o, r in zip(names, jax.tree.leaves(out), jax.tree.leaves(ref))}
   return {"err": err, "err_y": err["y"], "err_dx": err.get("dx"),
-          **bench._compare(out, ref, dtype_name)}
+          **run.compare(out, ref, dtype_name)}
 
 
 def _warm_up(mesh, seconds: float = 3.0) -> None:
@@ -350,7 +352,7 @@ def _row(cell: dict, impl: str, ndev: int, itemsize: int, r: int, args) -> dict:
   return {"shape": list(cell["shape"]), "op": cell["op"], "pass": cell["pass"],
           "layout": cell["layout"], "axis_type": cell["axis_type"], "impl": impl,
           "dtype": args.dtype, "local": [m, n],
-          "bytes": bench.bytes_model(m, n, itemsize, _BYTES_PASS[cell["pass"]]),
+          "bytes": bytes_model(m, n, itemsize, _BYTES_PASS[cell["pass"]]),
           "rotations": r,
           "iters": args.iters}
 
@@ -374,9 +376,9 @@ def _run_cell(cell, arg_sets, args, ndev, platform, itemsize, single: dict) -> l
   for impl in ("xla", "pallas_norm"):
     row = _row(cell, impl, ndev, itemsize, len(arg_sets), args)
     try:
-      timing, outs[impl] = _compile_and_time(impl, cell["op"], cell["pass"], arg_sets,
-                                             args.iters, ndev, platform)
-      row.update(timing)
+      measured, outs[impl] = _compile_and_time(impl, cell["op"], cell["pass"], arg_sets,
+                                               args.iters, ndev, platform)
+      row.update(measured)
       if cell["layout"] == "dp":
         key = (cell["shape"], cell["op"], cell["pass"], impl)
         if key not in single:  # the same for every axis type
@@ -396,16 +398,16 @@ def _run_cell(cell, arg_sets, args, ndev, platform, itemsize, single: dict) -> l
 
 
 def _meta(args, platform: str, devices) -> dict:
-  torch_ok = platform == "gpu" and bench._torch_status()[0]
-  dev = bench._device_meta(torch_ok)
+  torch_ok = platform == "gpu" and timing.torch_status()[0]
+  dev = timing.device_meta(torch_ok)
   if platform == "gpu":
     dev["memory_bytes"] = (devices[0].memory_stats() or {}).get("bytes_limit")
   else:
     dev["device"] = platform
   return {**dev, "platform": platform, "device_count": len(devices),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "dtype": args.dtype, "iters": args.iters, "git_commit": bench._git_commit(),
-          "jax": jax.__version__, "jaxlib": bench._version("jaxlib"),
+          "dtype": args.dtype, "iters": args.iters, "git_commit": timing.git_commit(),
+          "jax": jax.__version__, "jaxlib": timing.version("jaxlib"),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:],
           "method": ("per-device CUPTI kernel time: the sum of one call's kernels over all "
                      "devices / device count (jaxlib's CUPTI records carry no device); "
@@ -421,7 +423,7 @@ def _meta(args, platform: str, devices) -> dict:
 def _out_path(args, meta: dict) -> pathlib.Path:
   commit = meta["git_commit"][:7]
   return (pathlib.Path(args.out)
-          / f"{bench._slug(meta['device'])}_{meta['date'][:10]}_sharded_{commit}.json")
+          / f"{timing.slug(meta['device'])}_{meta['date'][:10]}_sharded_{commit}.json")
 
 
 def _write(path: pathlib.Path, meta: dict, rows: list[dict]) -> None:
@@ -431,7 +433,7 @@ def _write(path: pathlib.Path, meta: dict, rows: list[dict]) -> None:
 
 def _run(args, plan: list[dict], platform: str, devices) -> int:
   ndev = len(devices)
-  dtype = bench._DTYPES[args.dtype]
+  dtype = DTYPES[args.dtype]
   itemsize = jnp.dtype(dtype).itemsize
   meta = _meta(args, platform, devices)
   print(f"devices: {ndev} x {meta['device']} ({platform}), jax {jax.__version__}, "
@@ -596,7 +598,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--layouts", default="dp,tp", help="dp,tp (default both)")
   p.add_argument("--axis-types", default="auto,explicit",
                  help="mesh axis types: auto,explicit (default both)")
-  p.add_argument("--dtype", default="bf16", choices=tuple(bench._DTYPES))
+  p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
   p.add_argument("--iters", type=int, default=30,
                  help="timed calls per row (>= 30 for results; wall clock takes >= 30)")
   p.add_argument("--seed", type=int, default=0)

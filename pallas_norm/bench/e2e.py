@@ -272,10 +272,10 @@ def classify(name: str, norm_names: set[str]) -> str:
 
 def _breakdown(step, args, hlo_text: str) -> dict:
   """CUPTI kernel time of one step by category (us), and the norm kernels' names."""
-  from pallas_norm import bench
+  from pallas_norm.bench import timing
   norm_names = norm_fusions(hlo_text)
-  rot = bench._rotating_step(step, [args])
-  _, timings = bench._profiler().measure(rot, aggregate=False, iterations=3)()
+  rot = timing.rotating_step(step, [args])
+  _, timings = timing.profiler().measure(rot, aggregate=False, iterations=3)()
   calls = timings if timings and isinstance(timings[0], list) else [timings]
   per_cat = []
   for it in calls:
@@ -444,7 +444,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   import jax
-  from pallas_norm import bench
+  from pallas_norm.bench import timing
   if jax.default_backend() != "gpu" and not args.allow_cpu:
     print(f"pallas_norm.bench --e2e needs a GPU (jax.default_backend()="
           f"{jax.default_backend()!r}); --allow-cpu for a smoke run", file=sys.stderr)
@@ -454,8 +454,8 @@ def main(argv=None) -> int:
   dev = jax.devices()[0]
   meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "git_commit": bench._git_commit(), "jax": jax.__version__,
-          "flax": bench._version("flax"), "optax": bench._version("optax"),
+          "git_commit": timing.git_commit(), "jax": jax.__version__,
+          "flax": timing.version("flax"), "optax": timing.version("optax"),
           "argv": list(argv if argv is not None else sys.argv[1:]),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "method": ("per sample: --chain steps dispatched back to back, wall clock up to "

@@ -1,0 +1,202 @@
+"""What the kernel bench measures: shapes, implementations, the bytes model and the plan.
+
+Bytes model (the fewest bytes through HBM; scale, bias, mean and rstd are negligible):
+  forward          read x, write y                         2 * M * N * itemsize
+  forward+backward forward, then read x and dy, write dx   5 * M * N * itemsize
+  with the fused residual add ("*_res" ops): forward reads x and r, writes y and h
+  (4 * M * N * itemsize); forward+backward then reads dy, dh and h, writes dx (8).
+GB/s = bytes / median time, and "% copy" = GB/s / copy GB/s of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+# The table of BENCHMARKING.md, then Llama/Qwen hidden sizes with M = 8192 tokens.
+BENCH_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 128),
+                (16384, 16384), (4096, 65536), (1024, 262144))
+LLM_SHAPES = ((8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192))
+QUICK_SHAPES = ((4096, 1024), (8192, 4096), (32768, 128), (4096, 65536))
+
+# "*_res": the fused residual add, (y, h) = (norm(x + r), x + r), residual in x's dtype.
+OPS = ("rms", "layer", "rms_res", "layer_res")
+PASSES = ("fwd", "fwdbwd")
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5}  # the same eps for every implementation
+_BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
+# With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
+# writes dx (= dresidual).
+_BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
+# The implementations that serve the fused residual add (the others: n/a): ours, XLA's
+# fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
+_RES_IMPLS = ("pallas", "xla", "flax")
+_MODE_SHORT = {"reload": "multi_wave_reload", "cached": "multi_wave_cached",
+               "persistent": "static_persistent"}
+ASSUMED_L2 = 64 << 20  # when torch cannot tell (H100: 50 MB, H200: 60 MB)
+MAX_ROTATIONS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """One implementation: ``family`` is "pallas_norm" or "peer"; ``kind`` "jax" or "torch"."""
+
+  name: str
+  family: str
+  kind: str
+  phase: int  # 0: the heuristic and the peers; 1: the per-mode sweep
+  abbrev: str
+  backend: str | None = None
+  mode: str | None = None
+
+
+IMPLS = (
+    Impl("pallas", "pallas_norm", "jax", 0, "pal", backend="pallas"),
+    Impl("triton", "pallas_norm", "jax", 0, "tri", backend="triton"),
+    Impl("xla", "peer", "jax", 0, "xla"),
+    Impl("flax", "peer", "jax", 0, "flax"),
+    Impl("tokamax", "peer", "jax", 0, "tkmx"),
+    Impl("torch", "peer", "torch", 0, "torch"),
+    Impl("liger", "peer", "torch", 0, "liger"),
+) + tuple(
+    Impl(f"{backend}:{short}", "pallas_norm", "jax", 1, f"{backend[:3]}.{short[:2]}",
+         backend=backend, mode=mode)
+    for backend in ("pallas", "triton") for short, mode in _MODE_SHORT.items())
+IMPL_BY_NAME = {i.name: i for i in IMPLS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One measurement: (op, pass, shape, implementation)."""
+
+  phase: int
+  m: int
+  n: int
+  op: str
+  pass_: str
+  impl: str
+
+
+def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> int:
+  """Bytes a norm must move: forward 2*M*N*itemsize, forward+backward 5*M*N*itemsize;
+  with the fused residual add ("*_res" ops) 4 and 8 (x, r -> y, h; dy, dh, h -> dx).
+
+  Raises:
+    ValueError: ``pass_`` is not "fwd" or "fwdbwd".
+  """
+  if pass_ not in _BYTES_FACTOR:
+    raise ValueError(f"{pass_=} must be one of {tuple(_BYTES_FACTOR)}")
+  factor = _BYTES_FACTOR_RES if op.endswith("_res") else _BYTES_FACTOR
+  return factor[pass_] * m * n * itemsize
+
+
+def serves(impl: Impl, op: str) -> bool:
+  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, XLA, flax)."""
+  if not op.endswith("_res"):
+    return True
+  return (impl.backend or impl.name) in _RES_IMPLS
+
+
+def rotations(m: int, n: int, itemsize: int, l2_bytes: int) -> int:
+  """Copies R of x (and dy) so that R * bytes(x) >= 4 * L2 (at least 1, at most 64)."""
+  return int(min(MAX_ROTATIONS, max(1, math.ceil(4 * l2_bytes / (m * n * itemsize)))))
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+  """"4096x1024,8192x4096" -> ((4096, 1024), (8192, 4096)); duplicates dropped.
+
+  Raises:
+    ValueError: a token that is not MxN with positive M and N, or no shape at all.
+  """
+  shapes = []
+  for tok in text.split(","):
+    tok = tok.strip().lower()
+    if not tok:
+      continue
+    parts = tok.split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+      raise ValueError(f"shape {tok!r} must be MxN, e.g. 4096x1024")
+    m, n = (int(p) for p in parts)
+    if m < 1 or n < 1:
+      raise ValueError(f"shape {tok!r}: M and N must be positive")
+    if (m, n) not in shapes:
+      shapes.append((m, n))
+  if not shapes:
+    raise ValueError(f"no shape in {text!r}")
+  return tuple(shapes)
+
+
+def parse_list(text: str, valid, what: str) -> tuple[str, ...]:
+  """"a,b" -> ("a", "b"), each in ``valid``; ValueError names ``what`` otherwise."""
+  items = tuple(t.strip() for t in text.split(",") if t.strip())
+  bad = [t for t in items if t not in valid]
+  if bad or not items:
+    raise ValueError(f"{what} {bad or text!r} not in {tuple(valid)}")
+  return items
+
+
+def _select_impls(text: str | None, quick: bool) -> tuple[Impl, ...]:
+  """``--impls``: names, or ``family:*`` for every mode of a backend (``pallas:*``)."""
+  if text is None:
+    return tuple(i for i in IMPLS if not quick or i.phase == 0)
+  chosen = []
+  for tok in (t.strip() for t in text.split(",") if t.strip()):
+    if tok.endswith(":*"):
+      hits = [i for i in IMPLS if i.name.startswith(tok[:-1])]
+    else:
+      hits = [i for i in IMPLS if i.name == tok]
+    if not hits:
+      raise ValueError(f"--impls: {tok!r} matches none of {[i.name for i in IMPLS]} "
+                       f"(use e.g. 'pallas:*' for every mode)")
+    chosen += [i for i in hits if i not in chosen]
+  return tuple(i for i in IMPLS if i in chosen)
+
+
+def build_plan(args: argparse.Namespace) -> list[Case]:
+  """Cases in run order: phase (heuristic and peers first), shape, op, pass, impl.
+
+  Phase 1 (the per-mode sweep) comes after every shape of phase 0, so that a run cut
+  short by ``--budget-s`` still has the comparison that matters.
+
+  Raises:
+    ValueError: an unknown shape, op, pass or implementation in ``args``.
+  """
+  impls = _select_impls(args.impls, args.quick)
+  if args.shapes:
+    shapes = parse_shapes(args.shapes)
+  elif args.quick:
+    shapes = QUICK_SHAPES
+  else:
+    shapes = tuple(dict.fromkeys(BENCH_SHAPES + LLM_SHAPES))
+  ops = parse_list(args.ops, OPS, "--ops")
+  passes = parse_list(args.passes, PASSES, "--passes")
+  return [Case(phase, m, n, op, p, impl.name)
+          for phase in (0, 1) for m, n in shapes for op in ops for p in passes
+          for impl in impls if impl.phase == phase and serves(impl, op)]
+
+
+def groups(plan: list[Case]):
+  """[((phase, m, n), [cases])] in plan order: the inputs are built once per group."""
+  out: dict[tuple[int, int, int], list[Case]] = {}
+  for c in plan:
+    out.setdefault((c.phase, c.m, c.n), []).append(c)
+  return list(out.items())
+
+
+def print_plan(plan: list[Case], args: argparse.Namespace) -> None:
+  """``--dry-run``: every group of cases, its input size and rotation count."""
+  itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
+  print(f"plan: {len(plan)} cases, dtype={args.dtype}, iters={args.iters}, "
+        f"budget={args.budget_s:.0f}s; R assumes L2={ASSUMED_L2 >> 20} MiB "
+        f"(the run reads it from torch); availability is probed at run time")
+  for (phase, m, n), cases in groups(plan):
+    ops = ",".join(dict.fromkeys(c.op for c in cases))
+    passes = ",".join(dict.fromkeys(c.pass_ for c in cases))
+    impls = ",".join(dict.fromkeys(c.impl for c in cases))
+    r = rotations(m, n, itemsize, ASSUMED_L2)
+    mib = m * n * itemsize / 2**20
+    print(f"  phase {phase} {f'{m}x{n}':<12} x={mib:7.1f} MiB R={r:<2} ops={ops} passes={passes} "
+          f"impls={impls}")

@@ -1,0 +1,326 @@
+"""The kernel bench's run loop: inputs, ``--check``, one row per case, the result file.
+
+For each group of cases (one shape) it builds R rotated device copies of the inputs
+(``plan.rotations``), then for each case: compiles and warms up the step, compares its
+outputs with the XLA reference (``--check``), and times it (``timing.cupti_time``, or
+CUDA events for torch). A case that fails becomes a row with its status and reason; the
+run goes on. The file is rewritten after every shape, so a cut-off run keeps its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_norm.bench import peers, report, timing
+from pallas_norm.bench.plan import (DTYPES, IMPL_BY_NAME, Case, Impl, bytes_model, groups,
+                                    rotations)
+
+# Relative error ||out - ref|| / ||ref|| accepted by --check, per dtype.
+_CHECK_TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 1e-4}
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass
+class _Inputs:
+  """Rotated device inputs of one shape: xs/dys [R] of [M, N], scale/bias [N]."""
+
+  xs: list
+  dys: list
+  scale: jax.Array
+  bias: jax.Array
+  torch: dict | None = None
+  rs: list = dataclasses.field(default_factory=list)  # residuals ("*_res" ops)
+  dhs: list = dataclasses.field(default_factory=list)  # h's cotangents
+
+
+def _make_inputs(m: int, n: int, dtype, r: int, need_dy: bool, seed: int,
+                 need_residual: bool = False) -> _Inputs:
+  keys = jax.random.split(jax.random.key(seed), 4 * r + 2)
+  xs = [jax.random.normal(keys[i], (m, n), dtype) for i in range(r)]
+  dys = [jax.random.normal(keys[r + i], (m, n), dtype) for i in range(r)] if need_dy else []
+  rs = dhs = []
+  if need_residual:
+    rs = [jax.random.normal(keys[2 * r + i], (m, n), dtype) for i in range(r)]
+    if need_dy:
+      dhs = [jax.random.normal(keys[3 * r + i], (m, n), dtype) for i in range(r)]
+  scale = (1.0 + 0.1 * jax.random.normal(keys[-2], (n,), jnp.float32)).astype(dtype)
+  bias = (0.1 * jax.random.normal(keys[-1], (n,), jnp.float32)).astype(dtype)
+  jax.block_until_ready((xs, dys, rs, dhs, scale, bias))
+  return _Inputs(xs, dys, scale, bias, rs=rs, dhs=dhs)
+
+
+def _arg_sets(op: str, pass_: str, inp: _Inputs) -> list:
+  """The rotated argument tuples of one case: (x, scale, bias[, dy]); for a "*_res" op
+  x is (x, r) and dy is (dy, dh)."""
+  bias = inp.bias if op.startswith("layer") else None
+  xs = list(zip(inp.xs, inp.rs)) if op.endswith("_res") else inp.xs
+  if pass_ == "fwd":
+    return [(x, inp.scale, bias) for x in xs]
+  dys = list(zip(inp.dys, inp.dhs)) if op.endswith("_res") else inp.dys
+  return [(x, inp.scale, bias, dy) for x, dy in zip(xs, dys)]
+
+
+def _to_torch(a: jax.Array):
+  """The same device buffer as a torch tensor (DLPack); a copy if DLPack refuses."""
+  import torch
+  try:
+    return torch.from_dlpack(a)
+  except Exception:  # noqa: BLE001
+    host = np.asarray(a)
+    if host.dtype == jnp.bfloat16:
+      return torch.from_numpy(host.view(np.uint16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(host).cuda()
+
+
+def _torch_inputs(inp: _Inputs) -> dict:
+  if inp.torch is None:
+    inp.torch = {"xs": [_to_torch(x) for x in inp.xs], "dys": [_to_torch(d) for d in inp.dys],
+                 "scale": _to_torch(inp.scale), "bias": _to_torch(inp.bias)}
+  return inp.torch
+
+
+# --------------------------------------------------------------------------- check
+
+
+def rel_err(out, ref) -> tuple[float, float]:
+  """(||out - ref|| / ||ref||, max |out - ref|) in float32."""
+  o = jnp.asarray(out, jnp.float32)
+  r = jnp.asarray(ref, jnp.float32)
+  d = o - r
+  rel = jnp.sqrt(jnp.sum(d * d)) / jnp.maximum(jnp.sqrt(jnp.sum(r * r)), 1e-30)
+  return float(rel), float(jnp.max(jnp.abs(d)))
+
+
+def _reference_outputs(op: str, pass_: str, inp: _Inputs):
+  """Reference y (fwd) or (y, (dx, dscale[, dbias])) (fwdbwd) on copy 0."""
+  f = peers.jax_fn(IMPL_BY_NAME["xla"], op)
+  args = _arg_sets(op, pass_, inp)[0]
+  return jax.jit(f if pass_ == "fwd" else peers.fwdbwd(f))(*args)
+
+
+def compare(out, ref, dtype_name: str) -> dict:
+  """Every array of ``out`` against ``ref``; pass when each relative error is within
+  the dtype's tolerance (NaN never passes)."""
+  outs = [a for a in jax.tree.leaves(out)]
+  refs = [a for a in jax.tree.leaves(ref)]
+  if len(outs) != len(refs):
+    return {"check": "FAIL", "check_detail": f"{len(outs)} outputs, reference has {len(refs)}"}
+  errs = [rel_err(o, r) for o, r in zip(outs, refs)]
+  tol = _CHECK_TOL[dtype_name]
+  ok = all(e[0] <= tol for e in errs)  # False for NaN
+  names = (["y", "dx", "dscale", "dbias"] if len(errs) <= 4
+           else ["y", "h", "dx", "dresidual", "dscale", "dbias"])[:len(errs)]
+  detail = " ".join(f"{nm}:rel={e[0]:.2e},max={e[1]:.2e}" for nm, e in zip(names, errs))
+  return {"check": "ok" if ok else "FAIL", "check_detail": f"{detail} (tol {tol:g})"}
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
+  f = peers.jax_fn(impl, c.op)
+  step = jax.jit(f if c.pass_ == "fwd" else peers.fwdbwd(f))
+  arg_sets = _arg_sets(c.op, c.pass_, inp)
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(step(*arg_sets[0]))  # compile + warm up
+  row = {"compile_s": round(time.perf_counter() - t0, 2)}
+  if ref is not None:
+    row.update(compare(out, ref, args.dtype))
+  del out
+  row.update(timing.cupti_time(step, arg_sets, args.iters))
+  row["timer"] = "cupti"
+  return row
+
+
+def _run_torch_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
+  import torch
+  f = peers.torch_fn(impl, c.op)
+  t = _torch_inputs(inp)
+  r = len(t["xs"])
+  bias = t["bias"] if c.op == "layer" else None
+  if c.pass_ == "fwd":
+    def call(i):
+      with torch.no_grad():
+        return f(t["xs"][i], t["scale"], bias)
+  else:
+    xs = [x.detach().requires_grad_() for x in t["xs"]]
+    w = t["scale"].detach().requires_grad_()
+    b = bias.detach().requires_grad_() if bias is not None else None
+    params = [w] + ([b] if b is not None else [])
+
+    def call(i):
+      y = f(xs[i], w, b)
+      return y, torch.autograd.grad(y, [xs[i]] + params, t["dys"][i])
+  t0 = time.perf_counter()
+  out = call(0)
+  torch.cuda.synchronize()
+  row = {"compile_s": round(time.perf_counter() - t0, 2)}
+  if ref is not None:
+    out = (out[0].detach(), tuple(out[1])) if c.pass_ == "fwdbwd" else out
+    row.update(compare(jax.tree.map(lambda a: jnp.from_dlpack(a.contiguous()), out),
+                        ref, args.dtype))
+  del out
+  row.update(timing.torch_time(call, r, args.iters))
+  row["timer"] = "cuda_events"
+  return row
+
+
+def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> dict:
+  impl = IMPL_BY_NAME[c.impl]
+  itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
+  nbytes = bytes_model(c.m, c.n, itemsize, c.pass_, c.op)
+  row = {"op": c.op, "pass": c.pass_, "m": c.m, "n": c.n, "dtype": args.dtype,
+         "impl": c.impl, "family": impl.family, "phase": c.phase, "bytes": nbytes,
+         "rotations": len(inp.xs), "iters": args.iters}
+  if c.impl in unavailable:
+    return {**row, "status": "unavailable", "reason": unavailable[c.impl]}
+  try:
+    run = _run_torch_case if impl.kind == "torch" else _run_jax_case
+    row.update(run(impl, c, inp, args, ref))
+  except NotImplementedError as e:
+    return {**row, "status": "skipped", "reason": f"NotImplementedError: {e}"}
+  except ImportError as e:
+    unavailable[c.impl] = f"{type(e).__name__}: {e}"
+    return {**row, "status": "error", "reason": unavailable[c.impl]}
+  except Exception as e:  # noqa: BLE001 - one failure must not stop the run
+    msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return {**row, "status": "error", "reason": msg[:2000]}
+  if "us" not in row:
+    return {**row, "status": row.pop("status", "n/a")}
+  row["status"] = "ok"
+  row["gbs"] = nbytes / (row["us"] * 1e-6) / 1e9
+  row["pct_copy"] = 100.0 * row["gbs"] / copy_gbs if copy_gbs else None
+  return row
+
+
+_METHOD = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure, all kernels "
+           "of a call summed; torch: CUDA events behind torch.cuda._sleep), median of "
+           "{iters} calls after one warm-up, R rotated input copies with R*bytes(x) >= "
+           "4*L2, no flush; XLA_FLAGS {flag}; bytes: fwd 2*M*N*itemsize, fwd+bwd "
+           "5*M*N*itemsize; copy = -a on 1 GiB under jit, 2*bytes/time")
+
+
+def run_plan(args, plan: list[Case]) -> int:
+  """Time every case of ``plan`` (``cli.parser``'s ``args``); write JSON, CSV and PNG at
+  ``--out``; print the table. Returns 1 when a ``--check`` failed, else 0."""
+  start = time.perf_counter()
+  dtype = DTYPES[args.dtype]
+  itemsize = jnp.dtype(dtype).itemsize
+  torch_ok = timing.torch_status()
+  dev = timing.device_meta(torch_ok[0])
+  print(f"device: {dev['device']} ({dev['num_sms']} SMs, L2 {dev['l2_bytes'] / 1e6:.0f} MB "
+        f"{dev['l2_source']}), jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}",
+        flush=True)
+  unavailable: dict[str, str] = {}
+  for impl in dict.fromkeys(IMPL_BY_NAME[c.impl] for c in plan):
+    reason = peers.probe(impl, torch_ok)
+    if reason:
+      unavailable[impl.name] = reason
+      print(f"skip {impl.name}: {reason}", flush=True)
+  timing.warm_up()
+  copy = timing.measure_copy(dtype, args.iters)
+  copy["copy_gbs_jax"], copy["copy_source"] = copy.get("copy_gbs"), "jax -x (CUPTI)"
+  if torch_ok[0]:
+    copy["copy_gbs_torch"] = timing.torch_copy_gbs(args.iters)
+    # The reference is the fastest copy measured: torch's copy_ beat XLA's elementwise
+    # kernel on the H200 (4231 against 3362 GB/s, 2026-11-21).
+    if copy["copy_gbs_torch"] and copy["copy_gbs_torch"] > (copy.get("copy_gbs") or 0):
+      copy["copy_gbs"], copy["copy_source"] = copy["copy_gbs_torch"], "torch copy_ (events)"
+  if timing.BACKEND_STARTED_EARLY:
+    print(f"warning: the XLA backend started before pallas_norm.bench set XLA_FLAGS; set "
+          f"XLA_FLAGS={timing.COMMAND_BUFFER_FLAG} in the environment", flush=True)
+  copy_txt = f"{copy['copy_gbs_jax']:.0f}" if copy.get("copy_gbs_jax") else "n/a"
+  print(f"copy: {copy_txt} GB/s (jax, CUPTI)"
+        + (f", {copy['copy_gbs_torch']:.0f} GB/s (torch, events)" if torch_ok[0] else "")
+        + (f" -- {copy['copy_reason']}" if copy.get("copy_reason") else "")
+        + f"; % of copy uses {copy['copy_source']}", flush=True)
+  meta = {
+      **dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "dtype": args.dtype, "iters": args.iters, "git_commit": timing.git_commit(),
+      "jax": jax.__version__,
+      **{key: timing.version(dist) for key, dist in (
+          ("jaxlib", "jaxlib"), ("triton", "triton"), ("jax_triton", "jax-triton"),
+          ("tokamax", "tokamax"), ("flax", "flax"), ("torch", "torch"),
+          ("liger", "liger-kernel"))},
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:],
+      "method": _METHOD.format(iters=args.iters, flag=timing.COMMAND_BUFFER_FLAG),
+      "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize",
+                      "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize"},
+      "unavailable": unavailable, **copy}
+  out = report.out_path(args, meta)
+  rows: list[dict] = []
+  done = 0
+  for (phase, m, n), cases in groups(plan):
+    if time.perf_counter() - start > args.budget_s:
+      rows += [_not_run(c, args) for c in cases]
+      continue
+    r = rotations(m, n, itemsize, dev["l2_bytes"])
+    inp = _make_inputs(m, n, dtype, r, any(c.pass_ == "fwdbwd" for c in cases), args.seed,
+                       any(c.op.endswith("_res") for c in cases))
+    refs: dict = {}
+    for c in cases:
+      done += 1
+      elapsed = time.perf_counter() - start
+      if elapsed > args.budget_s:
+        rows.append(_not_run(c, args))
+        continue
+      ref = None
+      if args.check and c.impl not in unavailable:
+        if (c.op, c.pass_) not in refs:
+          try:
+            refs[(c.op, c.pass_)] = _reference_outputs(c.op, c.pass_, inp)
+          except Exception as e:  # noqa: BLE001
+            print(f"--check: reference failed for {c.op} {c.pass_} {m}x{n}: {e}", flush=True)
+            refs[(c.op, c.pass_)] = None
+        ref = refs[(c.op, c.pass_)]
+      row = _run_case(c, inp, args, meta.get("copy_gbs"), unavailable, ref)
+      rows.append(row)
+      if row["status"] != "unavailable":  # the reason was printed once, above
+        print(f"[{done:4d}/{len(plan)} {elapsed:6.1f}s] {_progress(row)}", flush=True)
+    del inp, refs
+    gc.collect()
+    if "torch" in sys.modules and torch_ok[0]:
+      sys.modules["torch"].cuda.empty_cache()
+    report.write(out, meta, rows)  # partial results survive a cut-off run
+  skipped = sum(r["status"] == "not run" for r in rows)
+  if skipped:
+    print(f"budget of {args.budget_s:.0f}s spent: {skipped} cases not run; run subsets "
+          f"(--shapes/--ops/--passes/--impls) or raise --budget-s", flush=True)
+  report.write(out, meta, rows)
+  print(f"wrote {out} and {out.with_suffix('.csv')}")
+  failed = [r for r in rows if r.get("check") == "FAIL"]
+  for r in failed:
+    print(f"CHECK FAILED: {r['op']} {r['pass']} {report.shape_txt(r)} {r['impl']}: "
+          f"{r['check_detail']}", flush=True)
+  report.finish(out, {"meta": meta, "rows": rows})
+  return 1 if failed else 0
+
+
+def _not_run(c: Case, args) -> dict:
+  return {"op": c.op, "pass": c.pass_, "m": c.m, "n": c.n, "dtype": args.dtype,
+          "impl": c.impl, "family": IMPL_BY_NAME[c.impl].family, "phase": c.phase,
+          "status": "not run", "reason": f"--budget-s {args.budget_s:.0f} spent"}
+
+
+def _progress(row: dict) -> str:
+  head = f"{row['op']:5} {row['pass']:6} {report.shape_txt(row):<12} {row['impl']:17}"
+  check = f"  check {row['check']} {row['check_detail']}" if "check" in row else ""
+  if row["status"] != "ok":
+    return f"{head} {row['status']}: {row.get('reason', '')[:300]}{check}"
+  pct = f"{row['pct_copy']:4.0f}% copy" if row.get("pct_copy") is not None else "n/a copy"
+  return (f"{head} {row['us']:9.1f} us {row['gbs']:6.0f} GB/s {pct}  "
+          f"k={len(row.get('kernels', [])) or '-'} R={row['rotations']} "
+          f"compile {row['compile_s']:.1f}s{check}")
+
+
