@@ -1,5 +1,6 @@
 """CPU tests of pallas_norm.bench: the plan, the bytes model, the output files, the
-refusal to time without a GPU. The timing itself runs only on the GPU machine."""
+refusal to time without a GPU, and the sweep and A/B subcommands' candidates and configs.
+The timing itself runs only on the GPU machine."""
 
 import inspect
 import json
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from pallas_norm import bench
-from pallas_norm.bench import cli, peers, run, timing
+from pallas_norm.bench import ab, cli, peers, run, sweep, timing
 from pallas_norm.bench import plan as bench_plan
 
 pytestmark = pytest.mark.cpu_only
@@ -111,7 +112,7 @@ def _cli(capsys, *argv):
 
 def test_cli_help_dry_run_and_gpu_refusal(tmp_path, capsys):
   helped = _run_cli("--help")
-  assert helped.returncode == 0 and "--plot-only" in helped.stdout
+  assert helped.returncode == 0 and "sweep" in helped.stdout and "--plot-only" in helped.stdout
   rc, out, err = _cli(capsys, "--dry-run", "--shapes", "4096x1024")
   assert rc == 0, err
   assert "phase 0 4096x1024" in out and "R=32" in out
@@ -294,3 +295,54 @@ def test_tokamax_vjp_without_alias_refuses_an_unknown_tokamax(monkeypatch):
   with pytest.raises(RuntimeError, match="dx-onto-x alias"):
     peers.tokamax_vjp_without_alias()
 
+
+def test_sweep_grids_keep_their_candidates():
+  """Every grid builds configs for the shapes it was run on (132 SMs, as on an H100 or
+  H200), and the grids folded from one-off scripts keep their candidates."""
+  from pallas_norm import config as C
+  for name, grid in sweep.GRIDS.items():
+    for kern in grid.kernels.split(","):
+      cls = C.ForwardConfig if kern == "fwd" else C.BackwardConfig
+      for shape in grid.shapes.split(",")[:3]:
+        m, n = map(int, shape.split("x"))
+        cands = getattr(grid, kern)(m, n, 132, grid.ops.split(",")[0])
+        assert cands and all(isinstance(c, cls) for c in cands), (name, shape)
+  programs = sweep.GRIDS["narrow-bwd-programs"].bwd(32768, 128, 132, "rms")
+  assert [c.num_programs for c in programs] == [528, 512, 384, 264, 256, 128] * 2
+  split = sweep.GRIDS["split"].fwd(4096, 65536, 132, "rms")
+  assert [(c.block_n, c.num_warps) for c in split[1:]] == [
+      (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16)]
+  split_bwd = sweep.GRIDS["split-bwd"].bwd(4096, 65536, 132, "rms")
+  lags = {(c.block_n, c.num_warps, c.split_lag) for c in split_bwd if c.split_rows}
+  assert {(2048, 4, lag) for lag in range(4)} <= lags
+  stages = sweep.GRIDS["reload-bwd-stages"].bwd(16384, 16384, 132, "rms")
+  assert {c.num_stages for c in stages if c.reload_rows} == {1, 2, 3}
+  assert sweep.main(["--grid", "split", "--shapes", "4096x65536", "--dry-run"]) == 0
+  for argv in (["--grid", "split", "--kernels", "bwd"], ["--ops", "group"]):
+    with pytest.raises(SystemExit):
+      sweep.main(argv + ["--dry-run"])
+
+
+def test_ab_builds_every_config_kind(capsys):
+  """``ab fwd`` / ``ab bwd`` parse each config spec into the launch config it names, and
+  refuse a bad spec before any timing; the GPU-only A/Bs refuse to run on the CPU."""
+  f = ab._fwd_config("psplit", [1024, 1, 8, 3, 1], 4096, 65536, True, 132)
+  assert (f.mode, f.block_n, f.num_programs, f.split_rows, f.split_lag,
+          f.split_early_publish) == ("static_persistent", 1024, 16, True, 3, True)
+  b = ab._bwd_config("split", [512, 1, 20, 1, 0, 3, 2, 1], 4096, 65536, True, 132)
+  assert (b.block_m, b.block_n, b.num_programs, b.split_lag, b.split_early_publish) == (
+      2, 512, 20, 3, True)
+  p = ab._bwd_config("pieces", [1, 8, 2, 2048, 1024], 8192, 3072, True, 132)
+  assert (p.block_n, p.pieces, p.num_programs) == (4096, (2048, 1024), 264)
+  specs = {"fwd": "default;psplit:1024,1,8;cached:8192,4,4096,2@nocg;tile:2,2048,4;"
+                  "persistent:16384,16,4;reload:4096,8@cgall",
+           "bwd": "default;split:512,1,20,1,0;reload:1,4096,16,1;tile:1,8192,16,1;"
+                  "tileg:1,8192,16,128;pieces:1,8,2,2048,1024;pair:4096,16,2"}
+  for kernel, configs in specs.items():
+    assert ab.main([kernel, "--op", "layer", "--shapes", "8192x3072", "--configs", configs,
+                    "--dry-run"]) == 0
+    assert capsys.readouterr().out.count(f"{kernel} layer 8192x3072") == configs.count(";") + 1
+  with pytest.raises(SystemExit):
+    ab.main(["bwd", "--op", "rms", "--shapes", "64x128", "--configs", "nope:1", "--dry-run"])
+  assert ab.main(["triton", "--variant", "pallas"]) == 2
+  assert "needs a GPU" in capsys.readouterr().err

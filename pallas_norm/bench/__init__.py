@@ -1,8 +1,8 @@
 """GPU benchmarks of pallas_norm: ``python -m pallas_norm.bench`` (``make bench``).
 
 What lives where:
-  cli.py      the command line: the kernel bench, ``--sharded`` and ``--e2e``;
-              ``__main__.py`` runs it.
+  cli.py      the command line: the kernel bench (no subcommand), ``--sharded``,
+              ``--e2e``, ``sweep`` and ``ab``; ``__main__.py`` runs it.
   timing.py   how a call is timed: the XLA flag that lets CUPTI see kernels (set when
               this package is imported), CUPTI kernel time over rotated inputs, CUDA
               events for torch, the copy reference, the run's metadata.
@@ -14,8 +14,12 @@ What lives where:
   sharded.py  ``--sharded``: data and tensor parallel over every local GPU against XLA.
   e2e.py      ``--e2e``: decoder train steps with flax's norms, pallas_norm's, and the
               fused residual add.
+  sweep.py    ``sweep``: the launch-config sweeps behind ``pallas_norm/config.py``.
+  ab.py       ``ab``: interleaved A/Bs of launch configs, backends and tokamax's
+              aliases, and a target for ncu.
 
-The method and the tables: ``docs/performance.md``.
+The method and the tables: ``docs/performance.md``; which results file backs which
+rule or table, and the command that wrote it: ``benchmarks/README.md``.
 """
 
 from pallas_norm.bench import timing  # noqa: F401 - first: sets XLA_FLAGS before a backend starts

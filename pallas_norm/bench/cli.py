@@ -1,10 +1,13 @@
-"""The command line: ``python -m pallas_norm.bench ...`` (``make bench``).
+"""The command line: ``python -m pallas_norm.bench [sweep | ab] ...`` (``make bench``).
 
   (no subcommand)  the kernel bench: pallas_norm (every mode and the heuristic, on the
                    "pallas" and "triton" backends) against its peers, side by side in
                    one process on the same inputs (``run``, ``report``);
   --sharded        the sharded bench over every local GPU (``sharded``; --sharded --help);
-  --e2e            the train-step bench (``e2e``; --e2e --help).
+  --e2e            the train-step bench (``e2e``; --e2e --help);
+  sweep            launch-config sweeps of the Pallas kernels (``sweep``; sweep --help);
+  ab               interleaved A/Bs: launch configs, backends, tokamax's aliases, an ncu
+                   target (``ab``; ab --help).
 
 Output of the kernel bench: progress lines as it goes; JSON and CSV (rows + metadata)
 and a PNG plot at ``--out``; the summary table is printed last. ``--plot-only A.json
@@ -22,7 +25,8 @@ from pallas_norm.bench import report, run, timing
 from pallas_norm.bench.plan import DTYPES, IMPLS, build_plan, print_plan
 
 def parser() -> argparse.ArgumentParser:
-  """The kernel bench's options (``--sharded`` and ``--e2e`` have parsers of their own)."""
+  """The kernel bench's options (``--sharded``, ``--e2e``, ``sweep`` and ``ab`` have
+  parsers of their own)."""
   p = argparse.ArgumentParser(
       prog="python -m pallas_norm.bench",
       description="Side-by-side GPU benchmark of pallas_norm against XLA, flax, tokamax, "
@@ -30,7 +34,10 @@ def parser() -> argparse.ArgumentParser:
                   "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize.",
       epilog="--sharded: the sharded benchmark over every local GPU instead "
              "(pallas_norm/bench/sharded.py; its options: --sharded --help). "
-             "--e2e: the train-step benchmark (pallas_norm/bench/e2e.py; --e2e --help).")
+             "--e2e: the train-step benchmark (pallas_norm/bench/e2e.py; --e2e --help). "
+             "Subcommands: 'sweep' (launch-config sweeps; sweep --help) and 'ab' "
+             "(interleaved A/Bs; ab --help). The results and the command behind each: "
+             "benchmarks/README.md.")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
                                   "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
   p.add_argument("--ops", default="rms,layer",
@@ -61,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
   """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code
   (0 ok, 1 a ``--check`` failed, 2 no GPU or bad arguments)."""
   argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "sweep":
+    from pallas_norm.bench import sweep
+    return sweep.main(argv[1:])
+  if argv and argv[0] == "ab":
+    from pallas_norm.bench import ab
+    return ab.main(argv[1:])
   if "--sharded" in argv:  # the multi-GPU benchmark, with options of its own
     from pallas_norm.bench import sharded
     return sharded.main([a for a in argv if a != "--sharded"])

@@ -158,6 +158,13 @@ def cupti_time(step, arg_sets, iters: int) -> dict:
   return out
 
 
+def time_us(fn, inputs, iters: int) -> float | None:
+  """Median CUPTI time (us) of ``fn`` over rotated ``inputs`` after one call, or None if no
+  kernel was seen: the timing of ``sweep`` and ``ab``."""
+  jax.block_until_ready(fn(*inputs[0]))
+  return cupti_time(fn, inputs, iters).get("us")
+
+
 def torch_time(call, n_sets: int, iters: int) -> dict:
   """Median CUDA-event time of ``call(i)``, i cycling over ``n_sets`` rotated inputs."""
   import torch
