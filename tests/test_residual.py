@@ -276,6 +276,15 @@ def test_kernel_variants(fwd, bwd, layer):
   _launch_case(9, 1000, layer, FWD[fwd], BWD[bwd])
 
 
+@pytest.mark.parametrize("bwd", ["persistent", "columns"])
+def test_dh_loaded_at_store(monkeypatch, bwd):
+  """Backward stage 1 with dh loaded at the store (tiles wider than
+  PREFETCH_DH_MAX_BLOCK_N) rather than prefetched with x and dy."""
+  from pallas_norm.kernels import backward
+  monkeypatch.setattr(backward, "PREFETCH_DH_MAX_BLOCK_N", 0)
+  _launch_case(9, 1000, True, FWD["persistent"], BWD[bwd])
+
+
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 def test_kernel_variants_same_dtype(layer):
   """x, residual and h all bf16: dx and dresidual are one array."""

@@ -483,6 +483,10 @@ def test_plans():
                            has_dres=True, cast=("float16", "float16"), **bkw).kwargs
   assert (fused["HAS_DH"], fused["HAS_DRES"], fused["LLAMA_X"], fused["LLAMA_Y"]) == (
       True, True, 3, 3)
+  assert fused["PREFETCH_DH"]  # block_n 128
+  wide = dataclasses.replace(bcfg, block_n=8192)
+  assert not tk.backward_plan(wide, batch=1, m=100, n=8192, has_bias=True, has_dh=True,
+                              **bkw).kwargs["PREFETCH_DH"]
   assert not bplan.kwargs["HAS_DH"] and not bplan.kwargs["LLAMA_X"]
   batched = tk.backward_plan(bcfg, batch=2, m=100, n=1000, has_bias=True, param_stride=1000,
                              **bkw)
@@ -1004,6 +1008,14 @@ def test_glue_fused_kernel_paths(fake_jt4, fwd, bwd, cast, layer):
                         pull((dy, dh))):
     if w is not None:
       _res_close(g, w, ("bfloat16",), m if name in ("dscale", "dbias") else n, name)
+
+
+def test_glue_fused_dh_loaded_at_store(fake_jt4, monkeypatch):
+  """Backward stage 1 with dh loaded at the store (``PREFETCH_DH`` off: tiles wider than
+  the prefetch rule's), both backward paths."""
+  monkeypatch.setattr(tk, "_PREFETCH_DH_MAX_BLOCK_N", 0)
+  test_glue_fused_kernel_paths(fake_jt4, "persistent", "columns", "torch", True)
+  test_glue_fused_kernel_paths(fake_jt4, "cached", "tile", "llama", False)
 
 
 @pytest.mark.parametrize("layer,mode", [(False, "static_persistent"),

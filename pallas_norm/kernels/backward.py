@@ -83,14 +83,33 @@ def _dx_out(dx_ref, dres_ref, dh_ref):
   return _DxOut(dx_ref, dres_ref, dh_ref)
 
 
-def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd):
+# Backward stage 1 with the fused residual add prefetches the next row block's dh with
+# its x and dy when block_n <= this; wider tiles load dh at the store. H200, bf16,
+# residual A/B (docs/residual.md): prefetched, LayerNorm 8192x4096 98.4 -> 91.8 us
+# ([1, 4096] x 16 warps) and 88.5 -> 82.6 ([2, 4096] x 8), 16384x4096 187.9 -> 177.1;
+# but [1, 8192] tiles lose (LayerNorm 8192x8192 171.6 -> 199.6, RMSNorm 141.8 -> 156.3).
+PREFETCH_DH_MAX_BLOCK_N = 4096
+
+
+def _load_dh(dx_ref, rows, cols, mask):
+  """The dh tile (its dtype) of a _DxOut destination with one, else None."""
+  if not isinstance(dx_ref, _DxOut) or dx_ref.dh is None:
+    return None
+  return _load_stream(dx_ref.dh.at[rows[:, None], cols[None, :]], mask)
+
+
+def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd, dh=None):
+  """dx = (g - (x_hat c1 + c2)) rstd, plus h's cotangent with the fused residual add:
+  ``dh`` when the caller loaded (prefetched) that tile, else loaded here."""
   dx = g - x_hat * c1[:, None]
   if c2 is not None:
     dx = dx - c2[:, None]
   dx = dx * rstd[:, None]
   idx = (rows[:, None], cols[None, :])
   if isinstance(dx_ref, _DxOut):
-    if dx_ref.dh is not None:
+    if dh is not None:
+      dx = dx + dh.astype(_F32)
+    elif dx_ref.dh is not None:
       dx = dx + _load_stream(dx_ref.dh.at[idx], mask).astype(_F32)
     if dx_ref.dres is not None:
       plgpu.store(dx_ref.dres.at[idx], dx.astype(dx_ref.dres.dtype), mask=mask)
@@ -189,16 +208,20 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     _, cols, _, col_mask, _ = tile(0)
     ws.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
 
+  prefetch_dh = block_n <= PREFETCH_DH_MAX_BLOCK_N
+
   def load(rb):  # may be past the last row block (a prefetch): rows stay masked
     out = []
     for tile in tiles:
       rows, cols, _, _, mask = tile(rb)
-      out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask))
+      dh = _load_dh(dx_ref, rows, cols, mask) if prefetch_dh else None
+      out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
     return tuple(out)
 
   def body(i, carry):
     # [width] f32 partials in registers, a (dscale, dbias) pair a piece; this block's
-    # x and dy tiles, a pair a piece.
+    # x, dy (and, with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles, a
+    # triple a piece.
     accs, xdy = carry
     rb = r + i * num_programs
     # Prefetch the next row block (fully masked past the end) before this one's math.
@@ -207,7 +230,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
-             for (x, dy), t, w in zip(xdy, idx, ws)]
+             for (x, dy, _), t, w in zip(xdy, idx, ws)]
     if c_refs is None:
       c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g, _ in parts]) / n  # [block_m]
       c2 = None
@@ -219,8 +242,9 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       if mean_ref is not None:
         c2 = _load(c_refs[1].at[rows], row_mask)
     new_accs = []
-    for (x_hat, dy, g, x_hat_w), t, (dw_acc, db_acc) in zip(parts, idx, accs):
-      _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd)
+    for (x_hat, dy, g, x_hat_w), t, (dw_acc, db_acc), (_, _, dh) in zip(parts, idx, accs,
+                                                                       xdy):
+      _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd, dh)
       new_accs.append((dw_acc + jnp.sum(dy * x_hat_w, axis=0),
                        db_acc + jnp.sum(dy, axis=0)))
     return tuple(new_accs), xdy_next
@@ -361,12 +385,12 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   was held; 94 for [1, 512] at 1 warp, 127 for LayerNorm's) and many fit a SM;
   ``lag`` row blocks of lead mean the slots are complete by the time they are read
   (H200 4096 x 65536 RMSNorm at [1, 2048], 4 warps: 527 us at lag 2 against 560 with
-  the split held in registers; with the reload issued after the wait, 696; config.py
-  gives the sweeps).
+  the split held in registers; with the reload issued after the wait, 696;
+  docs/tuning.md#bwd-split gives the sweeps).
   With ``early`` (``BackwardConfig.split_early_publish``) step 1's loads are issued
   before step 2 of the row block ``lag`` behind and reduced after it
   (_split_rows_loop): the HBM loads are in flight across the wait, at the price of
-  holding them in registers (LayerNorm's rule, config.py).
+  holding them in registers (LayerNorm's rule, docs/tuning.md#bwd-split-ln-early).
   The split is reduced and written as block_n / chunk_n separate column chunks (and
   scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting

@@ -124,6 +124,9 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
+# The Pallas backward's rule (backward.PREFETCH_DH_MAX_BLOCK_N, same value: the backends
+# run the same schedule): dh is prefetched with x and dy for tiles this wide or less.
+_PREFETCH_DH_MAX_BLOCK_N = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,8 +678,9 @@ def norm_bwd_kernel(
     # statics
     M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
-    LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr, PREFETCH_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, USE_INT64: tl.constexpr,
     EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr):
   """Backward stage 1, persistent over row blocks. Grid (G, chunks, batch).
@@ -688,7 +692,8 @@ def norm_bwd_kernel(
   dy, x: [batch, M, N] (x is h = x + residual with the fused residual add); scale:
   [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm only), rstd: [batch, M] f32; c1,
   c2: [batch, M] f32 (CHUNKED only; c2 LayerNorm only); dh: [batch, M, N], h's
-  cotangent, added to dx in float32 (``HAS_DH`` only, else unused: any pointer);
+  cotangent, added to dx in float32 (``HAS_DH`` only, else unused: any pointer;
+  prefetched with x and dy under ``PREFETCH_DH``, else loaded at the store);
   dx: [batch, M, N] in x's dtype (the residual add's x); dres: [batch, M, N], the same
   sum in the residual's dtype (``HAS_DRES`` only: when it differs from dx's);
   dscale_part, dbias_part: [batch * G, N] f32, row ``b * G + r`` columns of chunk k
@@ -710,12 +715,21 @@ def norm_bwd_kernel(
   _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
   dy = _stream_load(dy_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
   x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+  if PREFETCH_DH:
+    dh = _stream_load(dh_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+  else:
+    dh = 0.0
   for rb in tl.range(pid, n_rb, step):
-    # Prefetch the next row block (fully masked past the end) before this one's math.
+    # Prefetch the next row block (fully masked past the end) before this one's math;
+    # dh too, with the fused residual add.
     _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
                                           USE_INT64)
     dy_next = _stream_load(dy_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    if PREFETCH_DH:
+      dh_next = _stream_load(dh_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    else:
+      dh_next = 0.0
     rows, row_mask, offs, mask = _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M, USE_INT64)
     mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
     dyf, x_hat, g, x_hat_w = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE,
@@ -730,7 +744,9 @@ def norm_bwd_kernel(
       c1 = tl.sum(x_hat * g, axis=1) / N  # [BLOCK_M] f32
       c2 = tl.sum(g, axis=1) / N
     dx = _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN)
-    if HAS_DH:
+    if PREFETCH_DH:
+      dx += dh.to(tl.float32)
+    elif HAS_DH:
       dx += _stream_load(dh_ptr, offs, mask, EVICT_FIRST, STREAM_CG).to(tl.float32)
     if HAS_DRES:
       tl.store(dres_ptr + offs, dx.to(dres_ptr.dtype.element_ty), mask=mask)
@@ -739,6 +755,7 @@ def norm_bwd_kernel(
     dbias += tl.sum(dyf, axis=0)
     dy = dy_next
     x = x_next
+    dh = dh_next
   part_row = b * step + pid
   if USE_INT64:
     part_row = part_row.to(tl.int64)
@@ -972,7 +989,9 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
-      ("HAS_DH", bool(has_dh)), ("HAS_DRES", bool(has_dres)), *_llama(cast),
+      ("HAS_DH", bool(has_dh)),
+      ("PREFETCH_DH", bool(has_dh) and config.block_n <= _PREFETCH_DH_MAX_BLOCK_N),
+      ("HAS_DRES", bool(has_dres)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
       ("EVICT_FIRST", bool(knobs.evict_first)), ("STREAM_CG", bool(knobs.stream_cg)))
