@@ -365,6 +365,20 @@ _BWD_CHUNK_N, _BWD_CHUNK_WARPS, _BWD_CHUNK_OCCUPANCY = 4096, 16, 2
 _REDUCE_TILE = 8192
 _REDUCE_MAX_BLOCK_G, _REDUCE_MIN_BLOCK_N = 1024, 8  # bounds, not measured. [T#unmeasured]
 
+# ---- The fused residual add (residual=), Pallas, H200, 2-byte dtypes. The plain norm's
+# picks, except (bf16 x and residual, 2026-11-23): [T#residual]
+# RMSNorm rows the one-tile persistent forward takes up to N = 8192 go to
+# multi_wave_cached (8192^2: 135.2/178.4; the prefetched x + r sum is a second tile).
+_RES_NO_PERSISTENT_TILE_MAX_N = 8192
+# LayerNorm N' = 4096 (N > 3072): forward [1, 4096] at 8 warps (8192x4096: 70.5/73.5 at
+# [2, 4096] x 4; 16384x4096: 136.1/142.2); backward [2, 4096] at 8 warps, SMs programs
+# (8192x4096: 82.6/91.8 at [1, 4096] x 16; 16384x4096: 154.9/177.1).
+_RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
+_RES_LN_4096_BWD = (2, 8)
+# LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16).
+_RES_LN_8192_BWD_WARPS = 32
+_RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
+
 # ---- Interpret mode (CPU): fewer, fatter programs run faster. [T#cpu]
 _CPU_MIN_BLOCK_M = 64
 
@@ -431,12 +445,23 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
+def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo) -> bool:
+  """Whether the fused residual add's own picks apply (measured: Pallas, H200, 2-byte
+  dtypes). [T#residual]"""
+  return (residual and backend == "pallas" and _RES_DEVICE in device.name
+          and np.dtype(dtype).itemsize <= _RES_MAX_ITEMSIZE)
+
+
 def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
-                     device: DeviceInfo) -> tuple[int, int, int] | None:
+                     device: DeviceInfo, residual: bool = False
+                     ) -> tuple[int, int, int] | None:
   """(block_n, num_warps, programs a SM) of the one-tile static_persistent forward for
   N-long rows of ``dtype`` on ``device``, or None where it is not the pick.
-  [T#persistent-tile]"""
+  [T#persistent-tile], [T#residual]"""
   if backend != "pallas":
+    return None
+  if (not subtract_mean and n <= _RES_NO_PERSISTENT_TILE_MAX_N
+      and _residual_rules(residual, dtype, backend, device)):
     return None
   itemsize = np.dtype(dtype).itemsize
   for min_n, max_n, num_warps, per_sm, max_itemsize, device_has in (
@@ -447,7 +472,7 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
 
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
-                backend: str = "pallas") -> str:
+                backend: str = "pallas", residual: bool = False) -> str:
   """The forward mode the heuristic picks for x viewed as [m, n] (the fastest measured).
 
   Args:
@@ -458,6 +483,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     subtract_mean: LayerNorm (True) or RMSNorm (False).
     backend: "pallas" or "triton"; the split-row and one-tile persistent kernels are
       Pallas-only.
+    residual: the fused residual add (``residual=``): on an H200 in 2-byte dtypes,
+      RMSNorm's one-tile persistent rows up to N = 8192 take multi_wave_cached.
 
   Returns:
     One of ``MODES``, first match wins:
@@ -475,7 +502,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   del m
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
-  if _persistent_tile(n, dtype, subtract_mean, backend, device):
+  if _persistent_tile(n, dtype, subtract_mean, backend, device, residual):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -510,7 +537,8 @@ def _fwd_tile(m: int, n: int, block_n: int, chunked: bool, subtract_mean: bool,
 
 def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    device: DeviceInfo | None = None, *,
-                   subtract_mean: bool = False, backend: str = "pallas") -> ForwardConfig:
+                   subtract_mean: bool = False, backend: str = "pallas",
+                   residual: bool = False) -> ForwardConfig:
   """Default forward launch config for x viewed as [m, n] of ``dtype``.
 
   Args:
@@ -522,6 +550,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     subtract_mean: LayerNorm (True) or RMSNorm (False).
     backend: "pallas" or "triton" (whether rows may be split over programs, and the
       Pallas-only tiles).
+    residual: the fused residual add (``residual=``): its own picks on an H200 in
+      2-byte dtypes (``choose_mode``; LayerNorm N' = 4096 at [1, 4096] x 8 warps).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -534,7 +564,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   """
   device = device or device_info()
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
-                             backend=backend)
+                             backend=backend, residual=residual)
+  res_rules = _residual_rules(residual, dtype, backend, device)
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   cpu = device.platform == "cpu"
@@ -554,7 +585,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
-  tile = _persistent_tile(n, dtype, subtract_mean, backend, device)
+  tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
     block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else 1
@@ -575,6 +606,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   chunked = mode == "multi_wave_reload" or (mode == "static_persistent" and bn_full > chunk)
   block_n = min(bn_full, chunk) if chunked else bn_full
   block_m, num_warps = _fwd_tile(m, n, block_n, chunked, subtract_mean, backend)
+  if (res_rules and subtract_mean and not chunked and block_n == 4096
+      and n > _LN_ONE_ROW_MAX_N):
+    block_m, num_warps = _RES_LN_4096_FWD
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
@@ -632,16 +666,20 @@ def _bwd_tile(m: int, n: int, bn_full: int, subtract_mean: bool, backend: str,
 
 
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
-                    subtract_mean: bool = False, backend: str = "pallas") -> BackwardConfig:
+                    subtract_mean: bool = False, backend: str = "pallas",
+                    residual: bool = False) -> BackwardConfig:
   """Default backward launch config for x viewed as [m, n] of ``dtype``.
 
   Args:
     m: rows (x's leading axes flattened), >= 1.
     n: row length N, >= 1.
-    dtype: x's dtype; unused (the rules were measured in bf16).
+    dtype: x's dtype (the rules were measured in bf16; only the residual rules look at
+      its itemsize).
     device: the DeviceInfo to pick for (default: ``device_info()``).
     subtract_mean: LayerNorm (True) or RMSNorm (False).
     backend: "pallas" or "triton" (the split-row kernel and the pieces are Pallas-only).
+    residual: the fused residual add (x is h, plus dh): on an H200 in 2-byte dtypes,
+      LayerNorm N' = 4096 at [2, 4096] x 8 warps and N' = 8192 at 32 warps.
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -651,8 +689,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     and all of ``backend="triton"``'s wide rows, the row-statistics + column-tiled pair.
     Never ``reload_rows``. Evidence: docs/tuning.md, the "Backward" sections.
   """
-  del dtype
   device = device or device_info()
+  res_rules = _residual_rules(residual, dtype, backend, device)
   bn_full = next_power_of_2(n)
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None
@@ -660,6 +698,11 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
+    if res_rules and subtract_mean and not pieces and block_n == 4096:
+      block_m, num_warps = _RES_LN_4096_BWD
+      block_m = max(1, min(block_m, next_power_of_2(m)))
+    elif res_rules and subtract_mean and block_n == 8192:
+      num_warps = _RES_LN_8192_BWD_WARPS
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1

@@ -164,7 +164,7 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   """
   m, n = x2.shape
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
-                               backend=st.backend)
+                               backend=st.backend, residual=residual is not None)
   fwd, _ = _backend_module(st.backend)
   res = {} if residual is None else dict(residual=residual,
                                          residual_dtype=jnp.dtype(st.residual_dtype))
@@ -198,7 +198,8 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent."""
   m, n = x2.shape
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
-                               backend=st.backend)
+                               backend=st.backend,
+                               residual=st.residual_dtype is not None)
   _, bwd = _backend_module(st.backend)
   dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
   res = {}

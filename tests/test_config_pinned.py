@@ -282,3 +282,29 @@ if __name__ == "__main__":
     for name in TABLES:
       bad = _diff(data, name)
       print(f"{name}: {len(bad)} differ" + "".join(f"\n  {b}" for b in bad[:10]))
+
+
+def test_residual_rules():
+  """The fused residual add's picks ([T#residual]): H200, 2-byte dtypes, Pallas only;
+  elsewhere residual=True picks what the plain norm picks."""
+  h200, h100 = DEVICES["h200"], DEVICES["h100"]
+  fwd = lambda m, n, ln, d, dt=jnp.bfloat16, res=True, be="pallas": pn_config.forward_config(
+      m, n, dt, None, d, subtract_mean=ln, backend=be, residual=res)
+  bwd = lambda m, n, ln, d, dt=jnp.bfloat16, res=True, be="pallas": pn_config.backward_config(
+      m, n, dt, d, subtract_mean=ln, backend=be, residual=res)
+  assert fwd(8192, 8192, False, h200, res=False).mode == "static_persistent"
+  got = fwd(8192, 8192, False, h200)
+  assert (got.mode, got.block_m, got.block_n) == ("multi_wave_cached", 1, 8192)
+  got = fwd(8192, 4096, True, h200)
+  assert (got.mode, got.block_m, got.block_n, got.num_warps) == ("multi_wave_cached", 1,
+                                                                 4096, 8)
+  got = bwd(16384, 4096, True, h200)
+  assert (got.block_m, got.block_n, got.num_warps, got.num_programs) == (2, 4096, 8, 132)
+  assert bwd(8192, 8192, True, h200).num_warps == 32
+  assert bwd(8192, 8192, True, h200, res=False).num_warps == 16
+  assert bwd(8192, 3072, True, h200).pieces  # the pieces rule keeps its rows
+  for kw in (dict(d=h100), dict(d=h200, dt=jnp.float32), dict(d=h200, be="triton")):
+    d = kw.pop("d")
+    for m, n, ln in ((8192, 8192, False), (8192, 4096, True), (8192, 8192, True)):
+      assert fwd(m, n, ln, d, **kw) == fwd(m, n, ln, d, res=False, **kw)
+      assert bwd(m, n, ln, d, **kw) == bwd(m, n, ln, d, res=False, **kw)

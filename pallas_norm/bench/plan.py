@@ -31,9 +31,9 @@ _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
 _BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
-# The implementations that serve the fused residual add (the others: n/a): ours, XLA's
-# fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
-_RES_IMPLS = ("pallas", "xla", "flax")
+# The implementations that serve the fused residual add (the others: n/a): ours (both
+# backends), XLA's fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
+_RES_IMPLS = ("pallas", "triton", "xla", "flax")
 _MODE_SHORT = {"reload": "multi_wave_reload", "cached": "multi_wave_cached",
                "persistent": "static_persistent"}
 ASSUMED_L2 = 64 << 20  # when torch cannot tell (H100: 50 MB, H200: 60 MB)

@@ -272,10 +272,17 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--ops", help="rms, layer or rms,layer (default: the grid's)")
   p.add_argument("--kernels", help="fwd, bwd or fwd,bwd (default: what the grid sweeps)")
   p.add_argument("--iters", type=int, help="timed calls per candidate (default: the grid's)")
+  p.add_argument("--heuristic-first", action="store_true",
+                 help="time config.py's default pick (for --residual, its residual pick) "
+                      "first, marked heuristic=True in the JSON")
   p.add_argument("--budget-s", type=float,
                  help="stop starting new candidates after this many seconds (default: the "
                       "grid's)")
   p.add_argument("--out", default="sweep.json", help="JSON of every row (default sweep.json)")
+  p.add_argument("--residual", action="store_true",
+                 help="the fused residual add (bf16 residual): the forward reads x and r "
+                      "and writes y and h (bytes 4*M*N*2), the backward reads dy, dh and "
+                      "h and writes dx (4*M*N*2); errors against the formula on h")
   p.add_argument("--dry-run", action="store_true",
                  help=f"list the candidates and exit (no GPU; off the GPU the grids plan "
                       f"for {_GPU_SMS} SMs, as on an H100 or H200, and config.py's "
@@ -316,23 +323,52 @@ def main(argv: list[str] | None = None) -> int:
           for i in range(reps)]
     dys = [jax.random.normal(jax.random.fold_in(key, 99 + i), (m, n), jnp.bfloat16)
            for i in range(reps)]
+    # --residual: r (forward), dh (backward), and h = x + r, the backward's x.
+    rs = dhs = hs = None
+    if args.residual:
+      rs = [jax.random.normal(jax.random.fold_in(key, 199 + i), (m, n), jnp.bfloat16)
+            for i in range(reps)]
+      dhs = [jax.random.normal(jax.random.fold_in(key, 299 + i), (m, n), jnp.bfloat16)
+             for i in range(reps)]
+      hs = [(x.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
+            for x, r in zip(xs, rs)]
     scale = jnp.ones((n,), jnp.bfloat16) * 1.25
     bias = jnp.full((n,), 0.5, jnp.bfloat16)
     for op in args.ops.split(","):
       sm = op == "layer"
       b = bias if sm else None
+      # The backward's saved statistics: of h with a residual (its float32 sum, as the
+      # forward computes them), else of x.
       stats = [reference.norm(x, scale, b, eps=1e-5, subtract_mean=sm) for x in xs]
+      if args.residual:
+        stats = [reference.norm(x.astype(jnp.float32) + r.astype(jnp.float32), scale, b,
+                                eps=1e-5, subtract_mean=sm) for x, r in zip(xs, rs)]
       y_ref = stats[0][0].astype(jnp.float32)
       dx_ref = None  # the XLA reference's dx for (xs[0], dys[0]), computed once
       for kern in args.kernels.split(","):
         cands = getattr(grid, kern)(m, n, dev.num_sms, op)
+        pick = None
+        if args.heuristic_first:  # config.py's own pick, timed first
+          pick = (C.forward_config(m, n, jnp.bfloat16, None, subtract_mean=sm,
+                                   residual=args.residual) if kern == "fwd" else
+                  C.backward_config(m, n, jnp.bfloat16, subtract_mean=sm,
+                                    residual=args.residual))
+          cands = [pick] + [c for c in cands if c != pick]
         best = []
         for cfg in cands:
           if time.time() - t_start > args.budget_s:
             print("budget exhausted", flush=True)
             break
           try:
-            if kern == "fwd":
+            if kern == "fwd" and args.residual:
+              fn = jax.jit(lambda x, r, cfg=cfg: forward.norm_forward(
+                  x, scale, b, eps=1e-5, scale_offset=0.0, subtract_mean=sm, config=cfg,
+                  interpret=False, residual=r)[::3])  # (y, h)
+              y = fn(xs[0], rs[0])[0]
+              err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - stats[0][0])))
+              t = timing.time_us(fn, list(zip(xs, rs)), args.iters)
+              gbs = 4 * nbytes / t / 1e3 if t else None
+            elif kern == "fwd":
               fn = jax.jit(lambda x, cfg=cfg: forward.norm_forward(
                   x, scale, b, eps=1e-5, scale_offset=0.0, subtract_mean=sm, config=cfg,
                   interpret=False)[0])
@@ -341,29 +377,39 @@ def main(argv: list[str] | None = None) -> int:
               t = timing.time_us(fn, [(x,) for x in xs], args.iters)
               gbs = 2 * nbytes / t / 1e3 if t else None
             else:
-              fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
+              res = {}
+              if args.residual:
+                res = dict(dx_dtype=jnp.bfloat16, residual_dtype=jnp.bfloat16)
+              fn = jax.jit(lambda dy, x, mean, rstd, dh=None, cfg=cfg: backward.norm_backward(
                   dy, x, scale, mean if sm else None, rstd, has_bias=sm, scale_offset=0.0,
                   subtract_mean=sm, config=cfg, interpret=False, scale_dtype=scale.dtype,
-                  bias_dtype=bias.dtype))
+                  bias_dtype=bias.dtype, **(dict(res, dh=dh) if dh is not None else {})))
+              xb = hs if args.residual else xs  # the backward's x: h with a residual
               if dx_ref is None:
                 _, pull = jax.vjp(lambda x: reference.norm(x, scale, b, eps=1e-5,
-                                                           subtract_mean=sm)[0], xs[0])
+                                                           subtract_mean=sm)[0], xb[0])
                 dx_ref = pull(dys[0])[0].astype(jnp.float32)
-              dx = fn(dys[0], xs[0], stats[0][1], stats[0][2])[0]
+                if args.residual:
+                  dx_ref = dx_ref + dhs[0].astype(jnp.float32)
+              extra = (dhs[0],) if args.residual else ()
+              dx = fn(dys[0], xb[0], stats[0][1], stats[0][2], *extra)[0]
               err = float(jnp.max(jnp.abs(dx.astype(jnp.float32) - dx_ref)))
-              t = timing.time_us(fn, [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)],
-                                 args.iters)
-              gbs = 3 * nbytes / t / 1e3 if t else None
+              sets = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xb, stats)]
+              if args.residual:
+                sets = [a + (dh,) for a, dh in zip(sets, dhs)]
+              t = timing.time_us(fn, sets, args.iters)
+              gbs = (4 if args.residual else 3) * nbytes / t / 1e3 if t else None
           except Exception as e:  # a config the compiler rejects is a data point
             print(f"  {op} {shape} {kern} {cfg} ERROR {type(e).__name__}: {str(e)[:200]}",
                   flush=True)
             continue
-          row = dict(op=op, shape=shape, kernel=kern, us=t, gbs=gbs, max_err=err,
+          row = dict(op=op, shape=shape, kernel=kern, residual=args.residual,
+                     heuristic=cfg == pick, us=t, gbs=gbs, max_err=err,
                      config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
           rows.append(row)
           best.append(row)
         best.sort(key=lambda r: r["us"] or 1e30)
-        if best and best[0]["us"] and kern == "bwd":
+        if best and best[0]["us"] and kern == "bwd" and not args.residual:
           cfg = C.BackwardConfig(**best[0]["config"])
           fn = jax.jit(lambda dy, x, mean, rstd: backward.norm_backward(
               dy, x, scale, mean if sm else None, rstd, has_bias=sm, scale_offset=0.0,
@@ -372,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
           _, ks = timing.profiler().measure(fn, aggregate=False)(dys[1], xs[1], stats[1][1],
                                                                  stats[1][2])
           print("  breakdown:", [(k[:40], round(t * 1e3, 1)) for k, t in ks or []])
-        for r in best[:4]:
+        for r in best[:4] + [r for r in best[4:] if r["heuristic"]]:
           print(f"{op} {shape} {kern} {r['us']:8.1f}us {r['gbs']:6.0f}GB/s "
-                f"err={r['max_err']:.2g} {r['config']}", flush=True)
+                f"err={r['max_err']:.2g}{' (config.py pick)' if r['heuristic'] else ''} "
+                f"{r['config']}", flush=True)
       with open(args.out, "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f)
   return 0
