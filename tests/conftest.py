@@ -50,3 +50,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def on_gpu(pytestconfig):
   return bool(pytestconfig.getoption("--gpu"))
+
+
+@pytest.fixture
+def call_main(capsys):
+  """call_main(main, *argv) -> (exit code, stdout, stderr): a command line's ``main``
+  run in this process (an argparse exit gives its code)."""
+  def call(main, *argv):
+    try:
+      rc = main(list(argv))
+    except SystemExit as e:
+      rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+  return call

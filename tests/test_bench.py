@@ -99,28 +99,18 @@ def _run_cli(*argv, cwd=None):
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def _cli(capsys, *argv):
-  """``python -m pallas_norm.bench ARGV`` in this process (CPU): (exit code, stdout,
-  stderr). One test runs the real ``python -m``; the others save its start-up."""
-  try:
-    rc = cli.main(list(argv))
-  except SystemExit as e:  # argparse
-    rc = e.code
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
-def test_cli_help_dry_run_and_gpu_refusal(tmp_path, capsys):
+def test_cli_help_dry_run_and_gpu_refusal(tmp_path, call_main):
+  # python -m once; the rest calls cli.main in this process (the same code, no start-up)
   helped = _run_cli("--help")
   assert helped.returncode == 0 and "sweep" in helped.stdout and "--plot-only" in helped.stdout
-  rc, out, err = _cli(capsys, "--dry-run", "--shapes", "4096x1024")
+  rc, out, err = call_main(cli.main, "--dry-run", "--shapes", "4096x1024")
   assert rc == 0, err
   assert "phase 0 4096x1024" in out and "R=32" in out
-  rc, out, err = _cli(capsys, "--shapes", "64x128", "--out", str(tmp_path / "r.json"))
+  rc, out, err = call_main(cli.main, "--shapes", "64x128", "--out", str(tmp_path / "r.json"))
   assert rc == 2
   assert "needs a GPU" in err
   assert not (tmp_path / "r.json").exists()
-  assert _cli(capsys, "--shapes", "64")[0] == 2  # argparse error
+  assert call_main(cli.main, "--shapes", "64")[0] == 2  # argparse error
 
 
 def _synthetic_doc():
@@ -140,10 +130,10 @@ def _synthetic_doc():
   return {"meta": meta, "rows": rows}
 
 
-def test_plot_only_redraws_png_and_table(tmp_path, capsys):
+def test_plot_only_redraws_png_and_table(tmp_path, call_main):
   src = tmp_path / "h200.json"
   src.write_text(json.dumps(_synthetic_doc()))
-  rc, out, err = _cli(capsys, "--plot-only", str(src))
+  rc, out, err = call_main(cli.main, "--plot-only", str(src))
   assert rc == 0, err
   png = tmp_path / "h200.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -154,13 +144,13 @@ def test_plot_only_redraws_png_and_table(tmp_path, capsys):
   assert "skip" in next(line for line in last if line.startswith("rms   fwd    4096x128 "))
 
 
-def test_plot_only_merges_into_out(tmp_path, capsys):
+def test_plot_only_merges_into_out(tmp_path, call_main):
   a, b = _synthetic_doc(), _synthetic_doc()
   b["rows"] = [dict(r, gbs=r["gbs"] * 2) for r in b["rows"] if r["impl"] == "xla"]
   (tmp_path / "a.json").write_text(json.dumps(a))
   (tmp_path / "b.json").write_text(json.dumps(b))
   out = tmp_path / "merged" / "m.json"
-  rc, stdout, err = _cli(capsys, "--plot-only", str(tmp_path / "a.json"),
+  rc, stdout, err = call_main(cli.main, "--plot-only", str(tmp_path / "a.json"),
                          str(tmp_path / "b.json"), "--out", str(out))
   assert rc == 0, err
   doc = json.loads(out.read_text())

@@ -46,32 +46,21 @@ def test_collectives_count_opcodes_not_names():
       "collective-permute": 1}
 
 
-def _main(capsys, *argv):
-  """``--sharded ARGV`` in this process (one CPU device; the plan assumes 2 devices):
-  (exit code, stdout, stderr)."""
-  try:
-    rc = bench_sharded.main(list(argv))
-  except SystemExit as e:  # argparse
-    rc = e.code
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
-def test_help_and_dry_run_plan_every_cell_without_a_gpu(capsys):
-  rc, out, _ = _main(capsys, "--help")
+def test_help_and_dry_run_plan_every_cell_without_a_gpu(call_main):
+  rc, out, _ = call_main(bench_sharded.main, "--help")
   assert rc == 0 and "--axis-types" in out
-  rc, out, err = _main(capsys, "--dry-run", "--shapes", "16x4096x4096")
+  rc, out, err = call_main(bench_sharded.main, "--dry-run", "--shapes", "16x4096x4096")
   assert rc == 0, err
   ndev = max(2, jax.device_count())  # one CPU device here: planned as the 2 of a GPU pair
   assert "plan: 24 cells" in out
   assert f'dp x P("data", None, None) local [{16 * 4096 // ndev}, 4096]' in out
   assert f'tp x P(None, None, "model") local [65536, {4096 // ndev}]' in out
-  rc, _, err = _main(capsys, "--dry-run", "--shapes", "3x8x128")
+  rc, _, err = call_main(bench_sharded.main, "--dry-run", "--shapes", "3x8x128")
   assert rc == 2 and "unevenly" in err
 
 
-def test_refuses_cpu_without_allow_cpu(tmp_path, capsys):
-  rc, _, err = _main(capsys, "--shapes", "2x8x128", "--out", str(tmp_path))
+def test_refuses_cpu_without_allow_cpu(tmp_path, call_main):
+  rc, _, err = call_main(bench_sharded.main, "--shapes", "2x8x128", "--out", str(tmp_path))
   assert rc == 2
   assert "needs >= 2 GPUs" in err
   assert not list(tmp_path.iterdir())

@@ -1,4 +1,4 @@
-"""Interleaved A/Bs on the GPU: ``python -m pallas_norm.bench ab {fwd,bwd,tokamax-alias,triton,ncu}``.
+"""Interleaved A/Bs on the GPU: ``python -m pallas_norm.bench ab fwd|bwd|tokamax-alias|triton|ncu``.
 
   fwd             forward launch configs (with residuals, as under jax.vjp), ``--configs``
                   in the mini-language below; y and rstd checked against the XLA reference.

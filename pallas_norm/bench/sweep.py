@@ -256,13 +256,15 @@ GRIDS = {
 # --------------------------------------------------------------------------- CLI
 
 
+_HELP = ("Launch-config sweep of the Pallas kernels (GPU): CUPTI kernel time of each "
+         "candidate config over rotated bf16 inputs, median of --iters; the best per (shape, "
+         "op, kernel) printed, every row in the JSON. Bytes: fwd 2*M*N*2, bwd 3*M*N*2.")
+
+
 def parser() -> argparse.ArgumentParser:
+  """``sweep``'s options (the shapes, ops, kernels, iters and budget default to the grid's)."""
   p = argparse.ArgumentParser(
-      prog="python -m pallas_norm.bench sweep",
-      description="Launch-config sweep of the Pallas kernels (GPU): CUPTI kernel time of "
-                  "each candidate config over rotated bf16 inputs, median of --iters; the "
-                  "best per (shape, op, kernel) printed, every row in the JSON. Bytes: "
-                  "fwd 2*M*N*2, bwd 3*M*N*2.",
+      prog="python -m pallas_norm.bench sweep", description=_HELP,
       epilog="Grids: " + "; ".join(f"{k} ({g.kernels}, --ops {g.ops})" for k, g in GRIDS.items())
              + ". The grids are described in the module docstring "
                "(pallas_norm/bench/sweep.py); other flags default to the grid's.")
