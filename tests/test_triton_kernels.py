@@ -483,7 +483,9 @@ def test_plans():
                            has_dres=True, cast=("float16", "float16"), **bkw).kwargs
   assert (fused["HAS_DH"], fused["HAS_DRES"], fused["LLAMA_X"], fused["LLAMA_Y"]) == (
       True, True, 3, 3)
-  assert fused["PREFETCH_DH"]  # block_n 128
+  assert fused["PREFETCH_DH"]  # LayerNorm, block_n 128
+  assert not tk.backward_plan(bcfg, batch=1, m=100, n=1000, has_bias=False, has_dh=True,
+                              **dict(bkw, subtract_mean=False)).kwargs["PREFETCH_DH"]
   wide = dataclasses.replace(bcfg, block_n=8192)
   assert not tk.backward_plan(wide, batch=1, m=100, n=8192, has_bias=True, has_dh=True,
                               **bkw).kwargs["PREFETCH_DH"]

@@ -83,11 +83,13 @@ def _dx_out(dx_ref, dres_ref, dh_ref):
   return _DxOut(dx_ref, dres_ref, dh_ref)
 
 
-# Backward stage 1 with the fused residual add prefetches the next row block's dh with
-# its x and dy when block_n <= this; wider tiles load dh at the store. H200, bf16,
-# residual A/B (docs/residual.md): prefetched, LayerNorm 8192x4096 98.4 -> 91.8 us
-# ([1, 4096] x 16 warps) and 88.5 -> 82.6 ([2, 4096] x 8), 16384x4096 187.9 -> 177.1;
-# but [1, 8192] tiles lose (LayerNorm 8192x8192 171.6 -> 199.6, RMSNorm 141.8 -> 156.3).
+# LayerNorm's backward stage 1 with the fused residual add prefetches the next row
+# block's dh with its x and dy when block_n <= this; wider tiles, and RMSNorm, load dh at
+# the store. H200, bf16 (docs/tuning.md#residual): prefetched, LayerNorm 8192x4096
+# 98.4 -> 91.8 us ([1, 4096] x 16 warps) and 88.5 -> 82.6 ([2, 4096] x 8), 16384x4096
+# 187.9 -> 177.1; but [1, 8192] tiles lose (LayerNorm 8192x8192 171.6 -> 199.6, RMSNorm
+# 141.8 -> 156.3), and so does RMSNorm's [1, 4096] x 16 at 2 programs a SM (the kernel
+# bench's rms_res forward+backward 8192x4096 from 89% to 80% of copy).
 PREFETCH_DH_MAX_BLOCK_N = 4096
 
 
@@ -208,7 +210,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     _, cols, _, col_mask, _ = tile(0)
     ws.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
 
-  prefetch_dh = block_n <= PREFETCH_DH_MAX_BLOCK_N
+  prefetch_dh = mean_ref is not None and block_n <= PREFETCH_DH_MAX_BLOCK_N  # LayerNorm
 
   def load(rb):  # may be past the last row block (a prefetch): rows stay masked
     out = []

@@ -125,7 +125,8 @@ __all__ = [
 
 _INT32_MAX = 2**31 - 1
 # The Pallas backward's rule (backward.PREFETCH_DH_MAX_BLOCK_N, same value: the backends
-# run the same schedule): dh is prefetched with x and dy for tiles this wide or less.
+# run the same schedule): LayerNorm prefetches dh with x and dy for tiles this wide or
+# less.
 _PREFETCH_DH_MAX_BLOCK_N = 4096
 
 
@@ -990,7 +991,8 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
       ("HAS_DH", bool(has_dh)),
-      ("PREFETCH_DH", bool(has_dh) and config.block_n <= _PREFETCH_DH_MAX_BLOCK_N),
+      ("PREFETCH_DH", bool(has_dh) and bool(subtract_mean)
+       and config.block_n <= _PREFETCH_DH_MAX_BLOCK_N),
       ("HAS_DRES", bool(has_dres)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
