@@ -12,7 +12,7 @@ cancels:
 
 Configs (``--config NAME`` or ``--config key=value,...`` for your own sizes): a Llama-3
 style stack (RMSNorm, GQA, SwiGLU), a Qwen3 style stack (plus QK-norm: RMSNorm over
-head_dim 128 of q and k), and a Gemma style stack (zero-centred gamma: scale_offset=1,
+head_dim 128 of q and k), and a Gemma style stack (zero-centred gamma: cast="gemma",
 GeGLU, multi-query attention). bf16 activations, fp32 parameters and adamw state.
 
 Per variant it reports:
@@ -111,7 +111,9 @@ def _norm_cls(variant: str, cfg: Config):
     if gemma:
       return lambda n, rngs: _GemmaRMSNorm(n, cfg.eps, rngs=rngs)
     return lambda n, rngs: nnx.RMSNorm(n, **common, rngs=rngs)
-  extra = dict(scale_offset=1.0, scale_init=nnx.initializers.zeros) if gemma else {}
+  # cast="gemma" (HF GemmaRMSNorm): the torch arithmetic with scale_offset=1 (ops maps it
+  # so; runs before 2026-11-23 15:00 passed scale_offset=1.0 itself, the same program).
+  extra = dict(cast="gemma", scale_init=nnx.initializers.zeros) if gemma else {}
   return lambda n, rngs: pallas_norm.RMSNorm(n, **common, **extra, rngs=rngs)
 
 
