@@ -17,7 +17,7 @@ read from HBM for one row block and not reused by the program's SM.
 preferring shared memory (docs/performance.md, "The two backends"), which leaves about 23 KB of
 each SM's L1 to the loads; with ``.cg`` the streamed x and dy no longer pass through
 it, and scale/bias (read by every row) stay there. H200, 2026-11-22, bf16 forward,
-default configs, CUPTI over rotated inputs (benchmarks/ab_split_fwd.py;
+default configs, CUPTI over rotated inputs (``python -m pallas_norm.bench ab fwd``;
 benchmarks/results/h200_2026-11-22_load_cg.txt): RMSNorm 8192^2 70.1 us against 72.2,
 16384^2 270.3 / 276.1, 8192 x 5120 44.0 / 44.7; LayerNorm 8192 x 5120 46.8 / 47.7,
 16384^2 288.1 / 295.5.
