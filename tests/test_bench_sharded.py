@@ -67,7 +67,9 @@ def test_refuses_cpu_without_allow_cpu(tmp_path, call_main):
 
 
 def test_cpu_run_writes_every_cell(tmp_path):
-  proc = _run_cli("--allow-cpu", "--shapes", "2x8x128", "--iters", "2", "--out", str(tmp_path))
+  # RMSNorm only (CI time): LayerNorm's sharded paths are tests/sharded's.
+  proc = _run_cli("--allow-cpu", "--shapes", "2x8x128", "--iters", "2", "--ops", "rms",
+                  "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   (result,) = tmp_path.glob("cpu_*_sharded_*.json")
   assert result.with_suffix(".png").stat().st_size > 0
@@ -75,7 +77,7 @@ def test_cpu_run_writes_every_cell(tmp_path):
   assert doc["meta"]["device"] == "cpu" and doc["meta"]["device_count"] == 2
   rows = doc["rows"]
   keys = {(r["op"], r["pass"], r["layout"], r["axis_type"], r["impl"]) for r in rows}
-  assert keys == {(op, p, lay, at, impl) for op in ("rms", "layer")
+  assert keys == {(op, p, lay, at, impl) for op in ("rms",)
                   for p in ("fwd", "fwdbwd", "fwdbwd_dep")
                   for lay in ("dp", "tp") for at in ("auto", "explicit")
                   for impl in ("pallas_norm", "xla")}

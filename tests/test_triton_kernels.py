@@ -773,10 +773,10 @@ def test_glue_forward_grad_jit(fake_jt, mode, layer):
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "ln"])
-def test_glue_vmap(fake_jt, layer):
+def test_glue_vmap(fake_jt4, layer):
   """vmap: batched x with shared scale (folded), batched scale, nested, vmap of grad
   (per-example dscale) and grad of vmap (dscale summed over the batch)."""
-  del fake_jt
+  del fake_jt4
   mode = "static_persistent"
   k = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(k[0], (3, 4, 2, 24), jnp.float32)
