@@ -217,9 +217,9 @@ def _broadcast_new_axis(axis_size, *pairs):
   return tuple(out)
 
 
-def _llama_cast(cast, x, *params):
-  """(x's, y's dtype names) for cast="llama" (y's: jnp's promotion of x's and the
-  present params' dtypes, as ``forward.llama_dtype``), None for "torch".
+def _llama_cast(cast, x, scale, bias):
+  """(x's, y's dtype names) for cast="llama" (y's: ``forward.llama_dtype``, the one
+  rule both backends use), None for "torch".
 
   Raises:
     ValueError: another cast (``ops`` turns "gemma" into "torch" with an offset).
@@ -228,8 +228,8 @@ def _llama_cast(cast, x, *params):
     return None
   if cast != "llama":
     raise ValueError(f"{cast=}: the kernels take 'torch' or 'llama'")
-  y = jnp.result_type(*(a.dtype for a in (x, *params) if a is not None))
-  return (jnp.dtype(x.dtype).name, jnp.dtype(y).name)
+  from pallas_norm.kernels.forward import llama_dtype  # pylint: disable=import-outside-toplevel
+  return (jnp.dtype(x.dtype).name, jnp.dtype(llama_dtype(x, scale, bias)).name)
 
 
 def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, interpret,
