@@ -1,0 +1,442 @@
+"""FP8 output: the quantising RMSNorm / LayerNorm, and the backward from saved statistics.
+
+Issue #27 item 2 (COAT's ``_rms_norm_fwd_fused`` / ``fp8_rmsnorm_forward``, with
+TransformerEngine's delayed and current scaling). The norm's float32 output ``y_f32``
+(cast="torch" math: ``x_hat * (scale_offset + scale) + bias``, all float32) is quantised
+directly to FP8 with one per-tensor scale (never rounded to bf16 first):
+
+    amax    = max |y_f32| over the tensor                  (NaN propagates)
+    y_scale = amax / fp8_max if amax is finite and > 0, else 1     (current scaling)
+            = the caller's scale                                   (delayed scaling)
+    inv     = 1 / y_scale                       (float32, computed once, multiplied)
+    y       = saturate(y_f32 * inv).astype(fp8_dtype)       y ~= y.astype(f32) * y_scale
+    y_t     = y.reshape(M, N).T                  (optional: the weight-gradient GEMM's)
+
+``saturate`` clips to +-fp8_max and keeps NaN (+-Inf saturate); fp8_max is
+``jnp.finfo(fp8_dtype).max``: 448 for float8_e4m3fn, 57344 for float8_e5m2. The scale
+is the DEQUANTISATION scale (COAT's s_x, TransformerEngine's scale_inv, flax fp8_ops'
+``scale``). The contract the FP8 helpers share: .whl/FP8_CONTRACT.md; the design and
+bytes model: docs/fp8.md, "FP8 output".
+
+Backends: "xla" is the jnp chain (``reference.norm`` in float32, amax, quantise,
+transpose), the oracle of the tests and the bench's baseline; "pallas" runs
+``kernels/fp8.py`` (delayed scaling: one pass; current scaling: a statistics + amax pass
+then a quantising pass).
+
+``norm_backward`` is the library's two-stage deterministic backward (``ops._backward``
+through ``spmd.backward``) from saved (mean, rstd): a fused norm -> FP8 dense layer owns
+its custom_vjp and calls it for the norm's part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_norm import config as _config
+from pallas_norm import ops, reference, spmd
+
+__all__ = ["Fp8Norm", "rms_norm_fp8", "layer_norm_fp8", "norm_backward", "FP8_DTYPES",
+           "fp8_max", "current_scale", "quantise"]
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_BACKENDS = ("pallas", "xla")
+_F32 = jnp.float32
+
+
+class Fp8Norm(NamedTuple):
+  """The result of ``rms_norm_fp8`` / ``layer_norm_fp8``.
+
+  Attributes:
+    y: x's shape, fp8_dtype; ``y.astype(f32) * y_scale`` approximates the norm's output.
+    y_scale: () float32, the dequantisation scale (the given one under delayed scaling).
+    amax: () float32, max |y_f32| of this call, before quantisation (for an amax
+      history); NaN if y_f32 has a NaN.
+    y_t: [N, M] fp8_dtype, ``y.reshape(M, N).T`` (``transpose=True``), else None.
+    mean: x.shape[:-1] float32 (zeros for RMSNorm), for a fused layer's backward.
+    rstd: x.shape[:-1] float32.
+  """
+
+  y: jax.Array
+  y_scale: jax.Array
+  amax: jax.Array
+  y_t: jax.Array | None
+  mean: jax.Array
+  rstd: jax.Array
+
+
+# --------------------------------------------------------------------------- FP8 math
+# One copy, used by the jnp reference and (traced inside the kernels) by kernels/fp8.py,
+# so that both take the same operations in the same order.
+
+
+def fp8_max(fp8_dtype) -> float:
+  """Largest finite value of ``fp8_dtype``: 448.0 (e4m3fn), 57344.0 (e5m2)."""
+  return float(jnp.finfo(fp8_dtype).max)
+
+
+def current_scale(amax, fp8_dtype):
+  """Current scaling's y_scale from this call's amax (() f32): amax / fp8_max when amax
+  is finite and > 0, else 1.0 (TransformerEngine's rule for an all-zero or non-finite
+  amax)."""
+  amax = jnp.asarray(amax, _F32)
+  ok = jnp.isfinite(amax) & (amax > 0)
+  return jnp.where(ok, amax / _F32(fp8_max(fp8_dtype)), _F32(1.0))
+
+
+def quantise(v, inv, fp8_dtype):
+  """``clip(v * inv, -fp8_max, fp8_max).astype(fp8_dtype)`` for float32 ``v`` and
+  ``inv`` (= 1 / scale), NaN kept: the clip is two selects on comparisons, which NaN
+  fails (a ``jnp.clip`` in a Triton kernel lowers to minnum/maxnum, which would turn NaN
+  into -fp8_max). +-Inf saturate to +-fp8_max."""
+  hi = _F32(fp8_max(fp8_dtype))
+  q = v * inv
+  q = jnp.where(q > hi, hi, q)
+  q = jnp.where(q < -hi, -hi, q)
+  return q.astype(fp8_dtype)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8Static:
+  """Hashable non-array arguments of one quantising norm."""
+
+  eps: float
+  scale_offset: float
+  subtract_mean: bool
+  fp8_dtype: str
+  transpose: bool
+  delayed: bool
+  backend: str
+  interpret: bool
+
+
+def _check_backend(op: str, mode, backend: str) -> None:
+  if mode is not None and mode not in _config.MODES:
+    raise ValueError(f"{op}: {mode=} is not a valid mode; valid modes: {_config.MODES} or None")
+  if mode is not None:
+    raise NotImplementedError(
+        f"{op}: {mode=} is not served: the quantising kernels have their own structure "
+        f"(kernels/fp8.py: delayed scaling one pass over tall row blocks, current scaling "
+        f"a statistics pass then an elementwise quantising pass); pass mode=None")
+  if backend not in FP8_BACKENDS:
+    if backend in ops.BACKENDS:
+      raise NotImplementedError(f"{op}: {backend=} is not served; the FP8-output backends "
+                                f"are {FP8_BACKENDS}")
+    raise ValueError(f"{backend=} is not a valid backend; valid backends: {FP8_BACKENDS}")
+
+
+def _check_fp8_dtype(op: str, fp8_dtype) -> jnp.dtype:
+  try:
+    dt = jnp.dtype(fp8_dtype)
+  except TypeError as e:
+    raise TypeError(f"{op}: {fp8_dtype=} is not a dtype") from e
+  if dt not in FP8_DTYPES:
+    raise TypeError(f"{op}: fp8_dtype={dt} must be float8_e4m3fn or float8_e5m2")
+  return dt
+
+
+def _check_y_scale(op: str, y_scale):
+  """y_scale as a () float32 array, or None (current scaling)."""
+  if y_scale is None:
+    return None
+  if isinstance(y_scale, (bool, np.bool_)):
+    raise TypeError(f"{op}: y_scale must be a float32 scalar, got a bool")
+  if isinstance(y_scale, (int, float)):  # a Python number: weakly typed, taken as f32
+    y_scale = jnp.asarray(y_scale, _F32)
+  dt = jnp.result_type(y_scale)
+  if dt != jnp.dtype(_F32):
+    raise TypeError(f"{op}: y_scale.dtype={dt} must be float32 (a dequantisation scale, "
+                    f"as TransformerEngine and flax fp8_ops keep it)")
+  if jnp.shape(y_scale) != ():
+    raise ValueError(f"{op}: y_scale.shape={jnp.shape(y_scale)} must be () (one "
+                     f"per-tensor scale; reshape a (1,) scale with .reshape(()))")
+  y_scale = jnp.asarray(y_scale)
+  if not isinstance(y_scale, jax.core.Tracer):
+    v = float(y_scale)
+    if not (math.isfinite(v) and v > 0):
+      raise ValueError(f"{op}: y_scale={v} must be finite and > 0")
+  return y_scale
+
+
+def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, backend):
+  _check_backend(op, mode, backend)
+  ops._check_args(op, x, scale, bias, eps, None, "pallas")
+  dt = _check_fp8_dtype(op, fp8_dtype)
+  if not isinstance(transpose, (bool, np.bool_)):
+    raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__}")
+  return dt, _check_y_scale(op, y_scale)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+  """The jnp chain: reference norm in float32, amax, scale, quantise, transpose."""
+  n = x.shape[-1]
+  dt = jnp.dtype(st.fp8_dtype)
+  y, mean, rstd = reference.norm(x.astype(_F32), scale, bias, eps=st.eps,
+                                 scale_offset=st.scale_offset,
+                                 subtract_mean=st.subtract_mean)  # y [..., N] f32
+  amax = jnp.max(jnp.abs(y))
+  if y_scale is None:
+    y_scale = current_scale(amax, dt)
+  q = quantise(y, _F32(1.0) / y_scale, dt)
+  y_t = q.reshape(-1, n).T if st.transpose else None
+  return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
+
+
+def _pallas(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+  try:
+    from pallas_norm.kernels import fp8 as _kernels
+  except ImportError as e:  # until kernels/fp8.py lands (issue #27)
+    raise NotImplementedError("backend='pallas' of the FP8-output norms is not there yet; "
+                              "use backend='xla'") from e
+  n = x.shape[-1]
+  lead = x.shape[:-1]
+  dt = jnp.dtype(st.fp8_dtype)
+  x2 = x.reshape(-1, n)
+  kw = dict(eps=st.eps, scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
+            fp8_dtype=dt, transpose=st.transpose, interpret=st.interpret)
+  if y_scale is None:
+    mean, rstd, row_amax = _kernels.fp8_stats(x2, scale, bias, **kw)
+    amax = _kernels.reduce_amax(row_amax)
+    y_scale = current_scale(amax, dt)
+    q, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale, **kw)
+  else:
+    q, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
+        x2, scale, bias, _F32(1.0) / y_scale, **kw)
+    amax = _kernels.reduce_amax(row_amax)
+  return Fp8Norm(q.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
+                 rstd.reshape(lead))
+
+
+def _empty(x, y_scale, st: _Fp8Static) -> Fp8Norm:
+  """M == 0: empty y (and y_t [N, 0]); amax 0, y_scale 1 (current) or the given one."""
+  n, lead = x.shape[-1], x.shape[:-1]
+  dt = jnp.dtype(st.fp8_dtype)
+  amax = jnp.zeros((), _F32)
+  return Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
+                 else y_scale, amax, jnp.zeros((n, 0), dt) if st.transpose else None,
+                 jnp.zeros(lead, _F32), jnp.zeros(lead, _F32))
+
+
+def _dispatch(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+  if math.prod(x.shape[:-1]) == 0:
+    return _empty(x, y_scale, st)
+  return (_xla if st.backend == "xla" else _pallas)(x, scale, bias, y_scale, st)
+
+
+# Not differentiable: FP8 values have no useful cotangent. A fused layer (item 3 of the
+# issue) owns the vjp of norm -> quantise -> matmul and calls norm_backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_norm(x, scale, bias, y_scale, st: _Fp8Static):
+  return _dispatch(x, scale, bias, y_scale, st)
+
+
+def _fp8_norm_fwd(x, scale, bias, y_scale, st: _Fp8Static):
+  return _dispatch(x, scale, bias, y_scale, st), None
+
+
+def _fp8_norm_bwd(st: _Fp8Static, res, ct):
+  del res, ct
+  op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
+  raise TypeError(
+      f"{op} is not differentiable: its output is quantised to FP8. Differentiate a "
+      f"layer that owns the quantisation's vjp (pallas_norm's fused norm -> FP8 dense "
+      f"layer, whose backward is pallas_norm.fp8.norm_backward), or use "
+      f"pallas_norm.rms_norm / layer_norm")
+
+
+_fp8_norm.defvjp(_fp8_norm_fwd, _fp8_norm_bwd)
+_fp8_norm_jit = jax.jit(_fp8_norm, static_argnums=(4,))
+
+
+def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_offset,
+              subtract_mean, mode, backend, interpret) -> Fp8Norm:
+  dt, y_scale = _check(op, x, scale, bias, eps=eps, y_scale=y_scale, fp8_dtype=fp8_dtype,
+                       transpose=transpose, mode=mode, backend=backend)
+  st = _Fp8Static(float(eps), float(scale_offset), subtract_mean, dt.name, bool(transpose),
+                  y_scale is not None, backend, ops._resolve_interpret(interpret))
+  return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale, st)
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
+                 transpose=False, eps=None, scale_offset=0.0, mode=None, backend="pallas",
+                 interpret=None) -> Fp8Norm:
+  """RMSNorm over the last axis with its output quantised to FP8 (COAT's
+  ``fp8_rmsnorm_forward``; TransformerEngine's RMSNorm with an FP8 output).
+
+  ``y_f32 = x / sqrt(mean(x**2) + eps) * (scale_offset + scale)`` in float32 (as
+  ``pallas_norm.rms_norm``, cast="torch"), then quantised with one per-tensor scale:
+  ``y = saturate(y_f32 / y_scale)`` in ``fp8_dtype`` (module docstring). Not
+  differentiable (``jax.grad`` raises TypeError): a fused layer owns the vjp and calls
+  ``norm_backward`` with the returned mean and rstd.
+
+  Args:
+    x: [..., N] float32, bfloat16 or float16, rank >= 1; M = prod(x.shape[:-1]).
+    scale: [N] float array or None.
+    y_scale: None for current scaling (this call's amax / fp8_max), or delayed scaling's
+      dequantisation scale: a float32 scalar (() array or Python float), finite and > 0
+      (checked when concrete), e.g. from an amax history.
+    fp8_dtype: jnp.float8_e4m3fn (default; fp8_max 448) or jnp.float8_e5m2 (57344).
+    transpose: also return ``y_t = y.reshape(M, N).T`` [N, M], written by the same
+      kernel pass as y (the weight-gradient GEMM's operand).
+    eps: None means ``jnp.finfo(jnp.float32).eps``, as ``rms_norm``.
+    scale_offset: y = x_hat * (scale_offset + scale).
+    mode: None only (the kernels have their own structure, kernels/fp8.py); a mode name
+      raises NotImplementedError.
+    backend: "pallas" (default: kernels/fp8.py) or "xla" (the jnp chain).
+    interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
+
+  Returns:
+    Fp8Norm(y [..., N] fp8_dtype, y_scale () f32, amax () f32, y_t [N, M] fp8_dtype or
+    None, mean [...] f32 (zeros), rstd [...] f32).
+
+  Raises:
+    ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
+      not () or (concrete) not finite and > 0, an unknown mode or backend.
+    TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
+      not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad
+      through it.
+    NotImplementedError: a mode name, or backend="triton".
+  """
+  if eps is None:
+    eps = float(jnp.finfo(jnp.float32).eps)
+  return _norm_fp8("rms_norm_fp8", x, scale, None, eps=eps, y_scale=y_scale,
+                   fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
+                   subtract_mean=False, mode=mode, backend=backend, interpret=interpret)
+
+
+def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
+                   transpose=False, eps=1e-5, scale_offset=0.0, mode=None, backend="pallas",
+                   interpret=None) -> Fp8Norm:
+  """LayerNorm over the last axis with its output quantised to FP8 (TransformerEngine's
+  LayerNorm with an FP8 output).
+
+  ``y_f32 = (x - mean) / sqrt(var + eps) * (scale_offset + scale) + bias`` in float32
+  (as ``pallas_norm.layer_norm``), quantised as in ``rms_norm_fp8``.
+
+  Args:
+    x, scale, y_scale, fp8_dtype, transpose, scale_offset, mode, backend, interpret: as
+      in ``rms_norm_fp8``.
+    bias: [N] float array or None.
+    eps: added to the variance (default 1e-5, torch's).
+
+  Returns:
+    Fp8Norm, as in ``rms_norm_fp8``; mean is the rows' mean.
+
+  Raises:
+    ValueError, TypeError, NotImplementedError: as in ``rms_norm_fp8``.
+  """
+  return _norm_fp8("layer_norm_fp8", x, scale, bias, eps=eps, y_scale=y_scale,
+                   fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
+                   subtract_mean=True, mode=mode, backend=backend, interpret=interpret)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _xla_backward(dy, x, scale, bias, mean, rstd, *, subtract_mean, scale_offset):
+  """ops.py's backward math in jnp, from the saved statistics."""
+  n = x.shape[-1]
+  xf, g = x.astype(_F32), dy.astype(_F32)
+  if subtract_mean:
+    xf = xf - mean[..., None]
+  x_hat = xf * rstd[..., None]  # [..., N] f32
+  dyf = g
+  if scale is not None:
+    g = g * (_F32(scale_offset) + scale.astype(_F32))
+  c1 = jnp.sum(x_hat * g, axis=-1, keepdims=True) / n
+  c2 = jnp.sum(g, axis=-1, keepdims=True) / n if subtract_mean else 0.0
+  dx = ((g - (x_hat * c1 + c2)) * rstd[..., None]).astype(x.dtype)
+  rows = tuple(range(x.ndim - 1))
+  dscale = None if scale is None else jnp.sum(dyf * x_hat, axis=rows).astype(scale.dtype)
+  dbias = None if bias is None else jnp.sum(dyf, axis=rows).astype(bias.dtype)
+  return dx, dscale, dbias
+
+
+def _backward(dy, x, scale, bias, mean, rstd, st: ops._Static):
+  if st.backend == "xla":
+    return _xla_backward(dy, x, scale, bias, mean, rstd, subtract_mean=st.subtract_mean,
+                         scale_offset=st.scale_offset)
+  if x.ndim == 1:
+    dx, dscale, dbias = _backward(dy[None], x[None], scale, bias,
+                                  None if mean is None else mean[None], rstd[None], st)
+    return dx[0], dscale, dbias
+  dx, _, dscale, dbias = spmd.backward(ops._backward, dy, x, scale, bias, mean, rstd, st)
+  return dx, dscale, dbias
+
+
+_backward_jit = jax.jit(_backward, static_argnums=(6,))
+
+
+def norm_backward(dy, x, scale, bias, mean, rstd, *, subtract_mean, scale_offset=0.0,
+                  mode=None, backend="pallas", interpret=None):
+  """The norm's backward from the statistics its forward saved: pallas_norm's
+  deterministic two-stage backward (stage 1 dx and per-program dscale/dbias partials,
+  stage 2 their fixed-order sum; ops.py's module docstring gives the math), the one
+  ``jax.vjp`` of ``rms_norm`` / ``layer_norm`` runs.
+
+  For a fused layer that quantises the norm's output (``rms_norm_fp8``): it keeps
+  (x, mean, rstd) from the forward and calls this with the cotangent of y_f32.
+
+  Args:
+    dy: x's shape, a float dtype: the cotangent of the norm's output; cast to x's dtype
+      (the dtype the norm's own vjp receives it in).
+    x: [..., N] float32, bfloat16 or float16, rank >= 1: the norm's input.
+    scale: [N] or None; bias: [N] or None (LayerNorm; only whether it is there matters).
+    mean: x.shape[:-1] float32 (LayerNorm; ignored, and may be None, for RMSNorm).
+    rstd: x.shape[:-1] float32.
+    subtract_mean: True for LayerNorm, False for RMSNorm.
+    scale_offset: as in the forward.
+    mode: None or a mode name; as in ``rms_norm``'s vjp, the backward kernels have one
+      structure whatever the forward's mode, so it only is validated.
+    backend: "pallas" (default), "triton" or "xla" (the same math in jnp).
+    interpret: as in ``rms_norm``.
+
+  Returns:
+    (dx [..., N] x.dtype, dscale [N] scale.dtype or None, dbias [N] bias.dtype or None).
+
+  Raises:
+    ValueError: shapes that do not match x (dy, scale, bias, mean, rstd), rank 0, N == 0,
+      an unknown mode or backend, LayerNorm without a mean.
+    TypeError: non-float dy, x, scale or bias; mean or rstd not float32.
+  """
+  op = "norm_backward"
+  ops._check_args(op, x, scale, bias, 0.0, mode, backend)
+  ops._check_float("dy", dy)
+  if tuple(jnp.shape(dy)) != tuple(jnp.shape(x)):
+    raise ValueError(f"{op}: dy.shape={tuple(jnp.shape(dy))} must equal "
+                     f"x.shape={tuple(jnp.shape(x))}")
+  lead = tuple(jnp.shape(x))[:-1]
+  stats = (("mean", mean), ("rstd", rstd)) if subtract_mean else (("rstd", rstd),)
+  for name, a in stats:
+    if a is None:
+      raise ValueError(f"{op}: {name} is None; LayerNorm's backward needs the saved "
+                       f"mean and rstd")
+    if tuple(jnp.shape(a)) != lead:
+      raise ValueError(f"{op}: {name}.shape={tuple(jnp.shape(a))} must be x.shape[:-1]"
+                       f"={lead}")
+    if jnp.result_type(a) != jnp.dtype(_F32):
+      raise TypeError(f"{op}: {name}.dtype={jnp.result_type(a)} must be float32")
+  x = jnp.asarray(x)
+  dy = jnp.asarray(dy).astype(x.dtype)
+  mean = jnp.asarray(mean) if subtract_mean else None
+  if math.prod(lead) == 0:
+    zeros = lambda p: None if p is None else jnp.zeros(p.shape, p.dtype)
+    return jnp.zeros(x.shape, x.dtype), zeros(scale), zeros(bias)
+  st = ops._Static(0.0, float(scale_offset), bool(subtract_mean), mode, backend,
+                   ops._resolve_interpret(interpret))
+  return _backward_jit(dy, x, scale, bias, mean, jnp.asarray(rstd), st)
