@@ -340,6 +340,9 @@ _BWD_TWO_PER_SM_MAX_BLOCK_N = 4096
 _BWD_NARROW_TILE_ELEMS, _BWD_NARROW_WARPS, _BWD_NARROW_OCCUPANCY = 2048, 2, 4
 # LayerNorm N' 4096 and 8192: 16 warps, 1 program a SM (8192x5120: 97.9/112.2). [T#bwd-ln-tile]
 _BWD_LN_TILE_MIN_BLOCK_N, _BWD_LN_TILE_WARPS = 4096, 16
+# LayerNorm N' = 4096, Pallas: 2-row blocks (8192x4096: 66.9/75.3 at [1, 4096]; with the
+# fused residual add 83.6/88.7 at [1, 4096] and /88.7 at [2, 4096] x 8). [T#bwd-ln-4096]
+_BWD_LN_4096_BLOCK_M = 2
 # LayerNorm 2048 < N <= 3072, Pallas: the tile as pieces 2048 + 512 or 1024 (N rounded
 # up to 512), 8 warps, 2 a SM (8192x3072: 53.1/71.4). [T#bwd-ln-pieces]
 _BWD_LN_PIECES_MAX_N, _BWD_LN_PIECES_ROUND, _BWD_LN_PIECES_WARPS = 3072, 512, 8
@@ -371,10 +374,9 @@ _REDUCE_MAX_BLOCK_G, _REDUCE_MIN_BLOCK_N = 1024, 8  # bounds, not measured. [T#u
 # multi_wave_cached (8192^2: 135.2/178.4; the prefetched x + r sum is a second tile).
 _RES_NO_PERSISTENT_TILE_MAX_N = 8192
 # LayerNorm N' = 4096 (N > 3072): forward [1, 4096] at 8 warps (8192x4096: 70.5/73.5 at
-# [2, 4096] x 4; 16384x4096: 136.1/142.2); backward [2, 4096] at 8 warps, SMs programs
-# (8192x4096: 82.6/91.8 at [1, 4096] x 16; 16384x4096: 154.9/177.1).
+# [2, 4096] x 4; 16384x4096: 136.1/142.2); the backward takes the plain rule
+# ([T#bwd-ln-4096]).
 _RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
-_RES_LN_4096_BWD = (2, 8)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16).
 _RES_LN_8192_BWD_WARPS = 32
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
@@ -656,6 +658,8 @@ def _bwd_tile(m: int, n: int, bn_full: int, subtract_mean: bool, backend: str,
   pieces = ()
   if subtract_mean and block_n >= _BWD_LN_TILE_MIN_BLOCK_N:
     num_warps, num_programs = _BWD_LN_TILE_WARPS, device.num_sms
+    if block_n == 4096 and backend == "pallas":
+      block_m = max(1, min(_BWD_LN_4096_BLOCK_M, next_power_of_2(m)))
   if subtract_mean and block_n == 2048 and backend == "pallas":
     num_warps = _BWD_LN_2048_WARPS
   if (subtract_mean and block_n == 4096 and n <= _BWD_LN_PIECES_MAX_N
@@ -679,7 +683,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     subtract_mean: LayerNorm (True) or RMSNorm (False).
     backend: "pallas" or "triton" (the split-row kernel and the pieces are Pallas-only).
     residual: the fused residual add (x is h, plus dh): on an H200 in 2-byte dtypes,
-      LayerNorm N' = 4096 at [2, 4096] x 8 warps and N' = 8192 at 32 warps.
+      LayerNorm N' = 8192 at 32 warps.
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -698,10 +702,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
-    if res_rules and subtract_mean and not pieces and block_n == 4096:
-      block_m, num_warps = _RES_LN_4096_BWD
-      block_m = max(1, min(block_m, next_power_of_2(m)))
-    elif res_rules and subtract_mean and block_n == 8192:
+    if res_rules and subtract_mean and block_n == 8192:
       num_warps = _RES_LN_8192_BWD_WARPS
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split

@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from pallas_norm import bench
+from pallas_norm import config as C
 from pallas_norm.bench import ab, cli, peers, run, sweep, timing
 from pallas_norm.bench import plan as bench_plan
 
@@ -332,6 +334,13 @@ def test_ab_builds_every_config_kind(capsys):
     assert ab.main([kernel, "--op", "layer", "--shapes", "8192x3072", "--configs", configs,
                     "--dry-run"]) == 0
     assert capsys.readouterr().out.count(f"{kernel} layer 8192x3072") == configs.count(";") + 1
+  # --residual: "default" is config.py's residual pick
+  res_default = ab._bwd_config("default", [], 8192, 8192, True, 132, residual=True)
+  assert res_default == C.backward_config(8192, 8192, jnp.bfloat16, subtract_mean=True,
+                                          residual=True)
+  assert ab.main(["bwd", "--op", "layer", "--residual", "--shapes", "64x128", "--configs",
+                  "default;tile:2,128,4,1", "--dry-run"]) == 0
+  assert capsys.readouterr().out.count("bwd layer 64x128") == 2
   with pytest.raises(SystemExit):
     ab.main(["bwd", "--op", "rms", "--shapes", "64x128", "--configs", "nope:1", "--dry-run"])
   assert ab.main(["triton", "--variant", "pallas"]) == 2

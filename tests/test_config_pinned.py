@@ -298,8 +298,10 @@ def test_residual_rules():
   got = fwd(8192, 4096, True, h200)
   assert (got.mode, got.block_m, got.block_n, got.num_warps) == ("multi_wave_cached", 1,
                                                                  4096, 8)
-  got = bwd(16384, 4096, True, h200)
-  assert (got.block_m, got.block_n, got.num_warps, got.num_programs) == (2, 4096, 8, 132)
+  got = bwd(16384, 4096, True, h200)  # the plain rule's pick ([T#bwd-ln-4096])
+  assert (got.block_m, got.block_n, got.num_warps, got.num_programs) == (2, 4096, 16, 132)
+  assert got == bwd(16384, 4096, True, h200, res=False)
+  assert bwd(16384, 4096, True, h200, be="triton").block_m == 1  # not measured there
   assert bwd(8192, 8192, True, h200).num_warps == 32
   assert bwd(8192, 8192, True, h200, res=False).num_warps == 16
   assert bwd(8192, 3072, True, h200).pieces  # the pieces rule keeps its rows

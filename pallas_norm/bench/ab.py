@@ -4,7 +4,8 @@
                   in the mini-language below; y and rstd checked against the XLA reference.
                   GB/s = 2 x M x N x itemsize / time. Behind config.py's forward rules.
   bwd             backward launch configs (stage 1 + 2); dx and dscale checked against the
-                  XLA reference. GB/s = 3 x M x N x itemsize / time. Behind config.py's
+                  XLA reference. GB/s = 3 x M x N x itemsize / time (``--residual``: the
+                  fused residual add's backward, dh added to dx, 4 x). Behind config.py's
                   backward rules.
   tokamax-alias   tokamax's forward (``--pass fwd``) or forward+backward (``--pass
                   fwdbwd``) with and without its output alias, beside pallas_norm (and, for
@@ -173,9 +174,9 @@ def _fwd_config(kind, a, m, n, sm, sms):
   raise ValueError(f"unknown config kind {kind!r}")
 
 
-def _bwd_config(kind, a, m, n, sm, sms):
+def _bwd_config(kind, a, m, n, sm, sms, residual=False):
   if kind == "default":
-    return C.backward_config(m, n, jnp.bfloat16, subtract_mean=sm)
+    return C.backward_config(m, n, jnp.bfloat16, subtract_mean=sm, residual=residual)
   if kind == "split":
     bn, nw, occ, st, ch, *rest = a
     bm = rest[1] if len(rest) > 1 else 1
@@ -221,8 +222,9 @@ def _configs(args, sms: int) -> dict:
     m, n = map(int, shape.split("x"))
     for cs in args.configs.split(";"):
       kind, a = _split_spec(cs)
+      extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
-        out[(shape, cs)] = make(kind, a, m, n, args.op == "layer", sms)
+        out[(shape, cs)] = make(kind, a, m, n, args.op == "layer", sms, **extra)
       except (TypeError, ValueError) as e:  # unknown kind, too few or too many numbers
         raise ValueError(f"--configs {cs!r}: {e}") from e
   return out
@@ -264,22 +266,31 @@ def _ab_bwd(args, shape: str, cfgs: dict, nbytes: int, xs, dys, scale) -> None:
   stats = [f(x, scale, bias) for x in xs]
   _, pull = jax.vjp(lambda x, s: f(x, s, bias)[0], xs[0], scale)
   dxr, dsr = [a.astype(jnp.float32) for a in pull(dys[0])]
+  # --residual: x is h = x + residual, and dh (here dy reversed along the rows) is added
+  dhs = [dy[::-1] for dy in dys] if args.residual else [None] * len(dys)
+  if args.residual:
+    dxr = dxr + dhs[0].astype(jnp.float32)
+  res_kw = dict(dx_dtype=dys[0].dtype, residual_dtype=dys[0].dtype) if args.residual else {}
   fns = {}
   for cs, cfg in cfgs.items():
-    fn = jax.jit(lambda dy, x, mean, rstd, cfg=cfg: backward.norm_backward(
+    fn = jax.jit(lambda dy, x, mean, rstd, dh, cfg=cfg: backward.norm_backward(
         dy, x, scale, mean, rstd, has_bias=sm, scale_offset=0.0, subtract_mean=sm,
-        config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16))
+        config=cfg, interpret=False, scale_dtype=scale.dtype, bias_dtype=jnp.bfloat16,
+        **(dict(dh=dh, **res_kw) if dh is not None else {})))
     try:
-      out = _first_call(cs, fn, dys[0], xs[0], stats[0][1], stats[0][2])
+      out = _first_call(cs, fn, dys[0], xs[0], stats[0][1], stats[0][2], dhs[0])
     except Exception as e:  # noqa: BLE001 (a config the kernel refuses)
       print(f"{op} {shape} {cs} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
+    if args.residual:  # (dx, dresidual, dscale, dbias): dresidual is dx here
+      out = (out[0], *out[2:])
     err = float(jnp.max(jnp.abs(out[0].astype(jnp.float32) - dxr)))
     errs = float(jnp.max(jnp.abs(out[1].astype(jnp.float32) - dsr))
                  / (jnp.max(jnp.abs(dsr)) + 1e-9))
     fns[cs] = (fn, f"dx_err={err:.3g} ds_rel={errs:.2g}")
-  ins = [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, stats)]
-  _report(f"bwd {op} {shape}", fns, ins, args.rounds, 3 * nbytes)
+  ins = [(dy, x, s[1], s[2], dh) for dy, x, s, dh in zip(dys, xs, stats, dhs)]
+  tag = "bwd_res" if args.residual else "bwd"
+  _report(f"{tag} {op} {shape}", fns, ins, args.rounds, (4 if args.residual else 3) * nbytes)
 
 
 def _run_configs(args) -> int:
@@ -510,6 +521,11 @@ def parser() -> argparse.ArgumentParser:
                    help="x's (and dy's) dtype; scale and bias stay bfloat16")
     q.add_argument("--no-limit", action="store_true",
                    help="allow more splits than split_resident_programs (may deadlock)")
+    if kernel == "bwd":
+      q.add_argument("--residual", action="store_true",
+                     help="the fused residual add's backward: x is h, dh (h's cotangent) "
+                          "is added to dx; default configs are config.py's residual "
+                          "picks; GB/s = 4 x M x N x itemsize / time")
     if kernel == "fwd":
       q.add_argument("--bias", type=int, choices=(0, 1),
                      help="1: with a bias, 0: without (default: LayerNorm with, RMSNorm "
