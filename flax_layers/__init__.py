@@ -5,7 +5,8 @@ parameters (``scale``, ``bias``: names, shapes, dtypes, initialisers and rng dra
 promote dtypes the same way as ``flax.nnx.RMSNorm`` / ``flax.nnx.LayerNorm``, so they
 drop into a model built for flax's layers. They add ``scale_offset``, ``mode`` and
 ``backend``, which pass through to ``pallas_norm.rms_norm`` / ``layer_norm``.
-The Linen twins live in ``flax_layers.linen``.
+The Linen twins live in ``flax_layers.linen``. ``RMSNormDenseFP8`` / ``LayerNormDenseFP8``
+(``flax_layers.fp8``) fuse a norm with the FP8 dense layer it feeds.
 
 Multi-device: under ``jax.jit`` with sharded activations (rows and/or the hidden dim)
 the layers need nothing: the ops serve the sharding as it is. ``axis_name`` and
@@ -28,9 +29,11 @@ from flax import nnx
 from flax.nnx.nn import dtypes as _dtypes
 
 from flax_layers import linen
+from flax_layers.fp8 import Fp8Meta, LayerNormDenseFP8, RMSNormDenseFP8, update_fp8_meta
 from pallas_norm import ops as _ops
 
-__all__ = ["RMSNorm", "LayerNorm", "linen"]
+__all__ = ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta",
+           "update_fp8_meta", "linen"]
 
 
 def _maybe_param(use: bool, init, rngs: nnx.Rngs, num_features: int, param_dtype):

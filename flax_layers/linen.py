@@ -7,7 +7,8 @@ collection (``scale``, ``bias``: names, shapes, dtypes and initialisers) as
 add ``scale_offset``, ``mode`` and ``backend``, which pass through to
 ``pallas_norm.rms_norm`` / ``layer_norm``. The normalised axis is always the last one.
 ``axis_name`` / ``axis_index_groups`` have flax's meaning (inside ``jax.shard_map``);
-sharded arrays under ``jax.jit`` need neither.
+sharded arrays under ``jax.jit`` need neither. ``RMSNormDenseFP8`` / ``LayerNormDenseFP8``
+are the twins of the FP8 norm -> dense layers of ``flax_layers.fp8``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from flax import linen as nn
 from flax.linen import dtypes as _dtypes
 from flax.linen import initializers
 
+from flax_layers import fp8 as _fp8
 from pallas_norm import ops as _ops
 
-__all__ = ["RMSNorm", "LayerNorm"]
+__all__ = ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8"]
 
 
 def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses):
@@ -175,3 +177,106 @@ class LayerNorm(nn.Module):
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, **_axis_args(self),
                            **_residual(self, residual))
+
+
+# --------------------------------------------------------------------------- FP8 dense
+
+
+class _NormDenseFP8(nn.Module):
+  """The fields and call RMSNormDenseFP8 and LayerNormDenseFP8 share."""
+
+  features: int
+  epsilon: float = 1e-6
+  use_scale: bool = True
+  scale_init: initializers.Initializer = initializers.ones
+  scale_offset: float = 0.0
+  use_bias: bool = True
+  kernel_init: initializers.Initializer = nn.linear.default_kernel_init
+  bias_init: initializers.Initializer = initializers.zeros
+  dtype: tp.Any | None = None
+  param_dtype: tp.Any = jnp.float32
+  scaling: str = "delayed"
+  amax_history_length: int = 1024
+  fp8_dtype: tp.Any = jnp.float8_e4m3fn
+  grad_fp8_dtype: tp.Any = jnp.float8_e5m2
+  mode: str | None = None
+  backend: str = "pallas"
+
+  subtract_mean: tp.ClassVar[bool] = False
+
+  @nn.compact
+  def __call__(self, x):
+    """``x: [..., N]`` -> ``[..., features]`` in ``dtype`` (default: the result type of
+    x and the params)."""
+    _fp8.check_layer_args(self.scaling, self.amax_history_length, self.fp8_dtype,
+                          self.grad_fp8_dtype, self.backend)
+    n = jnp.shape(x)[-1]
+    use_ln_bias = getattr(self, "use_ln_bias", False)
+    ln_bias_init = getattr(self, "ln_bias_init", initializers.zeros)
+    params = [self.param(name, init, shape, self.param_dtype) if use else None
+              for name, init, shape, use in (
+                  ("scale", self.scale_init, (n,), self.use_scale),
+                  ("ln_bias", ln_bias_init, (n,), use_ln_bias),
+                  ("kernel", self.kernel_init, (n, self.features), True),
+                  ("bias", self.bias_init, (self.features,), self.use_bias))]
+    state = None
+    if self.scaling == "delayed":
+      init = _fp8.init_delayed_scaling(self.amax_history_length)
+      state = _fp8.DelayedScalingState(
+          *(self.variable(_fp8.OVERWRITE_WITH_GRADIENT, k, lambda v=v: v).value
+            for k, v in init._asdict().items()))
+    dtype = _dtypes.canonicalize_dtype(x, *params, dtype=self.dtype)
+    scale, ln_bias, kernel, bias = params
+    return _fp8.norm_dense_fp8(jnp.asarray(x, dtype), kernel, scale, ln_bias, bias,
+                               subtract_mean=self.subtract_mean, eps=float(self.epsilon),
+                               scale_offset=float(self.scale_offset), state=state,
+                               fp8_dtype=self.fp8_dtype,
+                               grad_fp8_dtype=self.grad_fp8_dtype, mode=self.mode,
+                               backend=self.backend)
+
+
+class RMSNormDenseFP8(_NormDenseFP8):
+  """RMSNorm then a dense layer in FP8: the Linen twin of
+  ``flax_layers.RMSNormDenseFP8`` (``flax_layers.fp8``; TransformerEngine's
+  ``LayerNormDenseGeneral(layernorm_type="rmsnorm")``).
+
+  Params: ``scale`` [N], ``kernel`` [N, features], ``bias`` [features]. Delayed scaling
+  keeps its amax histories and scales in flax's ``_overwrite_with_gradient`` collection
+  (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``, the names of flax's
+  ``Fp8DotGeneral``): differentiate the loss with respect to that collection too and
+  use its gradients as its next value (flax's fp8 recipe)::
+
+    grads = jax.grad(loss)({"params": params, OVERWRITE_WITH_GRADIENT: meta}, batch)
+    meta = grads[OVERWRITE_WITH_GRADIENT]    # the new histories and scales
+
+  Example usage::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax_layers import linen
+
+    >>> layer = linen.RMSNormDenseFP8(features=4, scaling="current", backend="xla")
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> jax.tree.map(jnp.shape, variables)
+    {'params': {'bias': (4,), 'kernel': (8, 4), 'scale': (8,)}}
+    >>> y = layer.apply(variables, jnp.ones((2, 8)))
+
+  Attributes:
+    features: F, the output features (N is x's last axis).
+    epsilon, use_scale, scale_init, scale_offset, use_bias, kernel_init, bias_init,
+    dtype, param_dtype, scaling, amax_history_length, fp8_dtype, grad_fp8_dtype, mode,
+    backend: as in ``flax_layers.RMSNormDenseFP8`` (checked when called).
+  """
+
+
+class LayerNormDenseFP8(_NormDenseFP8):
+  """LayerNorm then a dense layer in FP8: the Linen twin of
+  ``flax_layers.LayerNormDenseFP8`` (TransformerEngine's ``LayerNormDenseGeneral``).
+
+  As ``RMSNormDenseFP8``, plus ``use_ln_bias`` (default True) and ``ln_bias_init``
+  (default zeros): LayerNorm's beta, param ``ln_bias`` [N].
+  """
+
+  use_ln_bias: bool = True
+  ln_bias_init: initializers.Initializer = initializers.zeros
+
+  subtract_mean: tp.ClassVar[bool] = True

@@ -1,0 +1,574 @@
+"""A fused norm -> FP8 quantise -> FP8 matmul layer (TransformerEngine's LayerNormDenseGeneral).
+
+``RMSNormDenseFP8`` / ``LayerNormDenseFP8`` (Flax NNX; Linen twins in
+``flax_layers.linen``) compute ``dense(norm(x))`` with both GEMM operands in FP8, as
+TransformerEngine JAX's ``LayerNormDenseGeneral`` (``layernorm_fp8_dot``) does, from
+pallas_norm's quantising norm (``pallas_norm.fp8.rms_norm_fp8``, issue #27). One
+``jax.custom_vjp`` covers the whole block, so no FP8 tensor needs a cotangent:
+
+    forward   y, y_scale, amax, y_t, mean, rstd = rms_norm_fp8(x, gamma, y_scale=s_y,
+                                                              transpose=True)
+              w = quantise(W, s_w)                                   e4m3 [N, F]
+              out = (y @ w) * (s_y * s_w)                            FP8 GEMM, f32 acc.
+    backward  g = quantise(dout, s_g)                                e5m2 [M, F]
+              dy = (g @ w.T) * (s_g * s_w)                           FP8 GEMM (dgrad)
+              dW = (y_t @ g) * (s_y * s_g)                           FP8 GEMM (wgrad)
+              dx, dgamma, dbeta = norm_backward(dy, x, gamma, beta, mean, rstd)
+
+(x [M, N], W [N, F]; every scale is a float32 DEQUANTISATION scale, value ~= q * s, as
+in pallas_norm.fp8, TransformerEngine's scale_inv and flax fp8_ops.) The transposed FP8
+copy ``y_t`` [N, M] that the norm's kernel writes in the same pass feeds the
+weight-gradient GEMM; the norm's backward is pallas_norm's deterministic two-stage one,
+from the saved x, mean and rstd. FP8 dtypes follow TransformerEngine's HYBRID recipe:
+float8_e4m3fn forward (activations and weights), float8_e5m2 for the gradient.
+
+Scaling (``scaling=``):
+  "delayed"  TransformerEngine's DelayedScaling and flax's ``Fp8DotGeneral``: each
+             tensor's scale comes from the max of an amax history of the last
+             ``amax_history_length`` steps (flax's ``compute_scale``; the previous scale
+             while the history holds no positive finite amax, so the first step runs with
+             scale 1), and this step's amax is pushed into it (flax's
+             ``compute_amax_history``). The histories and scales (input, kernel, output
+             gradient) are ``Fp8Meta`` variables (Linen: flax's ``_overwrite_with_gradient``
+             collection). The output gradient's amax is only known in the backward, so the
+             layer uses flax's overwrite-with-gradient mechanism: the vjp returns each new
+             history and scale as the *gradient* of the old one, and the train step writes
+             those "gradients" into the model instead of handing them to the optimizer
+             (``update_fp8_meta(model, grads)`` in NNX, module docstring of the classes).
+             A forward without a gradient (evaluation) leaves them unchanged. Call each
+             layer once per step: two calls would add their "gradients".
+  "current"  every scale is this call's amax / fp8_max (``pallas_norm.fp8.current_scale``);
+             no state, one more read of W and of dout per step.
+
+XLA turns each ``dot_general`` of FP8 operands with a float32 result, times the product
+of two float32 scalars, cast to the output dtype, into one cuBLASLt FP8 GEMM
+(``__cublas$lt$matmul$f8``; the scales become its a/b scale operands) on Hopper and
+later; ``fp8_gemm_calls`` lists them in a compiled program (``python -m flax_layers.fp8``
+prints the layer's). On a CPU the same program runs the dots on converted operands.
+
+Reused from flax (``flax.linen.fp8_ops``): ``compute_scale``, ``compute_amax_history``
+and ``OVERWRITE_WITH_GRADIENT``. Quantisation is pallas_norm.fp8's ``quantise`` (the
+contract's multiply-by-inverse order; flax's ``quantize`` divides).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import fp8_ops as _flax_fp8
+from flax.nnx.nn.linear import default_kernel_init
+
+from pallas_norm import fp8 as _fp8
+from pallas_norm import ops as _ops
+
+__all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
+           "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "fp8_gemm_calls",
+           "SCALINGS", "FP8_GEMM_TARGET", "OVERWRITE_WITH_GRADIENT"]
+
+SCALINGS = ("delayed", "current")
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+OVERWRITE_WITH_GRADIENT = _flax_fp8.OVERWRITE_WITH_GRADIENT
+_F32 = jnp.float32
+_E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+# The FP8 dtypes each GEMM operand may take. cuBLASLt's FP8 GEMM needs an e4m3 operand
+# on at least one side; the forward GEMM has two fp8_dtype operands (y and W), so
+# fp8_dtype is e4m3 (TransformerEngine's HYBRID and E4M3 recipes both keep it).
+_FWD_DTYPES = (_E4M3,)
+_GRAD_DTYPES = (_E5M2, _E4M3)
+
+
+class DelayedScalingState(tp.NamedTuple):
+  """Delayed scaling's state of one layer: float32 arrays, flax ``Fp8DotGeneral``'s names
+  and shapes (scales ``(1,)``, histories ``(amax_history_length,)``).
+
+  As an argument of ``norm_dense_fp8`` its cotangent is the NEW state (flax's
+  overwrite-with-gradient): the input and kernel entries from this step's forward, the
+  output gradient's from its backward.
+  """
+
+  input_scale: jax.Array
+  input_amax_history: jax.Array
+  kernel_scale: jax.Array
+  kernel_amax_history: jax.Array
+  output_grad_scale: jax.Array
+  output_grad_amax_history: jax.Array
+
+
+def init_delayed_scaling(amax_history_length: int = 1024) -> DelayedScalingState:
+  """The initial state: scales one, histories zero (flax's and TransformerEngine's)."""
+  _check_history(amax_history_length)
+  one, zeros = jnp.ones((1,), _F32), jnp.zeros((amax_history_length,), _F32)
+  return DelayedScalingState(one, zeros, one, zeros, one, zeros)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Hashable non-differentiable arguments of the custom_vjp."""
+
+  subtract_mean: bool
+  eps: float
+  scale_offset: float
+  fp8_dtype: str
+  grad_fp8_dtype: str
+  kernel_dtype: str  # dW's
+  mode: str | None
+  backend: str
+  interpret: bool | None
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_history(amax_history_length) -> None:
+  if (isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int)
+      or amax_history_length < 1):
+    raise ValueError(f"{amax_history_length=} must be a positive integer")
+
+
+def _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype) -> tuple[jnp.dtype, jnp.dtype]:
+  out = []
+  for name, dt, allowed in (("fp8_dtype", fp8_dtype, _FWD_DTYPES),
+                            ("grad_fp8_dtype", grad_fp8_dtype, _GRAD_DTYPES)):
+    try:
+      d = jnp.dtype(dt)
+    except TypeError as e:
+      raise TypeError(f"{name}={dt!r} is not a dtype") from e
+    if d not in allowed:
+      raise TypeError(f"{name}={d} must be one of {[a.name for a in allowed]} (the "
+                      f"forward GEMM's two operands are fp8_dtype and cuBLASLt's FP8 GEMM "
+                      f"needs an e4m3 operand; the gradient takes e5m2 in "
+                      f"TransformerEngine's HYBRID recipe, e4m3 in its E4M3 one)")
+    out.append(d)
+  return out[0], out[1]
+
+
+def check_layer_args(scaling: str, amax_history_length: int, fp8_dtype,
+                     grad_fp8_dtype, backend: str) -> None:
+  """The FP8 layers' constructor checks (NNX and Linen): ValueError / TypeError."""
+  if scaling not in SCALINGS:
+    raise ValueError(f"{scaling=} must be one of {SCALINGS}")
+  _check_history(amax_history_length)
+  _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
+  if backend not in _fp8.FP8_BACKENDS:
+    raise ValueError(f"{backend=} must be one of {_fp8.FP8_BACKENDS} (the quantising "
+                     f"norm's backends)")
+
+
+def _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean) -> None:
+  op = "norm_dense_fp8"
+  if jnp.ndim(kernel) != 2:
+    raise ValueError(f"{op}: kernel.shape={jnp.shape(kernel)} must be [in_features, "
+                     f"out_features]")
+  n, f = jnp.shape(kernel)
+  if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != n:
+    raise ValueError(f"{op}: x.shape={jnp.shape(x)} must end in in_features={n} "
+                     f"(kernel.shape={jnp.shape(kernel)})")
+  for name, a in (("x", x), ("kernel", kernel), ("scale", scale), ("ln_bias", ln_bias),
+                  ("bias", bias)):
+    if a is not None and not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+      raise TypeError(f"{op}: {name}.dtype={jnp.result_type(a)} must be a float dtype")
+  for name, a, size in (("scale", scale, n), ("ln_bias", ln_bias, n), ("bias", bias, f)):
+    if a is not None and jnp.shape(a) != (size,):
+      raise ValueError(f"{op}: {name}.shape={jnp.shape(a)} must be ({size},)")
+  if ln_bias is not None and not subtract_mean:
+    raise ValueError(f"{op}: ln_bias is LayerNorm's beta; RMSNorm (subtract_mean=False) "
+                     f"has none")
+  if state is None:
+    return
+  if not isinstance(state, DelayedScalingState):
+    raise TypeError(f"{op}: state must be a DelayedScalingState or None (current "
+                    f"scaling), got {type(state).__name__}")
+  hist = jnp.shape(state.input_amax_history)
+  for name, a in state._asdict().items():
+    want = (1,) if name.endswith("_scale") else hist
+    if jnp.shape(a) != want or len(hist) != 1 or jnp.result_type(a) != jnp.dtype(_F32):
+      raise ValueError(f"{op}: state.{name} is {jnp.result_type(a)}{list(jnp.shape(a))}; "
+                       f"the scales must be float32[1] and the histories float32[L], one L")
+
+
+# --------------------------------------------------------------------------- FP8 pieces
+
+
+def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype):
+  """``dot_general(a, b)`` of FP8 operands accumulated in float32, times
+  ``a_scale * b_scale`` (() float32 each), cast to ``out_dtype``: the pattern XLA's GPU
+  gemm rewriter makes one ``__cublas$lt$matmul$f8`` of (the scales become its a/b scale
+  operands, the cast its output type). ``contract``: (a's, b's) contracting dims."""
+  out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=_F32)
+  return (out * (a_scale * b_scale)).astype(out_dtype)
+
+
+def _delayed_scale(scale, history, fp8_dtype):
+  """Delayed scaling's () scale for this step from the (1,) scale and the amax history
+  (flax fp8_ops' ``compute_scale``: max(history) / fp8_max, or the old scale while that
+  is not positive and finite)."""
+  amax = jnp.max(history, axis=0)
+  return _flax_fp8.compute_scale(amax, scale, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
+
+
+def _push(history, amax):
+  """The history with this step's amax pushed in (flax's ``compute_amax_history``)."""
+  return _flax_fp8.compute_amax_history(amax, history)
+
+
+def _quantise_tensor(v, scale, fp8_dtype):
+  """(q, scale, amax) of a float tensor: scale () f32 given (delayed) or None (current:
+  this tensor's amax / fp8_max); q = quantise(v * (1 / scale))."""
+  vf = v.astype(_F32)
+  amax = jnp.max(jnp.abs(vf))
+  if scale is None:
+    scale = _fp8.current_scale(amax, fp8_dtype)
+  return _fp8.quantise(vf, _F32(1.0) / scale, fp8_dtype), scale, amax
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _norm_fp8(st: _Static, x, scale, ln_bias, y_scale, transpose: bool) -> _fp8.Fp8Norm:
+  kw = dict(y_scale=y_scale, fp8_dtype=st.fp8_dtype, transpose=transpose, eps=st.eps,
+            scale_offset=st.scale_offset, mode=st.mode, backend=st.backend,
+            interpret=st.interpret)
+  if st.subtract_mean:
+    return _fp8.layer_norm_fp8(x, scale, ln_bias, **kw)
+  return _fp8.rms_norm_fp8(x, scale, **kw)
+
+
+def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
+  """out [M, F] in x's dtype and the residuals (x [M, N], kernel [N, F])."""
+  fwd_dt = jnp.dtype(st.fp8_dtype)
+  y_scale = k_scale = None
+  if state is not None:
+    y_scale = _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt)
+    k_scale = _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt)
+  norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [M, N] fp8
+  w, k_scale, k_amax = _quantise_tensor(kernel, k_scale, fwd_dt)  # [N, F] fp8
+  out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((1,), (0,)), x.dtype)  # [M, F]
+  new = None
+  if state is not None:  # this step's input and kernel entries of the new state
+    new = (norm.y_scale.reshape(1), _push(state.input_amax_history, norm.amax),
+           k_scale.reshape(1), _push(state.kernel_amax_history, k_amax))
+  res = (x, scale, ln_bias, norm.y_t, norm.y_scale, norm.mean, norm.rstd, w, k_scale,
+         state, new)
+  return out, res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _norm_dense(st: _Static, x, scale, ln_bias, kernel, state):
+  return _forward(st, x, scale, ln_bias, kernel, state, transpose=False)[0]
+
+
+def _norm_dense_fwd(st: _Static, x, scale, ln_bias, kernel, state):
+  return _forward(st, x, scale, ln_bias, kernel, state, transpose=True)
+
+
+def _norm_dense_bwd(st: _Static, res, dout):
+  x, scale, ln_bias, y_t, y_scale, mean, rstd, w, k_scale, state, new = res
+  grad_dt = jnp.dtype(st.grad_fp8_dtype)
+  g_scale = None
+  if state is not None:
+    g_scale = _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
+                             grad_dt)
+  g, g_scale, g_amax = _quantise_tensor(dout, g_scale, grad_dt)  # [M, F] fp8
+  dy = _scaled_dot(g, g_scale, w, k_scale, ((1,), (1,)), x.dtype)  # [M, N] dgrad
+  dw = _scaled_dot(y_t, y_scale, g, g_scale, ((1,), (0,)), st.kernel_dtype)  # [N, F]
+  dx, dscale, dbias = _fp8.norm_backward(
+      dy, x, scale, ln_bias, mean, rstd, subtract_mean=st.subtract_mean,
+      scale_offset=st.scale_offset, mode=st.mode, backend=st.backend,
+      interpret=st.interpret)
+  new_state = None
+  if state is not None:
+    new_state = DelayedScalingState(
+        *new, g_scale.reshape(1), _push(state.output_grad_amax_history, g_amax))
+  return dx, dscale, dbias, dw, new_state
+
+
+_norm_dense.defvjp(_norm_dense_fwd, _norm_dense_bwd)
+
+
+# --------------------------------------------------------------------------- public op
+
+
+def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
+                   subtract_mean: bool = False, eps: float = 1e-6, scale_offset: float = 0.0,
+                   state: DelayedScalingState | None = None,
+                   fp8_dtype=jnp.float8_e4m3fn, grad_fp8_dtype=jnp.float8_e5m2,
+                   mode: str | None = None, backend: str = "pallas",
+                   interpret: bool | None = None):
+  """``norm(x) @ kernel + bias`` with an FP8 norm output and FP8 GEMMs (module docstring).
+
+  TransformerEngine JAX's ``layernorm_fp8_dot`` (``LayerNormDenseGeneral``'s op) with
+  pallas_norm's quantising norm and deterministic backward; the result matches
+  ``dense(rms_norm(x))`` / ``dense(layer_norm(x))`` up to FP8 rounding.
+
+  Args:
+    x: [..., N] float32, bfloat16 or float16 (the compute dtype: the result's, and the
+      dtype of dy the norm's backward receives); M = prod(x.shape[:-1]).
+    kernel: [N, F] float, quantised from its own values (not from a cast copy); dW comes
+      back in its dtype.
+    scale: [N] or None, the norm's gamma (times ``scale_offset + scale``).
+    ln_bias: [N] or None, LayerNorm's beta (``subtract_mean=True`` only).
+    bias: [F] or None, the dense layer's bias, added after the GEMM in x's dtype.
+    subtract_mean: False for RMSNorm (``rms_norm_fp8``), True for LayerNorm.
+    eps: added to the mean square (variance) before the square root.
+    scale_offset: y = x_hat * (scale_offset + scale) (+ ln_bias).
+    state: None for current scaling, or delayed scaling's ``DelayedScalingState``; its
+      gradient is the next step's state (flax's overwrite-with-gradient).
+    fp8_dtype: the forward operands' FP8 dtype: float8_e4m3fn.
+    grad_fp8_dtype: the output gradient's: float8_e5m2 (default, HYBRID) or e4m3fn.
+    mode, backend, interpret: pallas_norm.fp8's (backend "pallas" or "xla").
+
+  Returns:
+    [..., F] in x's dtype.
+
+  Raises:
+    ValueError: kernel not 2-D, x's last axis not N, param shapes not (N,) / (F,),
+      ln_bias with RMSNorm, a malformed state, a bad backend or mode (pallas_norm.fp8's).
+    TypeError: non-float arrays, an FP8 dtype not allowed, a state of another type.
+  """
+  fwd_dt, grad_dt = _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
+  _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean)
+  x = jnp.asarray(x)
+  n, f = jnp.shape(kernel)
+  lead = x.shape[:-1]
+  if math.prod(lead) == 0:
+    out = jnp.zeros((*lead, f), x.dtype)
+  else:
+    kernel = jnp.asarray(kernel)
+    st = _Static(bool(subtract_mean), float(eps), float(scale_offset), fwd_dt.name,
+                 grad_dt.name, kernel.dtype.name, mode, backend, interpret)
+    out = _norm_dense(st, x.reshape(-1, n), scale, ln_bias, kernel, state)
+    out = out.reshape(*lead, f)
+  if bias is not None:
+    out = out + bias.astype(out.dtype)
+  return out
+
+
+# --------------------------------------------------------------------------- NNX layers
+
+
+class Fp8Meta(nnx.Variable):
+  """FP8 scaling state (amax histories and scales) whose gradient is its new value.
+
+  NNX's spelling of flax Linen's ``_overwrite_with_gradient`` collection: differentiate
+  with ``wrt=(nnx.Param, Fp8Meta)`` and let ``update_fp8_meta`` write the Fp8Meta part
+  of the gradients into the model (the optimizer gets the rest).
+  """
+
+
+def update_fp8_meta(model, grads: nnx.State) -> nnx.State:
+  """Writes the ``Fp8Meta`` entries of ``grads`` (the new amax histories and scales
+  that the FP8 layers' vjp returns as gradients) into ``model``; returns the other
+  entries (the params' gradients, for the optimizer).
+
+  The train step of a model with delayed-scaling FP8 layers::
+
+    diff = nnx.DiffState(0, (nnx.Param, Fp8Meta))
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model, batch)
+    optimizer.update(model, update_fp8_meta(model, grads))
+
+  A model without Fp8Meta variables (current scaling) is left as it is.
+  """
+  meta, rest = nnx.split_state(grads, Fp8Meta, ...)
+  nnx.update(model, meta)
+  return rest
+
+
+def _param(init, rngs: nnx.Rngs, shape, param_dtype, use: bool = True):
+  """A Param drawing one ``rngs.params()`` key, or None (no draw) when not used."""
+  if not use:
+    return nnx.data(None)
+  return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+
+class _NormDenseFP8(nnx.Module):
+  """The parameters, state and call that RMSNormDenseFP8 and LayerNormDenseFP8 share."""
+
+  subtract_mean: bool = False
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      epsilon: float = 1e-6,
+      use_scale: bool = True,
+      scale_init: nnx.Initializer = nnx.initializers.ones,
+      scale_offset: float = 0.0,
+      use_ln_bias: bool = False,
+      ln_bias_init: nnx.Initializer = nnx.initializers.zeros,
+      use_bias: bool = True,
+      kernel_init: nnx.Initializer = default_kernel_init,
+      bias_init: nnx.Initializer = nnx.initializers.zeros,
+      dtype: tp.Any | None = None,
+      param_dtype: tp.Any = jnp.float32,
+      scaling: str = "delayed",
+      amax_history_length: int = 1024,
+      fp8_dtype: tp.Any = jnp.float8_e4m3fn,
+      grad_fp8_dtype: tp.Any = jnp.float8_e5m2,
+      mode: str | None = None,
+      backend: str = "pallas",
+      rngs: nnx.Rngs,
+  ):
+    check_layer_args(scaling, amax_history_length, fp8_dtype, grad_fp8_dtype, backend)
+    self.scale = _param(scale_init, rngs, (in_features,), param_dtype, use_scale)
+    self.ln_bias = _param(ln_bias_init, rngs, (in_features,), param_dtype, use_ln_bias)
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
+                                        param_dtype))
+    self.bias = _param(bias_init, rngs, (out_features,), param_dtype, use_bias)
+    if scaling == "delayed":
+      for name, v in init_delayed_scaling(amax_history_length)._asdict().items():
+        setattr(self, name, Fp8Meta(v))
+    self.in_features, self.out_features = in_features, out_features
+    self.epsilon, self.scale_offset = epsilon, scale_offset
+    self.dtype, self.param_dtype = dtype, param_dtype
+    self.scaling, self.amax_history_length = scaling, amax_history_length
+    self.fp8_dtype, self.grad_fp8_dtype = fp8_dtype, grad_fp8_dtype
+    self.mode, self.backend = mode, backend
+
+  def __call__(self, x):
+    """``x: [..., in_features]`` -> ``[..., out_features]`` in ``dtype`` (default: the
+    result type of x and the params, as flax's layers)."""
+    params = [None if p is None else p[...]
+              for p in (self.scale, self.ln_bias, self.kernel, self.bias)]
+    scale, ln_bias, kernel, bias = params
+    dtype = self.dtype or jnp.result_type(x, *(p for p in params if p is not None))
+    state = None
+    if self.scaling == "delayed":
+      state = DelayedScalingState(*(getattr(self, k)[...]
+                                    for k in DelayedScalingState._fields))
+    return norm_dense_fp8(jnp.asarray(x, dtype), kernel, scale, ln_bias, bias,
+                          subtract_mean=self.subtract_mean, eps=float(self.epsilon),
+                          scale_offset=float(self.scale_offset), state=state,
+                          fp8_dtype=self.fp8_dtype, grad_fp8_dtype=self.grad_fp8_dtype,
+                          mode=self.mode, backend=self.backend)
+
+
+_ARGS_DOC = """
+  Args:
+    in_features: N, the normalised (and contracted) axis.
+    out_features: F.
+    epsilon: added to the mean square (LayerNorm: the variance) (default 1e-6, flax's).
+    use_scale: multiply by ``scale_offset + scale`` (default True); param ``scale`` [N].
+    scale_init: initializer for scale (default: ones).
+    scale_offset: y = x_hat * (scale_offset + scale) (default 0.0; 1.0 with zeros
+      scale_init for Gemma's zero-centred gamma).
+    use_bias: add the dense bias (default True, as nnx.Linear); param ``bias`` [F].
+    kernel_init: initializer for ``kernel`` [N, F] (default: nnx.Linear's lecun_normal).
+    bias_init: initializer for bias (default: zeros).
+    dtype: the compute and result dtype (default None: the result type of x and the
+      params, as flax; pass jnp.bfloat16 for a bf16 model).
+    param_dtype: the params' dtype (default float32); W is quantised from it.
+    scaling: "delayed" (default; TransformerEngine's and flax's recipe: Fp8Meta state) or
+      "current" (no state).
+    amax_history_length: delayed scaling's history length (default 1024, as
+      TransformerEngine and flax).
+    fp8_dtype: the forward operands' FP8 dtype (default float8_e4m3fn, the only one).
+    grad_fp8_dtype: the output gradient's (default float8_e5m2: HYBRID; or e4m3fn).
+    mode, backend: passed to pallas_norm.fp8 (backend "pallas" default, or "xla").
+    rngs: rng key; keys are drawn for scale, ln_bias, kernel, bias in that order (a
+      param that is not used draws none).
+
+  Delayed-scaling variables (``Fp8Meta``, flax Fp8DotGeneral's names): input_scale,
+  kernel_scale, output_grad_scale [1] f32 (ones) and input_amax_history,
+  kernel_amax_history, output_grad_amax_history [amax_history_length] f32 (zeros). The
+  train step differentiates them too and writes their gradients back with
+  ``update_fp8_meta`` (module docstring).
+
+  Raises:
+    ValueError: an unknown scaling or backend, amax_history_length < 1; at call time x's
+      last axis not in_features.
+    TypeError: an FP8 dtype other than the allowed ones.
+"""
+
+
+class RMSNormDenseFP8(_NormDenseFP8):
+  """RMSNorm (https://arxiv.org/abs/1910.07467) then a dense layer, in FP8.
+
+  ``dense(rms_norm(x))`` as one fused block: pallas_norm's quantising RMSNorm writes the
+  FP8 activation (and its transpose for the weight gradient) and the projection runs as
+  FP8 GEMMs, forward and backward (``norm_dense_fp8``; TransformerEngine's
+  ``LayerNormDenseGeneral(layernorm_type="rmsnorm")``). It replaces an
+  ``nnx.RMSNorm`` followed by ``nnx.Linear``: params ``scale`` [N] (the norm's) and
+  ``kernel`` [N, F], ``bias`` [F] (the Linear's).
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_layers
+
+    >>> layer = flax_layers.RMSNormDenseFP8(8, 4, scaling="current", backend="xla",
+    ...                                     rngs=nnx.Rngs(0))
+    >>> y = layer(jnp.ones((2, 8)))
+    >>> y.shape, y.dtype
+    ((2, 4), dtype('float32'))
+""" + _ARGS_DOC
+
+  def __init__(self, in_features: int, out_features: int, **kwargs):
+    if "use_ln_bias" in kwargs:
+      raise TypeError("RMSNormDenseFP8 has no ln_bias (RMSNorm has no beta); use "
+                      "LayerNormDenseFP8")
+    super().__init__(in_features, out_features, **kwargs)
+
+
+class LayerNormDenseFP8(_NormDenseFP8):
+  """LayerNorm (https://arxiv.org/abs/1607.06450) then a dense layer, in FP8.
+
+  As ``RMSNormDenseFP8`` with LayerNorm (``layer_norm_fp8``; TransformerEngine's
+  ``LayerNormDenseGeneral``), plus ``use_ln_bias`` (default True): LayerNorm's beta,
+  param ``ln_bias`` [N] (TransformerEngine's name), initialised by ``ln_bias_init``
+  (default zeros).
+""" + _ARGS_DOC
+
+  subtract_mean = True
+
+  def __init__(self, in_features: int, out_features: int, *, use_ln_bias: bool = True,
+               **kwargs):
+    super().__init__(in_features, out_features, use_ln_bias=use_ln_bias, **kwargs)
+
+
+# --------------------------------------------------------------------------- HLO check
+
+
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def fp8_gemm_calls(fn, *args) -> collections.Counter:
+  """The GEMM custom calls of the compiled ``jax.jit(fn)(*args)``: a Counter of their
+  targets (``__cublas$lt$matmul$f8`` is cuBLASLt's FP8 GEMM; ``__cublas$gemm`` /
+  ``__cublas$lt$matmul`` a float one). Empty on a CPU, which has no cuBLAS calls."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return collections.Counter(m.group(1) for line in text.splitlines()
+                             if "custom-call(" in line and (m := _TARGET.search(line))
+                             and "cublas" in m.group(1))
+
+
+def _main(m: int = 8192, n: int = 4096, f: int = 4096) -> int:
+  """``python -m flax_layers.fp8``: the GEMM custom calls of the layer's gradient at
+  [m, n] @ [n, f] (exit 1 unless all three GEMMs are cuBLASLt FP8 ones)."""
+  layer = RMSNormDenseFP8(n, f, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, params, meta = nnx.split(layer, nnx.Param, Fp8Meta)
+  x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
+
+  def loss(params, meta, x):
+    return jnp.sum(nnx.merge(graphdef, params, meta)(x).astype(_F32) ** 2)
+
+  calls = fp8_gemm_calls(jax.grad(loss, argnums=(0, 1)), params, meta, x)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: RMSNormDenseFP8 "
+        f"[{m}, {n}] @ [{n}, {f}], value_and_grad: GEMM custom calls {dict(calls)}")
+  ok = calls[FP8_GEMM_TARGET] == 3
+  print(f"{FP8_GEMM_TARGET}: {calls[FP8_GEMM_TARGET]} of 3 (forward, dgrad, wgrad): "
+        f"{'OK' if ok else 'MISSING'}")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(_main())

@@ -1,0 +1,386 @@
+"""flax_layers.fp8: the fused norm -> FP8 dense layer against a jnp version of its recipe.
+
+The recipe, written here from the formulas (module docstring of flax_layers.fp8): the
+norm in float32 (pallas_norm.reference), each GEMM operand quantised with the same
+scales (pallas_norm.fp8.quantise / current_scale, flax's compute_scale for delayed
+scaling), the GEMMs in float32 of the dequantised operands (flax fp8_ops' dequantize),
+and the norm's own vjp. The layer must give the same out, dx, dgamma, dbeta, dW, dbias
+and the same new delayed-scaling state. Everything runs under jax.jit (eager dispatch
+would compile op by op); most cases on the "xla" backend (the FP8 norm's kernels have
+their own tests), one on the Pallas kernels in interpret mode.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.linen import fp8_ops
+
+import flax_layers
+import pallas_norm
+from flax_layers import fp8
+from flax_layers import linen as pl_linen
+from pallas_norm import reference
+from pallas_norm.fp8 import current_scale, fp8_max, quantise
+
+_F32 = jnp.float32
+_E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+_EPS = 1e-6
+# Same quantised operands on both sides: what is left is float32 accumulation order and
+# the final rounding to x's dtype.
+_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+
+
+def _deq(v, scale, dt):
+  """v quantised with scale (() f32) and dequantised to float32."""
+  return fp8_ops.dequantize(quantise(v.astype(_F32), _F32(1) / scale, dt), _F32, scale)
+
+
+def _delayed(scale, hist, dt):
+  return fp8_ops.compute_scale(jnp.max(hist), scale, _F32(fp8_max(dt))).reshape(())
+
+
+def _push(hist, amax):
+  return jnp.roll(hist, -1).at[0].set(amax)
+
+
+def _recipe(x, kernel, scale, ln_bias, bias, dout, *, subtract_mean, state, grad_dt):
+  """(out, (dx, dscale, dln_bias, dkernel, dbias), new_state) of the recipe in jnp."""
+  def norm(x, scale, ln_bias):
+    return reference.norm(x.astype(_F32), scale, ln_bias, eps=_EPS,
+                          subtract_mean=subtract_mean)[0]  # [M, N] f32
+
+  y, norm_vjp = jax.vjp(norm, x, scale, ln_bias)
+  wf = kernel.astype(_F32)
+  y_amax, w_amax = jnp.max(jnp.abs(y)), jnp.max(jnp.abs(wf))
+  if state is None:
+    s_y, s_w = current_scale(y_amax, _E4M3), current_scale(w_amax, _E4M3)
+  else:
+    s_y = _delayed(state.input_scale, state.input_amax_history, _E4M3)
+    s_w = _delayed(state.kernel_scale, state.kernel_amax_history, _E4M3)
+  y_d, w_d = _deq(y, s_y, _E4M3), _deq(wf, s_w, _E4M3)
+  out = (y_d @ w_d).astype(x.dtype)
+  if bias is not None:
+    out = out + bias.astype(x.dtype)
+  g_amax = jnp.max(jnp.abs(dout.astype(_F32)))
+  s_g = (current_scale(g_amax, grad_dt) if state is None else
+         _delayed(state.output_grad_scale, state.output_grad_amax_history, grad_dt))
+  g_d = _deq(dout, s_g, grad_dt)
+  dy = (g_d @ w_d.T).astype(x.dtype)
+  dx, dscale, dln_bias = norm_vjp(dy.astype(_F32))
+  dkernel = (y_d.T @ g_d).astype(kernel.dtype)
+  dbias = None if bias is None else jnp.sum(dout.astype(_F32), 0).astype(bias.dtype)
+  new = None
+  if state is not None:
+    new = fp8.DelayedScalingState(
+        s_y.reshape(1), _push(state.input_amax_history, y_amax),
+        s_w.reshape(1), _push(state.kernel_amax_history, w_amax),
+        s_g.reshape(1), _push(state.output_grad_amax_history, g_amax))
+  return out, (dx.astype(x.dtype), dscale, dln_bias, dkernel, dbias), new
+
+
+def _inputs(m=16, n=64, f=48, dtype=_F32, subtract_mean=False, seed=0):
+  """(x [m, n], kernel [n, f], scale [n], ln_bias [n] or None, bias [f], dout [m, f])
+  from numpy's rng (eager jax.random would compile op by op)."""
+  rng = np.random.default_rng(seed)
+  r = lambda *shape: rng.standard_normal(shape, np.float32)
+  x = jnp.asarray(r(m, n) * 3 + 0.5, dtype)
+  ln_bias = jnp.asarray(0.1 * r(n)) if subtract_mean else None
+  return (x, jnp.asarray(r(n, f) * 0.05), jnp.asarray(1 + 0.1 * r(n)), ln_bias,
+          jnp.asarray(0.1 * r(f)), jnp.asarray(r(m, f) * 1e-3, dtype))
+
+
+def _state(length=8, seed=1):
+  """A used-looking delayed-scaling state: scales and histories that are not the
+  current amaxes (so a mix-up of the two shows)."""
+  rng = np.random.default_rng(seed)
+  hist = lambda top: jnp.asarray(rng.uniform(0.1, 1.0, length).astype(np.float32) * top)
+  return fp8.DelayedScalingState(jnp.full((1,), 0.02, _F32), hist(9.0),
+                                 jnp.full((1,), 3e-4, _F32), hist(0.2),
+                                 jnp.full((1,), 1e-7, _F32), hist(5e-3))
+
+
+def _allclose(got, want, tol, what):
+  want = np.asarray(want, np.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol,
+                             atol=tol * float(np.max(np.abs(want))), err_msg=what)
+
+
+def _check_against_recipe(x, kernel, scale, ln_bias, bias, dout, *, subtract_mean, state,
+                          grad_dt=_E5M2, backend="xla", tol=None):
+  def f(x, kernel, scale, ln_bias, bias, state):
+    return fp8.norm_dense_fp8(x, kernel, scale, ln_bias, bias, subtract_mean=subtract_mean,
+                              eps=_EPS, state=state, grad_fp8_dtype=grad_dt,
+                              backend=backend)
+
+  @jax.jit
+  def fwd_bwd(*args):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(dout)
+
+  out, (dx, dkernel, dscale, dln_bias, dbias, new) = fwd_bwd(x, kernel, scale, ln_bias,
+                                                             bias, state)
+  want_out, want_grads, want_new = jax.jit(functools.partial(
+      _recipe, subtract_mean=subtract_mean, grad_dt=grad_dt))(
+          x, kernel, scale, ln_bias, bias, dout, state=state)
+  tol = tol or _TOL[x.dtype.type]
+  assert out.dtype == x.dtype and out.shape == want_out.shape
+  _allclose(out, want_out, tol, "out")
+  for name, got, want in zip(("dx", "dscale", "dln_bias", "dkernel", "dbias"),
+                             (dx, dscale, dln_bias, dkernel, dbias), want_grads):
+    if want is None:
+      assert got is None, name
+      continue
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    _allclose(got, want, tol, name)
+  if state is None:
+    assert new is None
+  else:  # overwrite-with-gradient: the "gradient" of the state is the next state
+    for name, got, want in zip(fp8.DelayedScalingState._fields, new, want_new):
+      np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+  return out, new
+
+
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_matches_recipe(subtract_mean, scaling, dtype):
+  """out, every gradient and the new delayed-scaling state equal the jnp recipe's."""
+  x, kernel, scale, ln_bias, bias, dout = _inputs(dtype=dtype, subtract_mean=subtract_mean)
+  state = _state() if scaling == "delayed" else None
+  out, new = _check_against_recipe(x, kernel, scale, ln_bias, bias, dout,
+                                   subtract_mean=subtract_mean, state=state)
+  # It is an FP8 approximation of the float layer: within e4m3's rounding.
+  exact = jax.jit(lambda x, *p: reference.norm(x.astype(_F32), *p, eps=_EPS,
+                                               subtract_mean=subtract_mean)[0])(
+                                                   x, scale, ln_bias) @ kernel + bias
+  err = np.abs(np.asarray(out, np.float32) - np.asarray(exact))
+  assert err.max() < 0.1 * np.abs(np.asarray(exact)).max()
+  if new is not None:  # the delayed scales really are the history's, not this call's
+    assert float(new.input_scale[0]) == pytest.approx(
+        float(np.max(state.input_amax_history)) / 448.0, rel=1e-6)
+
+
+def test_e4m3_gradient_and_batch_dims():
+  """grad_fp8_dtype=e4m3fn (TransformerEngine's E4M3 recipe), x with two batch dims
+  and no dense bias or gamma."""
+  x, kernel, _, _, _, dout = _inputs(m=12)
+  x3, dout3 = x.reshape(3, 4, -1), dout.reshape(3, 4, -1)
+
+  def f(x, kernel):
+    return fp8.norm_dense_fp8(x, kernel, eps=_EPS, grad_fp8_dtype=_E4M3, backend="xla")
+
+  out, (dx, dkernel) = jax.jit(lambda *a: (lambda o, vjp: (o, vjp(dout3)))(
+      *jax.vjp(f, *a)))(x3, kernel)
+  want_out, (want_dx, _, _, want_dk, _), _ = jax.jit(functools.partial(
+      _recipe, subtract_mean=False, state=None, grad_dt=_E4M3))(
+          x, kernel, None, None, None, dout)
+  assert out.shape == (3, 4, kernel.shape[1]) and dx.shape == x3.shape
+  _allclose(out.reshape(want_out.shape), want_out, 2e-5, "out")
+  _allclose(dx.reshape(want_dx.shape), want_dx, 2e-5, "dx")
+  _allclose(dkernel, want_dk, 2e-5, "dkernel")
+
+
+def test_pallas_kernels_match_recipe():
+  """The Pallas kernels (interpret mode on CPU): the FP8 norm with its transposed copy
+  and the two-stage backward, delayed scaling, LayerNorm."""
+  x, kernel, scale, ln_bias, bias, dout = _inputs(m=32, n=128, f=32, subtract_mean=True)
+  _check_against_recipe(x, kernel, scale, ln_bias, bias, dout, subtract_mean=True,
+                        state=_state(), backend="pallas", tol=1e-4)
+
+
+def test_empty_rows():
+  x = jnp.zeros((0, 64), _F32)
+  layer = flax_layers.RMSNormDenseFP8(64, 8, backend="xla", rngs=nnx.Rngs(0))
+  out = layer(x)
+  assert out.shape == (0, 8) and out.dtype == _F32
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _trainer(layer, lr=1e-2):
+  """step(x) -> loss: a jitted adam step of mean(layer(x)**2), with update_fp8_meta."""
+  opt = nnx.Optimizer(layer, optax.adam(lr), wrt=nnx.Param)
+  diff = nnx.DiffState(0, (nnx.Param, fp8.Fp8Meta))
+
+  @nnx.jit
+  def step(layer, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2), argnums=diff)(layer)
+    opt.update(layer, fp8.update_fp8_meta(layer, grads))
+    return loss
+
+  return lambda x: float(step(layer, opt, x))
+
+
+def test_delayed_scaling_history_in_training():
+  """Three jitted train steps: each pushes its amaxes into the histories (newest at 0,
+  the one before rolled to the end), each scale is the max of the history before the
+  step over fp8_max (1 on the first step, whose history is empty), and a forward
+  without a gradient leaves the state alone."""
+  layer = flax_layers.RMSNormDenseFP8(64, 16, amax_history_length=4, backend="xla",
+                                      rngs=nnx.Rngs(0))
+  x = _inputs()[0]
+  xs = [x * (1 + i) for i in range(3)]
+  assert float(layer.input_scale[0]) == 1.0
+  nnx.jit(lambda layer, x: layer(x))(layer, x)  # evaluation: no gradient, no state change
+  assert not np.any(np.asarray(layer.input_amax_history[...]))
+  amax = jax.jit(lambda x, s: jnp.max(jnp.abs(
+      reference.norm(x, s, eps=1e-6, subtract_mean=False)[0])))
+  train, amaxes = _trainer(layer), []
+  for i, xi in enumerate(xs):
+    before = {k: np.asarray(getattr(layer, k)[...]) for k in fp8.DelayedScalingState._fields}
+    amaxes.append(float(amax(xi, layer.scale[...])))
+    train(xi)
+    h = np.asarray(layer.input_amax_history[...])
+    assert h[0] == pytest.approx(amaxes[-1], rel=1e-6)
+    np.testing.assert_array_equal(h[1:], np.roll(before["input_amax_history"], -1)[1:])
+    want = 1.0 if i == 0 else before["input_amax_history"].max() / 448.0
+    assert float(layer.input_scale[0]) == pytest.approx(want, rel=1e-6)
+    assert float(layer.kernel_amax_history[0]) == pytest.approx(
+        float(jnp.max(jnp.abs(layer.kernel[...]))), rel=0.05)  # the kernel before the step
+    assert float(layer.output_grad_amax_history[0]) > 0
+  assert [float(v) for v in np.asarray(layer.input_amax_history[...])[[0, 3, 2]]] == \
+      pytest.approx(amaxes[::-1], rel=1e-6)
+
+
+def test_current_scaling_has_no_state_and_trains():
+  layer = flax_layers.LayerNormDenseFP8(64, 16, scaling="current", backend="xla",
+                                        rngs=nnx.Rngs(0))
+  assert not jax.tree.leaves(nnx.state(layer, fp8.Fp8Meta))
+  assert set(nnx.state(layer, nnx.Param).keys()) == {"scale", "ln_bias", "kernel", "bias"}
+  x = _inputs()[0]
+  train = _trainer(layer, lr=3e-2)
+  losses = [train(x) for _ in range(20)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0]
+
+
+def test_params_like_norm_and_linear():
+  """The same init as nnx.RMSNorm followed by nnx.Linear from the same rngs: scale
+  ones, kernel and bias from the next two params keys (a drop-in for the pair)."""
+  layer = flax_layers.RMSNormDenseFP8(32, 8, rngs=nnx.Rngs(3))
+  rngs = nnx.Rngs(3)
+  norm, lin = nnx.RMSNorm(32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+  for got, want in ((layer.scale, norm.scale), (layer.kernel, lin.kernel),
+                    (layer.bias, lin.bias)):
+    np.testing.assert_array_equal(got[...], want[...])
+    assert got[...].dtype == want[...].dtype
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("name", ["RMSNormDenseFP8", "LayerNormDenseFP8"])
+def test_nnx_and_linen_agree(name, scaling):
+  """The same params (and state) give the same output and gradients (params and
+  overwrite-with-gradient collection) in NNX and Linen, under jit; bf16 compute."""
+  kw = dict(scaling=scaling, amax_history_length=8, dtype=jnp.bfloat16, backend="xla")
+  x = _inputs(dtype=jnp.bfloat16)[0]
+  lin = getattr(pl_linen, name)(features=16, **kw)
+  variables = lin.init(jax.random.key(0), x)
+  layer = getattr(flax_layers, name)(64, 16, **kw, rngs=nnx.Rngs(0))
+  owg = fp8.OVERWRITE_WITH_GRADIENT
+  assert (owg in variables) == (scaling == "delayed")
+  nnx.update(layer, nnx.State({**variables["params"], **variables.get(owg, {})}))
+
+  def loss_linen(v):
+    return jnp.mean(lin.apply(v, x).astype(_F32) ** 2)
+
+  def loss_nnx(layer):
+    return jnp.mean(layer(x).astype(_F32) ** 2)
+
+  l1, g1 = jax.jit(jax.value_and_grad(loss_linen))(variables)
+  diff = nnx.DiffState(0, (nnx.Param, fp8.Fp8Meta))
+  l2, g2 = nnx.jit(nnx.value_and_grad(loss_nnx, argnums=diff))(layer)
+  assert float(l1) == float(l2)
+  flat2 = {k: v[...] for k, v in g2.items()}
+  flat1 = {**g1["params"], **g1.get(owg, {})}
+  assert set(flat1) == set(flat2)
+  for k in flat1:
+    np.testing.assert_array_equal(flat1[k], flat2[k], err_msg=k)
+
+
+def test_lazy_export_from_pallas_norm():
+  assert pallas_norm.RMSNormDenseFP8 is flax_layers.RMSNormDenseFP8
+  assert pallas_norm.LayerNormDenseFP8 is flax_layers.LayerNormDenseFP8
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(scaling="just-in-time"), ValueError, "scaling='just-in-time' must be one of"),
+    (dict(amax_history_length=0), ValueError, "amax_history_length=0 must be a positive"),
+    (dict(fp8_dtype=_E5M2), TypeError, "fp8_dtype=float8_e5m2 must be one of"),
+    (dict(grad_fp8_dtype=jnp.bfloat16), TypeError, "grad_fp8_dtype=bfloat16 must be one"),
+    (dict(backend="triton"), ValueError, "backend='triton' must be one of"),
+])
+def test_constructor_errors(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    flax_layers.RMSNormDenseFP8(8, 4, **kwargs, rngs=nnx.Rngs(0))
+  with pytest.raises(exc, match=match):
+    pl_linen.RMSNormDenseFP8(features=4, **kwargs).init(jax.random.key(0), jnp.ones((2, 8)))
+
+
+def test_call_errors():
+  with pytest.raises(TypeError, match="has no ln_bias"):
+    flax_layers.RMSNormDenseFP8(8, 4, use_ln_bias=True, rngs=nnx.Rngs(0))
+  layer = flax_layers.RMSNormDenseFP8(8, 4, backend="xla", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"must end in in_features=8"):
+    layer(jnp.ones((2, 6)))
+  x, k = jnp.ones((2, 8)), jnp.ones((8, 4))
+  cases = [
+      (dict(kernel=jnp.ones((8, 4, 1))), ValueError, "must be \\[in_features, out_features\\]"),
+      (dict(scale=jnp.ones((4,))), ValueError, r"scale.shape=\(4,\) must be \(8,\)"),
+      (dict(bias=jnp.ones((8,))), ValueError, r"bias.shape=\(8,\) must be \(4,\)"),
+      (dict(ln_bias=jnp.ones((8,))), ValueError, "RMSNorm .* has none"),
+      (dict(x=jnp.ones((2, 8), jnp.int32)), TypeError, "x.dtype=int32 must be a float"),
+      (dict(state=(1, 2)), TypeError, "must be a DelayedScalingState"),
+      (dict(state=_state()._replace(kernel_amax_history=jnp.zeros((3,)))), ValueError,
+       "one L"),
+  ]
+  for kw, exc, match in cases:
+    args = dict(x=x, kernel=k) | kw
+    with pytest.raises(exc, match=match):
+      fp8.norm_dense_fp8(args.pop("x"), args.pop("kernel"), backend="xla", **args)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
+def test_gpu_d4096_matches_recipe_and_uses_fp8_gemms(subtract_mean):
+  """Compiled on the GPU at d=4096 (Pallas kernels): the jitted forward and grads
+  against the jnp recipe (cuBLASLt accumulates in its own order: a looser float32
+  tolerance), and XLA's program calls cuBLASLt's FP8 GEMM three times (forward, dgrad,
+  wgrad) and no float GEMM."""
+  x, kernel, scale, ln_bias, bias, dout = _inputs(m=2048, n=4096, f=4096, dtype=jnp.bfloat16,
+                                                  subtract_mean=subtract_mean)
+  state = _state(length=16)
+  state = state._replace(input_amax_history=state.input_amax_history / 9.0 * 12.0)
+
+  def f(x, kernel, scale, ln_bias, bias, state):
+    return fp8.norm_dense_fp8(x, kernel, scale, ln_bias, bias, subtract_mean=subtract_mean,
+                              eps=_EPS, state=state)
+
+  def fwd_bwd(*args):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(dout)
+
+  args = (x, kernel, scale, ln_bias, bias, state)
+  out, grads = jax.jit(fwd_bwd)(*args)
+  want_out, want_grads, want_new = _recipe(x, kernel, scale, ln_bias, bias, dout,
+                                           subtract_mean=subtract_mean, state=state,
+                                           grad_dt=_E5M2)
+  _allclose(out, want_out, 2e-2, "out")
+  got = (grads[0], grads[2], grads[3], grads[1], grads[4])
+  for name, g, w in zip(("dx", "dscale", "dln_bias", "dkernel", "dbias"), got, want_grads):
+    if w is not None:
+      _allclose(g, w, 2e-2, name)
+  for name, g, w in zip(fp8.DelayedScalingState._fields, grads[5], want_new):
+    np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=name)
+  calls = fp8.fp8_gemm_calls(fwd_bwd, *args)
+  assert calls == {fp8.FP8_GEMM_TARGET: 3}, calls
