@@ -95,7 +95,7 @@ def quantise(v, inv, fp8_dtype):
   ``inv`` (= 1 / scale), NaN kept: the clip is two selects on comparisons, which NaN
   fails (a ``jnp.clip`` in a Triton kernel lowers to minnum/maxnum, which would turn NaN
   into -fp8_max). +-Inf saturate to +-fp8_max."""
-  hi = _F32(fp8_max(fp8_dtype))
+  hi = fp8_max(fp8_dtype)  # a Python float (weakly typed: the selects stay float32)
   q = v * inv
   q = jnp.where(q > hi, hi, q)
   q = jnp.where(q < -hi, -hi, q)
@@ -195,27 +195,24 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
 
 
 def _pallas(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
-  try:
-    from pallas_norm.kernels import fp8 as _kernels
-  except ImportError as e:  # until kernels/fp8.py lands (issue #27)
-    raise NotImplementedError("backend='pallas' of the FP8-output norms is not there yet; "
-                              "use backend='xla'") from e
-  n = x.shape[-1]
-  lead = x.shape[:-1]
+  from pallas_norm.kernels import fp8 as _kernels
+  n, lead = x.shape[-1], x.shape[:-1]
   dt = jnp.dtype(st.fp8_dtype)
   x2 = x.reshape(-1, n)
-  kw = dict(eps=st.eps, scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
-            fp8_dtype=dt, transpose=st.transpose, interpret=st.interpret)
-  if y_scale is None:
-    mean, rstd, row_amax = _kernels.fp8_stats(x2, scale, bias, **kw)
+  kw = dict(scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
+            interpret=st.interpret)
+  q = dict(fp8_dtype=dt, transpose=st.transpose)
+  if y_scale is None:  # pass 1: statistics and row amax; pass 2: quantise
+    mean, rstd, row_amax = _kernels.fp8_stats(x2, scale, bias, eps=st.eps, **kw)
     amax = _kernels.reduce_amax(row_amax)
     y_scale = current_scale(amax, dt)
-    q, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale, **kw)
-  else:
-    q, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
-        x2, scale, bias, _F32(1.0) / y_scale, **kw)
+    y, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale,
+                                   **kw, **q)
+  else:  # one pass
+    y, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
+        x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw, **q)
     amax = _kernels.reduce_amax(row_amax)
-  return Fp8Norm(q.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
+  return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
                  rstd.reshape(lead))
 
 

@@ -1,0 +1,363 @@
+"""Pallas kernels (Triton lowering) of the FP8-output norms (``pallas_norm.fp8``).
+
+Bytes model, per element of x [M, N] (2-byte x): read x 2 B, write y 1 B (+1 B for the
+transposed copy y_t). Per-row values ([M] floats) are noise beside it. The kernels'
+passes over HBM:
+
+  delayed scaling (the scale is known): ONE pass, ``pallas_norm_fp8_delayed``.
+      grid = cdiv(M, block_m); a program owns block_m rows. Rows that fit one tile are
+      loaded once and kept in registers; longer rows are walked in block_n chunks for
+      the statistics, then re-walked (from L2, the chunks just read) to normalise,
+      quantise with the given scale and store y, y_t and the rows' amax (TileGym's
+      multi_wave_reload with a tall row block when y_t is asked for: the transposed
+      store of a [block_m, block_n] tile writes block_m contiguous bytes a y_t row, so
+      block_m >= 32 fills a 32-byte sector). The tensor amax is a jnp max over the
+      [M] row amaxes. HBM: 2 + 1 (+1) bytes an element, the minimum.
+  current scaling (the scale is this call's amax / fp8_max): no value can be quantised
+      before the whole tensor's amax is known, so beyond cache sizes one pass is
+      impossible. Two passes:
+        1. ``pallas_norm_fp8_stats`` (grid cdiv(M, block_m), short row blocks): reads x,
+           writes only mean, rstd and the row amax of y_f32 ([M] each);
+        a jnp max gives amax, then y_scale and 1 / y_scale;
+        2. ``pallas_norm_fp8_quantise`` (2-D grid of [block_m, block_n] tiles, an
+           elementwise pass): reads x again, recomputes y_f32 from the saved mean and
+           rstd with the same operations as pass 1, quantises, stores y and y_t (a tile
+           of >= 32 rows makes the transposed store coalesced).
+      HBM: 2 + 2 + 1 (+1) = 5 (6) bytes an element. COAT's alternative (pass 1 writes y
+      in bf16 with its row amax, pass 2 reads it back and quantises) moves 2 + 2 + 2 +
+      1 (+1) = 7 (8) bytes and rounds y to bf16 before quantising (the contract
+      quantises the float32 y); writing y in float32 instead would be 11 (12). Reading
+      x twice is the cheapest exact design.
+
+The quantisation is ``pallas_norm.fp8.quantise`` (the jnp chain's own function),
+y_f32 = forward._affine(x_hat, w, b) with x_hat = (x - mean) * rstd, as the reference
+orders it. Row amaxes are kept as the int32 bits of |y_f32|: for non-negative floats
+the bit patterns order as the values do and every NaN is above +Inf, so an integer max
+propagates NaN (Triton's float max is maxnum, which drops it) and is exact.
+
+Launch configs: ``fp8_config`` (no GPU measurements exist yet: each constant's comment
+gives its reason; the lead tunes them on the GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_norm.config import RELOAD_UNROLL_MAX_CHUNKS, cdiv, next_power_of_2
+from pallas_norm.fp8 import quantise
+from pallas_norm.kernels._compat import out_struct
+from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
+                                         _load_tile, _tile_index, _where0)
+
+__all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
+           "reduce_amax"]
+
+_F32 = jnp.float32
+KERNELS = ("delayed", "stats", "quantise")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """Launch config of one FP8-output kernel.
+
+  Attributes:
+    block_m: rows a program (row-block kernels) or a tile (quantise); power of 2.
+    block_n: columns of a tile (power of 2); the row-block kernels walk rows wider than
+      it in block_n chunks.
+    num_warps: warps a program.
+  """
+
+  block_m: int
+  block_n: int
+  num_warps: int
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "num_warps"):
+      v = getattr(self, name)
+      if v < 1 or v & (v - 1):
+        raise ValueError(f"Fp8Config.{name}={v} must be a power of 2")
+
+
+# Unmeasured (no GPU run of these kernels yet): reasons, not timings.
+_WHOLE_ROW_MAX = 8192  # rows up to this width stay in registers (forward's cached limit)
+_CHUNK_N = 4096  # longer rows are walked in chunks this wide (forward's reload chunk)
+_TILE_ELEMS = 4096  # row-block tile size: 16 f32 a thread at 8 warps, 2 at 64 rows
+_MAX_BLOCK_M = 16  # rows a program for short rows, so that programs stay plentiful
+_T_ROWS = 32  # transposed stores: 32 one-byte values = one 32-byte sector a y_t row
+_T_BLOCK_N = 256  # tall row blocks walk 256-wide chunks: 32 x 256 f32 = 32 a thread at 8 warps
+_Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
+_Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
+_CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
+
+
+def _warps(tile_elems: int) -> int:
+  """One 16-byte vector of 2-byte x (8 values) a thread: tile / 256 warps in [4, 16]."""
+  return max(4, min(16, tile_elems // 256))
+
+
+def fp8_config(m: int, n: int, *, kernel: str, transpose: bool = False,
+               interpret: bool = False) -> Fp8Config:
+  """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N].
+
+  Raises:
+    ValueError: an unknown kernel name.
+  """
+  if kernel not in KERNELS:
+    raise ValueError(f"{kernel=} is not an FP8 kernel; valid: {KERNELS}")
+  if kernel == "quantise":
+    bm, bn = _Q_TILE_T if transpose else _Q_TILE
+    bn = min(bn, next_power_of_2(n))
+    bm = min(bm, next_power_of_2(m)) if not interpret else max(bm, min(
+        _CPU_MIN_BLOCK_M, next_power_of_2(m)))
+    return Fp8Config(bm, bn, _warps(bm * bn))
+  full = next_power_of_2(n)
+  if kernel == "delayed" and transpose:
+    bn = min(full, _T_BLOCK_N)
+    return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
+  bn = full if full <= _WHOLE_ROW_MAX else _CHUNK_N
+  bm = max(1, min(_MAX_BLOCK_M, _TILE_ELEMS // bn, next_power_of_2(m)))
+  if interpret:
+    bm = max(bm, min(_CPU_MIN_BLOCK_M, next_power_of_2(m)))
+  return Fp8Config(bm, bn, _warps(bm * bn))
+
+
+# --------------------------------------------------------------------------- tile code
+
+
+def _row_amax_bits(y, mask):
+  """Row max of |y| as int32 bits ([block_m]); NaN (bits above +Inf's) propagates, the
+  elements outside ``mask`` count as 0."""
+  bits = lax.bitcast_convert_type(y, jnp.int32) & jnp.int32(0x7FFFFFFF)
+  if mask is not None:
+    bits = jnp.where(mask, bits, jnp.int32(0))
+  return jnp.max(bits, axis=1)
+
+
+def _emit(x, tile, mean, rstd, params, q):
+  """y_f32 of the f32 x ``tile`` ((rows, cols, row_mask, col_mask, mask)) from the rows'
+  ``mean`` (None: RMSNorm) and ``rstd``; quantised and stored when ``q`` is
+  (inv, fp8_dtype, y_ref, y_t_ref or None). Returns the tile's row amax bits."""
+  rows, cols, _, col_mask, mask = tile
+  if mean is not None:
+    x = x - mean[:, None]
+  w, b = params(cols, col_mask)
+  y = _affine(x * rstd[:, None], w, b)  # [block_m, block_n] f32
+  if q is not None:
+    inv, fp8_dtype, y_ref, y_t_ref = q
+    yq = quantise(y, inv, fp8_dtype)
+    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], yq, mask=mask)
+    if y_t_ref is not None:  # y_t[c, r] = y[r, c]: the same tile through transposed indices
+      plgpu.store(y_t_ref.at[cols[None, :], rows[:, None]], yq, mask=mask)
+  return _row_amax_bits(y, mask)
+
+
+def _walk(num_chunks, body, init):
+  """``body(k, carry)`` over chunks k = num_chunks - 1, ..., 0 (the last ones read by
+  the statistics pass are the likeliest in L2), unrolled for short rows."""
+  if num_chunks <= RELOAD_UNROLL_MAX_CHUNKS:
+    carry = init
+    for j in range(num_chunks):
+      carry = body(jnp.int32(num_chunks - 1 - j), carry)
+    return carry
+  return lax.fori_loop(0, num_chunks, lambda j, c: body(num_chunks - 1 - j, c), init)
+
+
+def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                 fp8_dtype, transpose, block_m, block_n):
+  """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
+  when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
+  current scaling)."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  bias_ref = refs.pop(0) if has_bias else None
+  q = None
+  if fp8_dtype is not None:
+    inv_ref, y_ref = refs.pop(0), refs.pop(0)
+    y_t_ref = refs.pop(0) if transpose else None
+    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref)
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref, amax_ref = refs
+  m = x_ref.shape[0]
+  rb = pl.program_id(0)
+  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
+  params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
+  num_chunks = cdiv(n, block_n)
+  t0 = tile(0)
+  rows, _, row_mask, _, mask = t0
+  if num_chunks == 1:  # the row block stays in registers: x is read once
+    x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
+    mean = None
+    xc = x
+    if subtract_mean:
+      mean = jnp.sum(x, axis=1) / n  # [block_m]
+      xc = _where0(mask, x - mean[:, None])
+    rstd = lax.rsqrt(jnp.sum(xc * xc, axis=1) / n + _F32(eps))
+    amax = _emit(x, t0, mean, rstd, params, q)
+  else:  # statistics over the chunks, then a second walk (from L2) that stores
+    mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
+                             block_n=block_n)
+    rstd = lax.rsqrt(acc / n + _F32(eps))
+
+    def body(k, amax):
+      t = tile(k)
+      x = _load_tile(x_ref, t[0], t[1], t[4])
+      return jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
+
+    amax = _walk(num_chunks, body, jnp.zeros((block_m,), jnp.int32))
+  plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
+  if mean_ref is not None:
+    plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
+  plgpu.store(amax_ref.at[rows], amax, mask=row_mask)
+
+
+def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
+                     fp8_dtype, transpose, block_m, block_n):
+  """Tile (program_id(0), program_id(1)) of y: y_f32 from the saved mean/rstd,
+  quantised with inv (pass 2 of current scaling)."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  bias_ref = refs.pop(0) if has_bias else None
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref, inv_ref, y_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  y_t_ref = refs.pop(0) if transpose else None
+  t = _tile_index(pl.program_id(0), pl.program_id(1), x_ref.shape[0], n, block_m=block_m,
+                  block_n=block_n, rows_in_bounds=True)
+  rows, cols, row_mask, _, mask = t
+  x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32
+  mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)  # [block_m]
+  rstd = _load(rstd_ref.at[rows], row_mask)
+  params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
+  _emit(x, t, mean, rstd, params, (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref))
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _row_outs(x, subtract_mean):
+  m = x.shape[0]
+  return ([out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
+          + [out_struct((m,), jnp.int32, x)])
+
+
+def _row_results(outs, m, subtract_mean):
+  """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, row amax bits [M] int32)."""
+  mean = outs.pop(0) if subtract_mean else jnp.zeros((m,), _F32)
+  return mean, outs[0], outs[1]
+
+
+def _y_outs(x, fp8_dtype, transpose):
+  m, n = x.shape
+  return [out_struct((m, n), fp8_dtype, x)] + (
+      [out_struct((n, m), fp8_dtype, x)] if transpose else [])
+
+
+def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
+  return pl.pallas_call(
+      functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n, **statics),
+      out_shape=outs,
+      grid=grid,
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      interpret=interpret,
+      name=name,
+  )(*[a for a in inputs if a is not None])
+
+
+def _inv(inv):
+  return jnp.asarray(inv, _F32).reshape(1)
+
+
+def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
+                     subtract_mean: bool, fp8_dtype, transpose: bool, interpret: bool,
+                     config: Fp8Config | None = None):
+  """Delayed scaling, one pass: the norm of x quantised with ``inv`` = 1 / y_scale.
+
+  Args:
+    x: [M, N] float32/bfloat16/float16; scale, bias: [N] float or None.
+    inv: () float32, 1 / y_scale.
+    eps, scale_offset, subtract_mean: as in ``pallas_norm.layer_norm``.
+    fp8_dtype: float8_e4m3fn or float8_e5m2; transpose: also write y_t.
+    interpret: Pallas interpret mode. config: Fp8Config (default ``fp8_config``).
+
+  Returns:
+    (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
+    f32, row amax [M] int32: the bits of each row's max |y_f32|, ``reduce_amax``'s input).
+  """
+  m, n = x.shape
+  cfg = config or fp8_config(m, n, kernel="delayed", transpose=transpose,
+                             interpret=interpret)
+  outs = _call(_norm_kernel, [x, scale, bias, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean),
+               (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_delayed",
+               n=n, eps=float(eps), scale_offset=float(scale_offset),
+               subtract_mean=subtract_mean, has_scale=scale is not None,
+               has_bias=bias is not None, fp8_dtype=jnp.dtype(fp8_dtype).name,
+               transpose=transpose)
+  outs = list(outs)
+  y = outs.pop(0)
+  y_t = outs.pop(0) if transpose else None
+  return (y, y_t, *_row_results(outs, m, subtract_mean))
+
+
+def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
+              interpret: bool, config: Fp8Config | None = None):
+  """Current scaling, pass 1: the rows' statistics and the row amax of y_f32.
+
+  Args: as in ``fp8_norm_delayed``.
+
+  Returns:
+    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, row amax bits [M] int32).
+  """
+  m, n = x.shape
+  cfg = config or fp8_config(m, n, kernel="stats", interpret=interpret)
+  outs = _call(_norm_kernel, [x, scale, bias], _row_outs(x, subtract_mean),
+               (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_stats",
+               n=n, eps=float(eps), scale_offset=float(scale_offset),
+               subtract_mean=subtract_mean, has_scale=scale is not None,
+               has_bias=bias is not None, fp8_dtype=None, transpose=False)
+  return _row_results(list(outs), m, subtract_mean)
+
+
+def fp8_quantise(x, scale, bias, mean, rstd, inv, *, scale_offset: float,
+                 subtract_mean: bool, fp8_dtype, transpose: bool, interpret: bool,
+                 config: Fp8Config | None = None):
+  """Current scaling, pass 2: y (and y_t) from x and the saved statistics.
+
+  Args:
+    x, scale, bias, scale_offset, subtract_mean, fp8_dtype, transpose, interpret,
+      config: as in ``fp8_norm_delayed``.
+    mean: [M] f32 (read for LayerNorm only); rstd: [M] f32 (``fp8_stats``'s).
+    inv: () float32, 1 / y_scale.
+
+  Returns:
+    (y [M, N] fp8, y_t [N, M] fp8 or None).
+  """
+  m, n = x.shape
+  cfg = config or fp8_config(m, n, kernel="quantise", transpose=transpose,
+                             interpret=interpret)
+  outs = _call(_quantise_kernel,
+               [x, scale, bias, mean if subtract_mean else None, rstd, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose),
+               (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)), cfg, interpret,
+               "pallas_norm_fp8_quantise", n=n, scale_offset=float(scale_offset),
+               subtract_mean=subtract_mean, has_scale=scale is not None,
+               has_bias=bias is not None, fp8_dtype=jnp.dtype(fp8_dtype).name,
+               transpose=transpose)
+  return outs[0], (outs[1] if transpose else None)
+
+
+def reduce_amax(row_amax_bits):
+  """() float32 tensor amax from the kernels' [M] int32 row amax bits (NaN if any row
+  has one)."""
+  return lax.bitcast_convert_type(jnp.max(row_amax_bits), _F32)

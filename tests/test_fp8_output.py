@@ -1,0 +1,352 @@
+"""FP8 output (issue #27 item 2): pallas_norm.rms_norm_fp8 / layer_norm_fp8 and
+pallas_norm.fp8.norm_backward.
+
+Oracles:
+  - the kernels' own statistics through the jnp chain (``_chain``: y_f32 from the
+    returned mean/rstd, amax, scale, quantise): amax, y_scale and y bitwise in interpret
+    mode (the same float32 operations in the same order; on the GPU, within one FP8 ulp);
+  - backend="xla" (reference.norm in float32, amax, quantise, transpose): statistics to
+    float32 rounding (the kernels sum in another order), amax and y_scale to 2^-20
+    relative, y within one FP8 ulp (most bit-equal), y_t == y.T bitwise;
+  - norm_backward against jax.vjp of pallas_norm.rms_norm / layer_norm.
+On CPU the kernels run in Pallas interpret mode; ``make gpu-check`` runs this file with
+interpret=False, plus the ``gpu`` tests at 4096 x 4096 and 8192 x 2048.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import fp8, reference
+from pallas_norm.kernels import fp8 as kfp8
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F32 = jnp.float32
+OPS = {"rms": pallas_norm.rms_norm_fp8, "layer": pallas_norm.layer_norm_fp8}
+
+
+def _on_gpu():
+  return jax.default_backend() == "gpu"
+
+
+def _data(shape, *, layer, dtype=jnp.bfloat16, seed=0, scale=True, bias=True):
+  rng = np.random.default_rng(seed + 17 * shape[-1] + len(shape))
+  n = shape[-1]
+  x = jnp.asarray(rng.standard_normal(shape) * 2.0 + (1.5 if layer else 0.0), dtype)
+  s = jnp.asarray(1.0 + 0.5 * rng.standard_normal(n), F32) if scale else None
+  b = jnp.asarray(rng.standard_normal(n), F32) if layer and bias else None
+  return x, s, b
+
+
+def _args(op, x, s, b):
+  return (x, s, b) if op == "layer" else (x, s)
+
+
+def _f32(a):
+  return np.asarray(jnp.asarray(a).astype(F32))
+
+
+def _bits(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "scale_offset", "fp8_dtype"))
+def _chain(x, s, b, mean, rstd, *, layer, scale_offset, y_scale, fp8_dtype):
+  """The jnp chain on given statistics: (y_f32, amax, y_scale, y). Jitted, as the
+  kernels are in interpret mode: XLA contracts y * w + b to an FMA there."""
+  xc = x.astype(F32)
+  if layer:
+    xc = xc - mean[..., None]
+  y = xc * rstd[..., None]
+  if s is not None:
+    y = y * (F32(scale_offset) + s.astype(F32))
+  if b is not None:
+    y = y + b.astype(F32)
+  amax = jnp.max(jnp.abs(y))
+  if y_scale is None:
+    y_scale = fp8.current_scale(amax, fp8_dtype)
+  return y, amax, y_scale, fp8.quantise(y, F32(1) / y_scale, fp8_dtype)
+
+
+def _ulp_ok(a, b, fp8_dtype):
+  """|a - b| <= one FP8 ulp at max(|a|, |b|) (as float32; NaN only where both are)."""
+  a, b = _f32(a), _f32(b)
+  fi = jnp.finfo(fp8_dtype)
+  nan = np.isnan(a)
+  np.testing.assert_array_equal(nan, np.isnan(b))
+  mag = np.maximum(np.abs(a), np.abs(b))[~nan]
+  expo = np.floor(np.log2(np.maximum(mag, float(fi.smallest_normal))))
+  ulp = 2.0 ** (expo - fi.nmant)
+  err = np.abs(a - b)[~nan]
+  assert np.all(err <= ulp), f"{np.sum(err > ulp)} values more than one ulp apart"
+  return np.mean(err == 0) if err.size else 1.0
+
+
+def _check_self(r, x, s, b, *, layer, scale_offset, y_scale, fp8_dtype):
+  """r against the jnp chain on r's own statistics."""
+  _, amax, ys, y = _chain(x, s, b, r.mean, r.rstd, layer=layer, scale_offset=scale_offset,
+                          y_scale=y_scale, fp8_dtype=fp8_dtype)
+  if _on_gpu():  # y_f32's last bit may differ (FMA contraction, the order of ops)
+    np.testing.assert_allclose(_f32(r.amax), _f32(amax), rtol=2**-20)
+    _ulp_ok(r.y, y, fp8_dtype)
+    return
+  np.testing.assert_array_equal(_f32(r.amax), _f32(amax))
+  np.testing.assert_array_equal(_f32(r.y_scale), _f32(ys))
+  np.testing.assert_array_equal(_bits(r.y), _bits(y))
+
+
+def _check_ref(r, ref, *, fp8_dtype, transpose, layer):
+  """r (pallas) against ref (backend="xla")."""
+  assert r.y.dtype == ref.y.dtype == jnp.dtype(fp8_dtype)
+  assert r.y.shape == ref.y.shape
+  assert r.mean.shape == r.rstd.shape == ref.rstd.shape
+  assert r.amax.dtype == r.y_scale.dtype == jnp.float32 and r.amax.shape == ()
+  np.testing.assert_allclose(_f32(r.rstd), _f32(ref.rstd), rtol=2**-20)
+  np.testing.assert_allclose(_f32(r.mean), _f32(ref.mean), rtol=2**-20, atol=2**-20)
+  if not layer:
+    np.testing.assert_array_equal(_f32(r.mean), 0.0)
+  np.testing.assert_allclose(_f32(r.amax), _f32(ref.amax), rtol=2**-20)
+  np.testing.assert_allclose(_f32(r.y_scale), _f32(ref.y_scale), rtol=2**-20)
+  assert _ulp_ok(r.y, ref.y, fp8_dtype) > 0.99
+  if transpose:
+    n = r.y.shape[-1]
+    assert r.y_t.shape == (n, r.y.size // n) and r.y_t.dtype == r.y.dtype
+    np.testing.assert_array_equal(_bits(r.y_t), _bits(r.y.reshape(-1, n).T))
+    np.testing.assert_array_equal(_bits(ref.y_t), _bits(ref.y.reshape(-1, n).T))
+  else:
+    assert r.y_t is None and ref.y_t is None
+
+
+def _run(op, x, s, b, **kw):
+  args = _args(op, x, s, b)
+  return OPS[op](*args, **kw), OPS[op](*args, backend="xla", **kw)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("fp8_dtype,transpose", [(E4M3, True), (E5M2, False)],
+                         ids=["e4m3-yt", "e5m2"])
+@pytest.mark.parametrize("y_scale", [None, 0.01], ids=["current", "delayed"])
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_matches_xla(op, y_scale, fp8_dtype, transpose):
+  # rank 3, M = 18 and N = 200: ragged for every tile, masked rows and columns
+  x, s, b = _data((2, 9, 200), layer=op == "layer")
+  r, ref = _run(op, x, s, b, y_scale=y_scale, fp8_dtype=fp8_dtype, transpose=transpose)
+  _check_ref(r, ref, fp8_dtype=fp8_dtype, transpose=transpose, layer=op == "layer")
+  _check_self(r, x, s, b, layer=op == "layer", scale_offset=0.0, y_scale=y_scale,
+              fp8_dtype=fp8_dtype)
+  if y_scale is not None:
+    assert float(r.y_scale) == np.float32(y_scale)
+
+
+@pytest.mark.parametrize("op,scale,bias,scale_offset,dtype,y_scale", [
+    ("rms", False, False, 0.0, jnp.float32, None),
+    ("rms", True, False, 1.0, jnp.float16, 0.02),
+    ("layer", False, False, 0.0, jnp.bfloat16, 0.02),
+    ("layer", True, False, 1.0, jnp.float32, None),
+    ("layer", False, True, 0.0, jnp.bfloat16, None),
+])
+def test_params_and_dtypes(op, scale, bias, scale_offset, dtype, y_scale):
+  layer = op == "layer"
+  x, s, b = _data((37, 64), layer=layer, dtype=dtype, scale=scale, bias=bias)
+  r, ref = _run(op, x, s, b, y_scale=y_scale, scale_offset=scale_offset, transpose=True)
+  _check_ref(r, ref, fp8_dtype=E4M3, transpose=True, layer=layer)
+  _check_self(r, x, s, b, layer=layer, scale_offset=scale_offset, y_scale=y_scale,
+              fp8_dtype=E4M3)
+
+
+# Configs that force the chunked walks on a short row: 2 chunks (unrolled), 7 chunks (a
+# loop), the last one ragged.
+_CHUNKED = [kfp8.Fp8Config(8, 128, 4), kfp8.Fp8Config(32, 32, 4)]
+
+
+@pytest.mark.parametrize("op,cfg", [("rms", _CHUNKED[0]), ("layer", _CHUNKED[1])],
+                         ids=["rms-unrolled", "layer-loop"])
+def test_chunked_kernels(op, cfg):
+  layer = op == "layer"
+  x, s, b = _data((37, 200), layer=layer)
+  eps = 1e-5 if layer else float(jnp.finfo(F32).eps)
+  _, _, ref_rstd = reference.norm(x, eps=eps, subtract_mean=layer)
+  kw = dict(scale_offset=0.0, subtract_mean=layer, interpret=not _on_gpu())
+  y_scale = F32(0.01)
+  y, y_t, mean, rstd, amax = kfp8.fp8_norm_delayed(
+      x, s, b, F32(1) / y_scale, eps=eps, fp8_dtype=E4M3, transpose=True, config=cfg, **kw)
+  r = fp8.Fp8Norm(y, y_scale, kfp8.reduce_amax(amax), y_t, mean, rstd)
+  _check_self(r, x, s, b, layer=layer, scale_offset=0.0, y_scale=y_scale, fp8_dtype=E4M3)
+  np.testing.assert_allclose(_f32(rstd), _f32(ref_rstd), rtol=2**-20)
+  np.testing.assert_array_equal(_bits(y_t), _bits(y.T))
+  mean2, rstd2, amax2 = kfp8.fp8_stats(x, s, b, eps=eps, config=cfg, **kw)
+  np.testing.assert_array_equal(_f32(mean2), _f32(mean))
+  np.testing.assert_array_equal(_f32(rstd2), _f32(rstd))
+  np.testing.assert_array_equal(np.asarray(amax2), np.asarray(amax))
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_saturation(fp8_dtype):
+  """A delayed scale too small: values clip to +-fp8_max, no Inf or NaN."""
+  x, s, b = _data((16, 128), layer=True)
+  hi = fp8.fp8_max(fp8_dtype)
+  y_scale = 2.0 / hi  # |y| of a few units overflow
+  r, ref = _run("layer", x, s, b, y_scale=y_scale, fp8_dtype=fp8_dtype, transpose=True)
+  y = _f32(r.y)
+  assert np.all(np.isfinite(y)) and np.max(np.abs(y)) == hi
+  assert np.mean(np.abs(y) == hi) > 0.05
+  np.testing.assert_array_equal(_bits(r.y), _bits(ref.y))
+  np.testing.assert_array_equal(_bits(r.y_t), _bits(r.y.T))
+
+
+@pytest.mark.parametrize("op,y_scale", [("rms", None), ("layer", 0.01)],
+                         ids=["rms-current", "layer-delayed"])
+def test_nan_inf(op, y_scale):
+  """NaN in x: amax is NaN, current scaling falls back to y_scale = 1, the row is NaN;
+  an Inf gives rstd = 0 and NaN where inf * 0 (the whole row for LayerNorm, whose mean
+  is Inf), as in the jnp chain."""
+  x, s, b = _data((8, 64), layer=op == "layer", dtype=jnp.float32)
+  x = x.at[2, 5].set(jnp.nan).at[6, 0].set(jnp.inf)
+  r, ref = _run(op, x, s, b, y_scale=y_scale)
+  assert np.isnan(_f32(r.amax)) and np.isnan(_f32(ref.amax))
+  np.testing.assert_array_equal(_f32(r.y_scale), _f32(ref.y_scale))
+  if y_scale is None:
+    assert float(r.y_scale) == 1.0
+  y, yr = _f32(r.y), _f32(ref.y)
+  np.testing.assert_array_equal(np.isnan(y), np.isnan(yr))
+  assert np.all(np.isnan(y[2])) and np.isnan(y[6, 0])
+  keep = np.array([0, 1, 3, 4, 5, 7])
+  np.testing.assert_array_equal(_bits(r.y[keep]), _bits(ref.y[keep]))
+
+
+def test_deterministic_jit_rank1_empty():
+  x, s, b = _data((5, 9, 96), layer=True)
+  call = functools.partial(pallas_norm.layer_norm_fp8, transpose=True)
+  r1, r2 = call(x, s, b), call(x, s, b)
+  for a, c in zip(r1, r2):
+    np.testing.assert_array_equal(np.asarray(a).tobytes(), np.asarray(c).tobytes())
+  # a traced delayed scale (no concrete check), under jit
+  rj = jax.jit(lambda x, ys: pallas_norm.rms_norm_fp8(x, s, y_scale=ys))(x, F32(0.05))
+  ref = pallas_norm.rms_norm_fp8(x, s, y_scale=0.05, backend="xla")
+  _ulp_ok(rj.y, ref.y, E4M3)
+  # rank 1: M = 1, y_t [N, 1], statistics of shape ()
+  r = pallas_norm.rms_norm_fp8(x[0, 0], s, transpose=True)
+  ref = pallas_norm.rms_norm_fp8(x[0, 0], s, transpose=True, backend="xla")
+  assert r.y.shape == (96,) and r.y_t.shape == (96, 1) and r.rstd.shape == ()
+  _check_ref(r, ref, fp8_dtype=E4M3, transpose=True, layer=False)
+  # M == 0
+  for backend in ("pallas", "xla"):
+    e = pallas_norm.layer_norm_fp8(x[:0], s, b, transpose=True, backend=backend)
+    assert e.y.shape == (0, 9, 96) and e.y_t.shape == (96, 0) and e.mean.shape == (0, 9)
+    assert float(e.amax) == 0.0 and float(e.y_scale) == 1.0
+
+
+def test_not_differentiable():
+  x, s, _ = _data((4, 32), layer=False, dtype=jnp.float32)
+  loss = lambda x: pallas_norm.rms_norm_fp8(x, s).y.astype(F32).sum()
+  with pytest.raises(TypeError, match="not differentiable.*FP8 dense"):
+    jax.grad(loss)(x)
+
+
+_BAD = [
+    (dict(x=jnp.ones((4, 8), jnp.int32)), TypeError, "floating"),
+    (dict(x=jnp.ones(())), ValueError, "rank"),
+    (dict(x=jnp.ones((4, 0))), ValueError, "N=0"),
+    (dict(scale=jnp.ones(7)), ValueError, r"scale.shape=\(7,\)"),
+    (dict(fp8_dtype=jnp.bfloat16), TypeError, "float8_e4m3fn or float8_e5m2"),
+    (dict(fp8_dtype=jnp.float8_e4m3fnuz), TypeError, "float8_e4m3fn or float8_e5m2"),
+    (dict(y_scale=jnp.ones((), jnp.bfloat16)), TypeError, "float32"),
+    (dict(y_scale=jnp.ones((1,), F32)), ValueError, r"must be \(\)"),
+    (dict(y_scale=0.0), ValueError, "finite and > 0"),
+    (dict(y_scale=float("inf")), ValueError, "finite and > 0"),
+    (dict(y_scale=-1.0), ValueError, "finite and > 0"),
+    (dict(eps=-1.0), ValueError, "eps"),
+    (dict(mode="multi_wave_cached"), NotImplementedError, "mode=None"),
+    (dict(mode="fast"), ValueError, "valid modes"),
+    (dict(backend="triton"), NotImplementedError, "FP8-output backends"),
+    (dict(backend="cuda"), ValueError, "valid backends"),
+    (dict(transpose=1), TypeError, "transpose"),
+]
+
+
+@pytest.mark.parametrize("bad,exc,match", _BAD, ids=[str(i) for i in range(len(_BAD))])
+def test_errors(bad, exc, match):
+  kw = dict(x=jnp.ones((4, 8), jnp.bfloat16), scale=jnp.ones(8))
+  kw.update(bad)
+  x, scale = kw.pop("x"), kw.pop("scale")
+  with pytest.raises(exc, match=match):
+    pallas_norm.rms_norm_fp8(x, scale, **kw)
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="power of 2"):
+    kfp8.Fp8Config(24, 128, 4)
+  with pytest.raises(ValueError, match="not an FP8 kernel"):
+    kfp8.fp8_config(64, 64, kernel="fused")
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("op,shape,backend", [
+    ("layer", (2, 5, 96), "pallas"), ("rms", (200,), "pallas"), ("rms", (2, 5, 96), "xla"),
+    ("layer", (40,), "xla")])
+def test_norm_backward(op, shape, backend):
+  """Against jax.vjp of rms_norm / layer_norm on the same backend, with the statistics
+  of the forward (reference.norm's)."""
+  layer = op == "layer"
+  x, s, b = _data(shape, layer=layer, dtype=jnp.float32)
+  dy = jnp.asarray(np.random.default_rng(3).standard_normal(shape), jnp.bfloat16)
+  f = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  kw = dict(scale_offset=1.0)
+  _, vjp = jax.vjp(lambda x, s, b: f(*_args(op, x, s, b), backend=backend, **kw), x, s, b)
+  want = vjp(dy.astype(F32))
+  eps = 1e-5 if layer else float(jnp.finfo(F32).eps)
+  _, mean, rstd = reference.norm(x, eps=eps, subtract_mean=layer)
+  got = fp8.norm_backward(dy, x, s, b, mean, rstd, subtract_mean=layer, backend=backend,
+                          **kw)
+  n = shape[-1]
+  for name, g, w in zip(("dx", "dscale", "dbias"), got, want):
+    if not layer and name == "dbias":
+      assert g is None
+      continue
+    assert g.dtype == w.dtype and g.shape == w.shape, name
+    np.testing.assert_allclose(_f32(g), _f32(w), rtol=1e-5, atol=1e-5 * n**0.5, err_msg=name)
+
+
+def test_norm_backward_errors():
+  x = jnp.ones((4, 8))
+  r = jnp.ones((4,))
+  nb = functools.partial(fp8.norm_backward, subtract_mean=True)
+  with pytest.raises(ValueError, match="dy.shape"):
+    nb(jnp.ones((4, 9)), x, None, None, r, r)
+  with pytest.raises(ValueError, match="rstd.shape"):
+    nb(x, x, None, None, r, jnp.ones((8,)))
+  with pytest.raises(ValueError, match="mean is None"):
+    nb(x, x, None, None, None, r)
+  with pytest.raises(TypeError, match="float32"):
+    nb(x, x, None, None, r, r.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="valid backends"):
+    nb(x, x, None, None, r, r, backend="cuda")
+  dx, ds, db = fp8.norm_backward(x[:0], x[:0], jnp.ones(8), None, None, r[:0],
+                                 subtract_mean=False)
+  assert dx.shape == (0, 8) and float(jnp.sum(jnp.abs(ds))) == 0.0 and db is None
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 2048)])
+@pytest.mark.parametrize("y_scale", [None, 0.01], ids=["current", "delayed"])
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_gpu_compiled_vs_xla(op, y_scale, shape):
+  layer = op == "layer"
+  x, s, b = _data(shape, layer=layer)
+  for transpose in (False, True):
+    args = _args(op, x, s, b)
+    r = OPS[op](*args, y_scale=y_scale, transpose=transpose, interpret=False)
+    ref = OPS[op](*args, y_scale=y_scale, transpose=transpose, backend="xla")
+    _check_ref(r, ref, fp8_dtype=E4M3, transpose=transpose, layer=layer)
+    _check_self(r, x, s, b, layer=layer, scale_offset=0.0, y_scale=y_scale, fp8_dtype=E4M3)
