@@ -217,6 +217,40 @@ def test_residual_ops_on_cpu(tmp_path, monkeypatch):
   assert "dresidual" in layer_bwd["check_detail"] and "dbias" in layer_bwd["check_detail"]
 
 
+def test_fp8_ops_plan_and_bytes():
+  """--ops fp8 is the eight FP8-output ops, forward only, pallas (heuristic) and xla."""
+  plan = bench.build_plan(_args("--shapes", "64x128", "--ops", "fp8", "--impls",
+                                "pallas,pallas:*,xla,flax"))
+  assert {c.op for c in plan} == set(bench_plan.FP8_OPS) and len(bench_plan.FP8_OPS) == 8
+  assert {c.pass_ for c in plan} == {"fwd"} and {c.impl for c in plan} == {"pallas", "xla"}
+  assert bench_plan.fp8_variant("layer_fp8_delayed_t") == ("layer", True, True)
+  assert bench_plan.fp8_variant("rms") is None
+  assert bench.bytes_model(8, 16, 2, "fwd", "rms_fp8") == 3 * 128
+  assert bench.bytes_model(8, 16, 2, "fwd", "layer_fp8_delayed_t") == 4 * 128
+  assert bench_plan.fp8_design_bytes(8, 16, 2, "rms_fp8_t") == 6 * 128
+  assert bench_plan.fp8_design_bytes(8, 16, 2, "rms_fp8_delayed") == 3 * 128
+  with pytest.raises(ValueError, match="forward only"):
+    bench.bytes_model(8, 16, 2, "fwdbwd", "rms_fp8")
+
+
+def test_fp8_ops_on_cpu(tmp_path, monkeypatch):
+  """An FP8-output op through the run loop (interpret mode): --check against the jnp
+  chain passes on every Fp8Norm output, the bytes model is (itemsize + 1 + 1) * M * N
+  with the transposed copy."""
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
+  out = tmp_path / "fp8.json"
+  args = _args("--shapes", "16x256", "--ops", "layer_fp8_t", "--impls", "pallas,xla",
+               "--iters", "2", "--check", "--out", str(out))
+  assert run.run_plan(args, bench.build_plan(args)) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["impl"] for r in rows] == ["pallas", "xla"]
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert "y_t:rel=" in r["check_detail"] and "amax:rel=" in r["check_detail"]
+    assert r["bytes"] == 4 * 16 * 256
+
+
 def test_check_flags_a_wrong_output():
   import jax.numpy as jnp
   ref = jnp.linspace(-3, 3, 512, dtype=jnp.float32).reshape(2, 256)

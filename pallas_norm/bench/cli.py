@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
       prog="python -m pallas_norm.bench",
       description="Side-by-side GPU benchmark of pallas_norm against XLA, flax, tokamax, "
                   "torch and Liger (CUPTI kernel time, rotated inputs, median). "
-                  "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize.",
+                  "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize; FP8 output "
+                  "(itemsize+1)*M*N, +M*N with the transposed copy.",
       epilog="--sharded: the sharded benchmark over every local GPU instead "
              "(pallas_norm/bench/sharded.py; its options: --sharded --help). "
              "--e2e: the train-step benchmark (pallas_norm/bench/e2e.py; --e2e --help). "
@@ -42,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
                                   "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
   p.add_argument("--ops", default="rms,layer",
                  help="rms,layer (default both); rms_res,layer_res: the fused residual add "
-                      "(pallas, xla and flax only)")
+                      "(pallas, xla and flax only); FP8 output, forward only, pallas "
+                      "against the jnp chain (xla): rms_fp8,layer_fp8 (current scaling), "
+                      "*_fp8_delayed (delayed), suffix _t with the transposed copy "
+                      "(rms_fp8_delayed_t); 'fp8' for all eight")
   p.add_argument("--passes", default="fwd,fwdbwd", help="fwd,fwdbwd (default both)")
   p.add_argument("--impls", help="comma list of " + ",".join(i.name for i in IMPLS)
                  + "; 'pallas:*' / 'triton:*' for every mode (default: all)")

@@ -1,7 +1,8 @@
 """Every implementation the kernel bench times, as a function of (x, scale, bias).
 
 pallas_norm (each backend and mode), the XLA reference (``reference.norm`` under
-``jax.jit``), ``flax.nnx.RMSNorm``/``LayerNorm``, tokamax, torch and Liger-Kernel; each
+``jax.jit``; for the FP8-output ops the jnp chain norm -> amax -> quantise -> transpose),
+``flax.nnx.RMSNorm``/``LayerNorm``, tokamax, torch and Liger-Kernel; each
 one runs when it can be imported (``probe`` says why not otherwise). The eps is the same
 for every implementation (``plan.EPS``).
 
@@ -34,15 +35,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_norm import reference
-from pallas_norm.bench.plan import EPS, Impl
+from pallas_norm.bench.plan import EPS, FP8_DELAYED_SCALE, Impl, fp8_variant
 
 
 def jax_fn(impl: Impl, op: str):
   """f(x, scale, bias) -> y for a JAX implementation (bias is None for RMSNorm); for a
-  "*_res" op, f((x, r), scale, bias) -> (y, h)."""
+  "*_res" op, f((x, r), scale, bias) -> (y, h); for an FP8-output op, -> Fp8Norm."""
   eps = EPS[op]
   if op.endswith("_res"):
     return _residual_fn(impl, op[:-len("_res")], eps)
+  if fp8_variant(op) is not None:
+    return _fp8_fn(impl, op, eps)
   layer = op == "layer"
   if impl.family == "pallas_norm":
     import pallas_norm
@@ -119,6 +122,20 @@ def tokamax_vjp_without_alias():
         tv.block = block
 
   return NoAliasVjp()
+
+
+def _fp8_fn(impl: Impl, op: str, eps: float):
+  """f(x, scale, bias) -> Fp8Norm: pallas_norm's kernels, or on "xla" the jnp chain
+  (reference.norm in float32, amax, quantise, transpose; backend="xla") under jit."""
+  import pallas_norm
+  norm, delayed, transpose = fp8_variant(op)
+  if impl.name not in ("pallas", "xla"):
+    raise NotImplementedError(f"{impl.name} has no FP8 output")
+  f = pallas_norm.layer_norm_fp8 if norm == "layer" else pallas_norm.rms_norm_fp8
+  extra = (lambda b: (b,)) if norm == "layer" else (lambda b: ())
+  y_scale = jnp.float32(FP8_DELAYED_SCALE) if delayed else None
+  return lambda x, s, b: f(x, s, *extra(b), y_scale=y_scale, transpose=transpose, eps=eps,
+                           backend=impl.name)
 
 
 def _residual_fn(impl: Impl, op: str, eps: float):

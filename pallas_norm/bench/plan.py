@@ -5,6 +5,9 @@ Bytes model (the fewest bytes through HBM; scale, bias, mean and rstd are neglig
   forward+backward forward, then read x and dy, write dx   5 * M * N * itemsize
   with the fused residual add ("*_res" ops): forward reads x and r, writes y and h
   (4 * M * N * itemsize); forward+backward then reads dy, dh and h, writes dx (8).
+  FP8 output ("*_fp8*" ops, forward only): read x, write y in FP8 (1 byte), and y_t
+  (1 more) with "_t": (itemsize + 1 [+ 1]) * M * N. pallas_norm's current scaling
+  reads x twice (docs/fp8.md): its own traffic, ``fp8_design_bytes``, is reported too.
 GB/s = bytes / median time, and "% copy" = GB/s / copy GB/s of the same run.
 """
 
@@ -24,9 +27,18 @@ QUICK_SHAPES = ((4096, 1024), (8192, 4096), (32768, 128), (4096, 65536))
 
 # "*_res": the fused residual add, (y, h) = (norm(x + r), x + r), residual in x's dtype.
 OPS = ("rms", "layer", "rms_res", "layer_res")
+# FP8 output (pallas_norm.rms_norm_fp8 / layer_norm_fp8), forward only: "<norm>_fp8"
+# current scaling, "_delayed" delayed scaling (a fixed y_scale), "_t" with the transposed
+# copy y_t. "--ops fp8" is all eight.
+FP8_OPS = tuple(f"{norm}_fp8{scaling}{t}" for norm in ("rms", "layer")
+                for scaling in ("", "_delayed") for t in ("", "_t"))
+KERNEL_OPS = OPS + FP8_OPS  # what the kernel bench runs (--sharded takes OPS)
+FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 PASSES = ("fwd", "fwdbwd")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
-EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5}  # the same eps for every implementation
+# The same eps for every implementation.
+EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5,
+       **{op: 1e-6 if op.startswith("rms") else 1e-5 for op in FP8_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
@@ -34,6 +46,9 @@ _BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
 # The implementations that serve the fused residual add (the others: n/a): ours (both
 # backends), XLA's fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
 _RES_IMPLS = ("pallas", "triton", "xla", "flax")
+# FP8 output: ours (Pallas, the heuristic config) and the jnp chain under jit (norm in
+# float32, amax, quantise, transpose: pallas_norm's backend="xla").
+_FP8_IMPLS = ("pallas", "xla")
 _MODE_SHORT = {"reload": "multi_wave_reload", "cached": "multi_wave_cached",
                "persistent": "static_persistent"}
 ASSUMED_L2 = 64 << 20  # when torch cannot tell (H100: 50 MB, H200: 60 MB)
@@ -80,21 +95,46 @@ class Case:
   impl: str
 
 
+def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
+  """(norm, delayed, transpose) of an FP8-output op ("layer_fp8_delayed_t" ->
+  ("layer", True, True)); None for the other ops."""
+  if op not in FP8_OPS:
+    return None
+  norm, rest = op.split("_fp8")
+  return norm, "_delayed" in rest, rest.endswith("_t")
+
+
 def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> int:
   """Bytes a norm must move: forward 2*M*N*itemsize, forward+backward 5*M*N*itemsize;
-  with the fused residual add ("*_res" ops) 4 and 8 (x, r -> y, h; dy, dh, h -> dx).
+  with the fused residual add ("*_res" ops) 4 and 8 (x, r -> y, h; dy, dh, h -> dx);
+  FP8 output ("*_fp8*" ops, forward only) (itemsize + 1) * M * N, + M * N with y_t.
 
   Raises:
-    ValueError: ``pass_`` is not "fwd" or "fwdbwd".
+    ValueError: ``pass_`` is not "fwd" or "fwdbwd", or "fwdbwd" of an FP8 op.
   """
   if pass_ not in _BYTES_FACTOR:
     raise ValueError(f"{pass_=} must be one of {tuple(_BYTES_FACTOR)}")
+  fp8 = fp8_variant(op)
+  if fp8 is not None:
+    if pass_ != "fwd":
+      raise ValueError(f"{op} is forward only (the FP8-output norms are not differentiable)")
+    return (itemsize + 1 + int(fp8[2])) * m * n
   factor = _BYTES_FACTOR_RES if op.endswith("_res") else _BYTES_FACTOR
   return factor[pass_] * m * n * itemsize
 
 
+def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
+  """What pallas_norm's FP8 kernels move: delayed scaling the bytes model (one pass),
+  current scaling x read twice (statistics and amax, then quantise; docs/fp8.md)."""
+  _, delayed, transpose = fp8_variant(op)
+  return ((1 if delayed else 2) * itemsize + 1 + int(transpose)) * m * n
+
+
 def serves(impl: Impl, op: str) -> bool:
-  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, XLA, flax)."""
+  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas and Triton,
+  XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA)."""
+  if fp8_variant(op) is not None:
+    return impl.mode is None and (impl.backend or impl.name) in _FP8_IMPLS
   if not op.endswith("_res"):
     return True
   return (impl.backend or impl.name) in _RES_IMPLS
@@ -171,11 +211,13 @@ def build_plan(args: argparse.Namespace) -> list[Case]:
     shapes = QUICK_SHAPES
   else:
     shapes = tuple(dict.fromkeys(BENCH_SHAPES + LLM_SHAPES))
-  ops = parse_list(args.ops, OPS, "--ops")
+  ops = parse_list(",".join(",".join(FP8_OPS) if t.strip() == "fp8" else t
+                            for t in args.ops.split(",")), KERNEL_OPS, "--ops")
   passes = parse_list(args.passes, PASSES, "--passes")
   return [Case(phase, m, n, op, p, impl.name)
           for phase in (0, 1) for m, n in shapes for op in ops for p in passes
-          for impl in impls if impl.phase == phase and serves(impl, op)]
+          for impl in impls if impl.phase == phase and serves(impl, op)
+          if p == "fwd" or fp8_variant(op) is None]
 
 
 def groups(plan: list[Case]):

@@ -16,14 +16,15 @@ import os
 import pathlib
 
 from pallas_norm.bench import timing
-from pallas_norm.bench.plan import IMPL_BY_NAME, IMPLS, OPS, PASSES
+from pallas_norm.bench.plan import IMPL_BY_NAME, IMPLS, KERNEL_OPS, PASSES, fp8_variant
 
 _STATUSES = {"ok": "", "n/a": "n/a", "skipped": "skip", "error": "err",
              "unavailable": "unav", "not run": "-"}
 
 _CSV_FIELDS = ("op", "pass", "m", "n", "dtype", "impl", "family", "status", "us", "us_p10",
                "us_p90", "gbs", "pct_copy", "bytes", "rotations", "iters", "timer",
-               "compile_s", "check", "check_detail", "kernels", "kernel_us", "reason")
+               "compile_s", "check", "check_detail", "kernels", "kernel_us", "bytes_design",
+               "gbs_design", "reason")
 
 
 def out_path(args, meta: dict) -> pathlib.Path:
@@ -92,14 +93,17 @@ def format_table(rows: list[dict], meta: dict) -> str:
   impls = [i for i in IMPLS if any(r["impl"] == i.name for r in rows)]
   width = {i.name: max(6, len(i.abbrev)) for i in impls}
   copy = meta.get("copy_gbs")
+  fp8 = any(fp8_variant(r["op"]) for r in rows)
   lines = [f"{meta.get('device', '?')}  {meta.get('dtype', '?')}  {meta.get('date', '?')}  "
            f"GB/s (fwd 2*M*N*s, fwd+bwd 5*M*N*s bytes"
-           f"{'; *_res 4 and 8' if any(r['op'].endswith('_res') for r in rows) else ''}); copy "
+           f"{'; *_res 4 and 8' if any(r['op'].endswith('_res') for r in rows) else ''}"
+           f"{'; *_fp8* (s+1)*M*N, +M*N with y_t' if fp8 else ''}); copy "
            f"{f'{copy:.0f}' if copy else 'n/a'} GB/s; commit {str(meta.get('git_commit'))[:10]}"]
   for src in meta.get("merged_from", []):  # rows of several runs; % of copy is each run's
     lines.append(f"  merged: {src['file']} ({src['date']}, commit {src['git_commit']}, copy "
                  f"{src['copy_gbs'] or 0:.0f} GB/s)")
-  head = f"{'op':5} {'pass':6} {'MxN':12}" + "".join(f" {i.abbrev:>{width[i.name]}}" for i in impls)
+  ow = max([5] + [len(r["op"]) for r in rows])
+  head = f"{'op':{ow}} {'pass':6} {'MxN':12}" + "".join(f" {i.abbrev:>{width[i.name]}}" for i in impls)
   lines.append(head + f" | {'pal%cp':>6} {'best peer':>13} {'pal/peer':>8}")
   by = {(_key(r), r["impl"]): r for r in rows}
   for s in summary(rows):
@@ -117,7 +121,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
     pct = f"{s['pallas_pct_copy']:.0f}%" if s["pallas_pct_copy"] is not None else "-"
     peer = (f"{s['best_peer_gbs']:.0f} {s['best_peer']}" if s["best_peer"] else "-")
     ratio = f"{s['ratio']:.2f}" if s["ratio"] is not None else "-"
-    lines.append(f"{s['op']:5} {s['pass']:6} {shape_txt(s):<12}"
+    lines.append(f"{s['op']:{ow}} {s['pass']:6} {shape_txt(s):<12}"
                  + "".join(cells) + f" | {pct:>6} {peer:>13} {ratio:>8}")
   legend = ", ".join(f"{i.abbrev}={i.name}" for i in impls)
   lines.append(f"{legend}; n/a=no CUPTI kernels, err=error, skip=refused (e.g. cached N), "
@@ -133,7 +137,7 @@ def plot(doc: dict, png: str | os.PathLike) -> None:
 
   rows = [r for r in doc["rows"] if r["status"] == "ok"]
   meta = doc["meta"]
-  ops = [op for op in OPS if any(r["op"] == op for r in rows)] or ["rms"]
+  ops = [op for op in KERNEL_OPS if any(r["op"] == op for r in rows)] or ["rms"]
   passes = [p for p in PASSES if any(r["pass"] == p for r in rows)] or ["fwd"]
   fig, axes = plt.subplots(len(ops), len(passes), figsize=(6.5 * len(passes), 4.5 * len(ops)),
                            squeeze=False)
@@ -151,9 +155,9 @@ def plot(doc: dict, png: str | os.PathLike) -> None:
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("N (hidden size)")
-    ax.set_ylabel("GB/s (fwd 2MNs, fwd+bwd 5MNs)")
-    ax.set_title(f"{'RMSNorm' if op == 'rms' else 'LayerNorm'} "
-                 f"{'forward' if p == 'fwd' else 'forward+backward'}")
+    ax.set_ylabel("GB/s (fwd (s+1)MN (+MN y_t))" if fp8_variant(op)
+                  else "GB/s (fwd 2MNs, fwd+bwd 5MNs)")
+    ax.set_title(f"{_title(op)} {'forward' if p == 'fwd' else 'forward+backward'}")
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=7)
@@ -161,6 +165,17 @@ def plot(doc: dict, png: str | os.PathLike) -> None:
   fig.tight_layout()
   fig.savefig(png, dpi=110)
   plt.close(fig)
+
+
+def _title(op: str) -> str:
+  """"rms" -> "RMSNorm", "layer_fp8_delayed_t" -> "LayerNorm FP8 delayed +y_t"."""
+  name = "LayerNorm" if op.startswith("layer") else "RMSNorm"
+  if op.endswith("_res"):
+    return f"{name} +residual"
+  fp8 = fp8_variant(op)
+  if fp8 is None:
+    return name
+  return f"{name} FP8 {'delayed' if fp8[1] else 'current'}{' +y_t' if fp8[2] else ''}"
 
 
 def merge(paths: list[str]) -> dict:

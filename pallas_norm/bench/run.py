@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm.bench import peers, report, timing
-from pallas_norm.bench.plan import (DTYPES, IMPL_BY_NAME, Case, Impl, bytes_model, groups,
-                                    rotations)
+from pallas_norm.bench.plan import (DTYPES, IMPL_BY_NAME, Case, Impl, bytes_model,
+                                    fp8_design_bytes, fp8_variant, groups, rotations)
 
 # Relative error ||out - ref|| / ||ref|| accepted by --check, per dtype.
 _CHECK_TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 1e-4}
@@ -109,9 +109,10 @@ def _reference_outputs(op: str, pass_: str, inp: _Inputs):
   return jax.jit(f if pass_ == "fwd" else peers.fwdbwd(f))(*args)
 
 
-def compare(out, ref, dtype_name: str) -> dict:
+def compare(out, ref, dtype_name: str, names=None) -> dict:
   """Every array of ``out`` against ``ref``; pass when each relative error is within
-  the dtype's tolerance (NaN never passes)."""
+  the dtype's tolerance (NaN never passes). ``names``: the outputs' names (default:
+  y, dx, dscale, dbias, or with a residual y, h, dx, dresidual, dscale, dbias)."""
   outs = [a for a in jax.tree.leaves(out)]
   refs = [a for a in jax.tree.leaves(ref)]
   if len(outs) != len(refs):
@@ -119,8 +120,9 @@ def compare(out, ref, dtype_name: str) -> dict:
   errs = [rel_err(o, r) for o, r in zip(outs, refs)]
   tol = _CHECK_TOL[dtype_name]
   ok = all(e[0] <= tol for e in errs)  # False for NaN
-  names = (["y", "dx", "dscale", "dbias"] if len(errs) <= 4
-           else ["y", "h", "dx", "dresidual", "dscale", "dbias"])[:len(errs)]
+  if names is None:
+    names = (["y", "dx", "dscale", "dbias"] if len(errs) <= 4
+             else ["y", "h", "dx", "dresidual", "dscale", "dbias"])[:len(errs)]
   detail = " ".join(f"{nm}:rel={e[0]:.2e},max={e[1]:.2e}" for nm, e in zip(names, errs))
   return {"check": "ok" if ok else "FAIL", "check_detail": f"{detail} (tol {tol:g})"}
 
@@ -136,7 +138,8 @@ def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   out = jax.block_until_ready(step(*arg_sets[0]))  # compile + warm up
   row = {"compile_s": round(time.perf_counter() - t0, 2)}
   if ref is not None:
-    row.update(compare(out, ref, args.dtype))
+    row.update(compare(out, ref, args.dtype, _FP8_NAMES[fp8_variant(c.op)[2]]
+                       if fp8_variant(c.op) else None))
   del out
   row.update(timing.cupti_time(step, arg_sets, args.iters))
   row["timer"] = "cupti"
@@ -201,14 +204,23 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
   row["status"] = "ok"
   row["gbs"] = nbytes / (row["us"] * 1e-6) / 1e9
   row["pct_copy"] = 100.0 * row["gbs"] / copy_gbs if copy_gbs else None
+  if fp8_variant(c.op) and c.impl == "pallas":  # the bytes its kernels move
+    row["bytes_design"] = fp8_design_bytes(c.m, c.n, itemsize, c.op)
+    row["gbs_design"] = row["bytes_design"] / (row["us"] * 1e-6) / 1e9
   return row
+
+
+# Fp8Norm's leaves, without and with y_t.
+_FP8_NAMES = {False: ["y", "y_scale", "amax", "mean", "rstd"],
+              True: ["y", "y_scale", "amax", "y_t", "mean", "rstd"]}
 
 
 _METHOD = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure, all kernels "
            "of a call summed; torch: CUDA events behind torch.cuda._sleep), median of "
            "{iters} calls after one warm-up, R rotated input copies with R*bytes(x) >= "
            "4*L2, no flush; XLA_FLAGS {flag}; bytes: fwd 2*M*N*itemsize, fwd+bwd "
-           "5*M*N*itemsize; copy = -a on 1 GiB under jit, 2*bytes/time")
+           "5*M*N*itemsize, FP8 output (itemsize+1)*M*N (+M*N with y_t); copy = -a on "
+           "1 GiB under jit, 2*bytes/time")
 
 
 def run_plan(args, plan: list[Case]) -> int:
@@ -256,7 +268,10 @@ def run_plan(args, plan: list[Case]) -> int:
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:],
       "method": _METHOD.format(iters=args.iters, flag=timing.COMMAND_BUFFER_FLAG),
       "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize",
-                      "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize"},
+                      "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize",
+                      "fwd (*_fp8*)": "(itemsize+1)*M*N, +M*N with y_t (*_t)",
+                      "bytes_design (*_fp8*, pallas)": "delayed: the model; current: "
+                                                       "+itemsize*M*N (x read twice)"},
       "unavailable": unavailable, **copy}
   out = report.out_path(args, meta)
   rows: list[dict] = []
@@ -319,6 +334,8 @@ def _progress(row: dict) -> str:
   if row["status"] != "ok":
     return f"{head} {row['status']}: {row.get('reason', '')[:300]}{check}"
   pct = f"{row['pct_copy']:4.0f}% copy" if row.get("pct_copy") is not None else "n/a copy"
+  if "gbs_design" in row:
+    pct += f" (moved {row['gbs_design']:.0f} GB/s)"
   return (f"{head} {row['us']:9.1f} us {row['gbs']:6.0f} GB/s {pct}  "
           f"k={len(row.get('kernels', [])) or '-'} R={row['rotations']} "
           f"compile {row['compile_s']:.1f}s{check}")
