@@ -35,8 +35,9 @@ orders it. Row amaxes are kept as the int32 bits of |y_f32|: for non-negative fl
 the bit patterns order as the values do and every NaN is above +Inf, so an integer max
 propagates NaN (Triton's float max is maxnum, which drops it) and is exact.
 
-Launch configs: ``fp8_config`` (no GPU measurements exist yet: each constant's comment
-gives its reason; the lead tunes them on the GPU).
+Launch configs: ``fp8_config``: the statistics kernel and the delayed kernel without
+y_t take the forward's measured tiles; the tall y_t blocks and the quantise tiles are
+unmeasured constants, each with its reason (the lead tunes them on the GPU).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import RELOAD_UNROLL_MAX_CHUNKS, cdiv, next_power_of_2
+from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, forward_config,
+                                next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
@@ -87,13 +89,11 @@ class Fp8Config:
         raise ValueError(f"Fp8Config.{name}={v} must be a power of 2")
 
 
-# Unmeasured (no GPU run of these kernels yet): reasons, not timings.
+# Unmeasured (no GPU run of these kernels yet): reasons, not timings. The row-block
+# kernels without y_t take the forward's measured tiles instead (fp8_config).
 _WHOLE_ROW_MAX = 8192  # rows up to this width stay in registers (forward's cached limit)
-_CHUNK_N = 4096  # longer rows are walked in chunks this wide (forward's reload chunk)
-_TILE_ELEMS = 4096  # row-block tile size: 16 f32 a thread at 8 warps, 2 at 64 rows
-_MAX_BLOCK_M = 16  # rows a program for short rows, so that programs stay plentiful
 _T_ROWS = 32  # transposed stores: 32 one-byte values = one 32-byte sector a y_t row
-_T_BLOCK_N = 256  # tall row blocks walk 256-wide chunks: 32 x 256 f32 = 32 a thread at 8 warps
+_T_BLOCK_N = 256  # tall row blocks walk 256-wide chunks: 32 x 256 f32 = 16 a thread at 16 warps
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
@@ -104,9 +104,16 @@ def _warps(tile_elems: int) -> int:
   return max(4, min(16, tile_elems // 256))
 
 
-def fp8_config(m: int, n: int, *, kernel: str, transpose: bool = False,
+def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
+               subtract_mean: bool = False, transpose: bool = False,
                interpret: bool = False) -> Fp8Config:
   """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N].
+
+  "stats" and "delayed" without y_t are the forward's kernel plus an epilogue (amax,
+  quantise, a 1-byte store), so they take the forward's measured tile of the same
+  rows (``config.forward_config``): multi_wave_cached's whole row up to N = 8192,
+  multi_wave_reload's chunks beyond. "delayed" with y_t takes 32-row blocks walked in
+  256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -119,15 +126,14 @@ def fp8_config(m: int, n: int, *, kernel: str, transpose: bool = False,
     bm = min(bm, next_power_of_2(m)) if not interpret else max(bm, min(
         _CPU_MIN_BLOCK_M, next_power_of_2(m)))
     return Fp8Config(bm, bn, _warps(bm * bn))
-  full = next_power_of_2(n)
   if kernel == "delayed" and transpose:
-    bn = min(full, _T_BLOCK_N)
+    bn = min(next_power_of_2(n), _T_BLOCK_N)
     return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
-  bn = full if full <= _WHOLE_ROW_MAX else _CHUNK_N
-  bm = max(1, min(_MAX_BLOCK_M, _TILE_ELEMS // bn, next_power_of_2(m)))
-  if interpret:
-    bm = max(bm, min(_CPU_MIN_BLOCK_M, next_power_of_2(m)))
-  return Fp8Config(bm, bn, _warps(bm * bn))
+  mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
+  fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
+  if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
+    fwd = forward_config(m, n, dtype, "multi_wave_reload", subtract_mean=subtract_mean)
+  return Fp8Config(fwd.block_m, fwd.block_n, fwd.num_warps)
 
 
 # --------------------------------------------------------------------------- tile code
@@ -295,8 +301,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     f32, row amax [M] int32: the bits of each row's max |y_f32|, ``reduce_amax``'s input).
   """
   m, n = x.shape
-  cfg = config or fp8_config(m, n, kernel="delayed", transpose=transpose,
-                             interpret=interpret)
+  cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
+                             transpose=transpose, interpret=interpret)
   outs = _call(_norm_kernel, [x, scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean),
                (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_delayed",
@@ -320,7 +326,8 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
     (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, row amax bits [M] int32).
   """
   m, n = x.shape
-  cfg = config or fp8_config(m, n, kernel="stats", interpret=interpret)
+  cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
+                             interpret=interpret)
   outs = _call(_norm_kernel, [x, scale, bias], _row_outs(x, subtract_mean),
                (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_stats",
                n=n, eps=float(eps), scale_offset=float(scale_offset),
@@ -344,7 +351,7 @@ def fp8_quantise(x, scale, bias, mean, rstd, inv, *, scale_offset: float,
     (y [M, N] fp8, y_t [N, M] fp8 or None).
   """
   m, n = x.shape
-  cfg = config or fp8_config(m, n, kernel="quantise", transpose=transpose,
+  cfg = config or fp8_config(m, n, x.dtype, kernel="quantise", transpose=transpose,
                              interpret=interpret)
   outs = _call(_quantise_kernel,
                [x, scale, bias, mean if subtract_mean else None, rstd, _inv(inv)],
