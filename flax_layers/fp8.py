@@ -43,7 +43,8 @@ Scaling (``scaling=``):
 XLA turns each ``dot_general`` of FP8 operands with a float32 result, times the product
 of two float32 scalars, cast to the output dtype, into one cuBLASLt FP8 GEMM
 (``__cublas$lt$matmul$f8``; the scales become its a/b scale operands) on Hopper and
-later; ``fp8_gemm_calls`` lists them in a compiled program (``python -m flax_layers.fp8``
+later (or, where its autotuner prefers, a Triton GEMM fusion of the FP8 operands);
+``fp8_gemm_calls`` lists the GEMMs of a compiled program (``python -m flax_layers.fp8``
 prints the layer's). On a CPU the same program runs the dots on converted operands.
 
 Reused from flax (``flax.linen.fp8_ops``): ``compute_scale``, ``compute_amax_history``
@@ -70,10 +71,12 @@ from pallas_norm import fp8 as _fp8
 from pallas_norm import ops as _ops
 
 __all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
-           "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "fp8_gemm_calls",
-           "SCALINGS", "FP8_GEMM_TARGET", "OVERWRITE_WITH_GRADIENT"]
+           "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "gemm_calls_in",
+           "fp8_gemm_count", "fp8_gemm_calls",
+           "SCALINGS", "FP8_BACKENDS", "FP8_GEMM_TARGET", "OVERWRITE_WITH_GRADIENT"]
 
 SCALINGS = ("delayed", "current")
+FP8_BACKENDS = _fp8.FP8_BACKENDS  # the quantising norm's: "pallas", "xla"
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 OVERWRITE_WITH_GRADIENT = _flax_fp8.OVERWRITE_WITH_GRADIENT
 _F32 = jnp.float32
@@ -105,8 +108,10 @@ class DelayedScalingState(tp.NamedTuple):
 def init_delayed_scaling(amax_history_length: int = 1024) -> DelayedScalingState:
   """The initial state: scales one, histories zero (flax's and TransformerEngine's)."""
   _check_history(amax_history_length)
-  one, zeros = jnp.ones((1,), _F32), jnp.zeros((amax_history_length,), _F32)
-  return DelayedScalingState(one, zeros, one, zeros, one, zeros)
+  # a buffer of its own each (a train step donating the state must not see one twice)
+  return DelayedScalingState(*(jnp.ones((1,), _F32) if name.endswith("_scale") else
+                               jnp.zeros((amax_history_length,), _F32)
+                               for name in DelayedScalingState._fields))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +162,8 @@ def check_layer_args(scaling: str, amax_history_length: int, fp8_dtype,
     raise ValueError(f"{scaling=} must be one of {SCALINGS}")
   _check_history(amax_history_length)
   _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
-  if backend not in _fp8.FP8_BACKENDS:
-    raise ValueError(f"{backend=} must be one of {_fp8.FP8_BACKENDS} (the quantising "
+  if backend not in FP8_BACKENDS:
+    raise ValueError(f"{backend=} must be one of {FP8_BACKENDS} (the quantising "
                      f"norm's backends)")
 
 
@@ -539,16 +544,33 @@ class LayerNormDenseFP8(_NormDenseFP8):
 
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_GEMM_FUSION = re.compile(r'"kind":"(__triton_gemm|__triton_nested_gemm_fusion|__cudnn\$fusion)"')
+_F8_OPERAND = re.compile(r"\bf8e\w*\[")
+
+
+def gemm_calls_in(hlo_text: str) -> collections.Counter:
+  """A Counter of the GEMMs in compiled (GPU) HLO text, by how XLA runs them: cuBLAS
+  custom-call targets (``__cublas$lt$matmul$f8`` is cuBLASLt's FP8 GEMM;
+  ``__cublas$gemm`` / ``__cublas$lt$matmul`` float ones) and GEMM fusions XLA
+  generates itself (``__triton_gemm``, ...), suffixed ``[f8]`` when an operand is FP8.
+  Empty for a CPU program."""
+  calls = collections.Counter()
+  for line in hlo_text.splitlines():
+    if "custom-call(" in line and (m := _TARGET.search(line)) and "cublas" in m.group(1):
+      calls[m.group(1)] += 1
+    elif " fusion(" in line and (m := _GEMM_FUSION.search(line)):
+      calls[m.group(1) + ("[f8]" if _F8_OPERAND.search(line) else "")] += 1
+  return calls
+
+
+def fp8_gemm_count(calls: collections.Counter) -> int:
+  """How many of ``gemm_calls_in``'s GEMMs take FP8 operands."""
+  return calls[FP8_GEMM_TARGET] + sum(v for k, v in calls.items() if k.endswith("[f8]"))
 
 
 def fp8_gemm_calls(fn, *args) -> collections.Counter:
-  """The GEMM custom calls of the compiled ``jax.jit(fn)(*args)``: a Counter of their
-  targets (``__cublas$lt$matmul$f8`` is cuBLASLt's FP8 GEMM; ``__cublas$gemm`` /
-  ``__cublas$lt$matmul`` a float one). Empty on a CPU, which has no cuBLAS calls."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  return collections.Counter(m.group(1) for line in text.splitlines()
-                             if "custom-call(" in line and (m := _TARGET.search(line))
-                             and "cublas" in m.group(1))
+  """``gemm_calls_in`` of the compiled ``jax.jit(fn)(*args)``."""
+  return gemm_calls_in(jax.jit(fn).lower(*args).compile().as_text())
 
 
 def _main(m: int = 8192, n: int = 4096, f: int = 4096) -> int:
@@ -562,12 +584,12 @@ def _main(m: int = 8192, n: int = 4096, f: int = 4096) -> int:
     return jnp.sum(nnx.merge(graphdef, params, meta)(x).astype(_F32) ** 2)
 
   calls = fp8_gemm_calls(jax.grad(loss, argnums=(0, 1)), params, meta, x)
+  fp8 = fp8_gemm_count(calls)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: RMSNormDenseFP8 "
-        f"[{m}, {n}] @ [{n}, {f}], value_and_grad: GEMM custom calls {dict(calls)}")
-  ok = calls[FP8_GEMM_TARGET] == 3
-  print(f"{FP8_GEMM_TARGET}: {calls[FP8_GEMM_TARGET]} of 3 (forward, dgrad, wgrad): "
-        f"{'OK' if ok else 'MISSING'}")
-  return 0 if ok else 1
+        f"[{m}, {n}] @ [{n}, {f}], gradient: GEMMs {dict(calls)}")
+  print(f"FP8 GEMMs: {fp8} of 3 (forward, dgrad, wgrad), {calls[FP8_GEMM_TARGET]} of them "
+        f"{FP8_GEMM_TARGET}; other GEMMs: {sum(calls.values()) - fp8}")
+  return 0 if fp8 == 3 and sum(calls.values()) == 3 else 1
 
 
 if __name__ == "__main__":

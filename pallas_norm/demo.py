@@ -17,6 +17,15 @@ parallel: standard ``jax.jit`` SPMD over a 1-D ``("data",)`` mesh with Auto axis
 the model and optimizer state replicated and each batch split over its rows, so that
 pallas_norm's kernels run on every device's own rows and only gradients are all-reduced.
 
+``--fp8`` adds a third model (issue #27): the same one with each block's norm -> dense
+pairs (the attention norm -> qkv, the MLP norm -> gate/up projection) replaced by
+``flax_layers.RMSNormDenseFP8`` (FP8 activations and weights, e5m2 gradients, delayed
+scaling by default, ``--fp8-scaling``), and all three compute in bfloat16 (float32
+params): the demo then reports how closely the FP8 model's loss curve tracks the bf16
+pallas_norm model's (final losses and the max |Δloss| over the run), from the same init
+on the same batches. The train step differentiates the FP8 layers' ``Fp8Meta`` state
+too and writes its "gradients" (the new amax histories) back (``update_fp8_meta``).
+
 Model (pre-norm blocks)::
 
     h = embed(tokens)                                  # [B, T, D]
@@ -45,15 +54,30 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import pallas_norm
+from flax_layers import fp8 as _fp8_layers
 from pallas_norm import config as _config
 from pallas_norm import ops as _ops
 
 __all__ = ["DemoConfig", "RunResult", "DemoResults", "CharTransformer", "load_text",
-           "check_config", "data_parallel_devices", "data_mesh", "train", "main"]
+           "check_config", "data_parallel_devices", "data_mesh", "train", "fp8_tracking",
+           "FP8_TOLERANCE", "main"]
 
 # Fraction of the text held out for the held-out loss (the tail of the text).
 _HELDOUT_FRACTION = 0.1
 _SAMPLE_PROMPTS = 3
+# --fp8: the steps at the end whose mean loss the FP8 / bf16 comparison reports.
+_FP8_TAIL = 50
+# --fp8: how closely the FP8 model's train loss (nats/char) must track the bf16 model's.
+# The yardstick is the bf16 noise floor: pallas_norm's and flax's bf16 models, which
+# differ only in rounding, drift apart by max |Δ| 0.028 over 300 steps of the default
+# config (CPU, backend xla, 2026-11-23); the FP8 model (delayed or current scaling) by
+# 0.047-0.048, its last-50-step mean by +0.004/+0.005 and its held-out loss by
+# +0.010/+0.018. The bounds leave about 2x headroom over those measurements.
+FP8_TOLERANCE = {
+    "max_abs_diff": 0.1,  # any single step (one batch of 16 x 64 chars: noisy)
+    "final_diff": 0.02,  # mean of the last _FP8_TAIL steps, |FP8 - bf16| (~1% of 1.8)
+    "heldout_diff": 0.04,  # |held-out loss FP8 - bf16| after training
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +100,8 @@ class DemoConfig:
   sample_chars: int = 120
   progress: bool = True
   devices: int | None = None  # local devices for data parallel; None: all; 1: one device
+  fp8: bool = False  # also train the FP8 model (norm -> dense pairs fused, FP8 GEMMs); bf16
+  fp8_scaling: str = "delayed"  # the FP8 layers' scaling: "delayed" or "current"
 
 
 @dataclasses.dataclass
@@ -105,6 +131,27 @@ class DemoResults:
   text_chars: int
   num_devices: int = 1  # devices each train step ran on
   mesh: jax.sharding.Mesh | None = None  # the data-parallel mesh; None: one device
+  fp8: RunResult | None = None  # --fp8: the FP8 model's run (the others then run in bf16)
+
+
+def fp8_tracking(results: DemoResults) -> dict:
+  """--fp8: how closely the FP8 model's loss curve tracks the bf16 pallas_norm model's.
+
+  Returns max_abs_diff (max over steps of |loss_fp8 - loss_bf16|), final_bf16 /
+  final_fp8 (the mean train loss of the last ``_FP8_TAIL`` steps, or all if fewer),
+  final_diff (their difference, fp8 - bf16), heldout_diff (the held-out losses'),
+  bf16_noise (max |Δ| between the two bf16 models, pallas_norm's and flax's) and
+  within_tolerance (every |diff| within ``FP8_TOLERANCE``).
+  """
+  a, b = results.pallas.losses, results.fp8.losses
+  tail = slice(-min(_FP8_TAIL, len(a)), None)
+  t = dict(max_abs_diff=float(np.max(np.abs(b - a))), final_bf16=float(a[tail].mean()),
+           final_fp8=float(b[tail].mean()),
+           final_diff=float(b[tail].mean() - a[tail].mean()),
+           heldout_diff=results.fp8.heldout_loss - results.pallas.heldout_loss,
+           bf16_noise=float(np.max(np.abs(results.flax.losses - a))))
+  t["within_tolerance"] = all(abs(t[k]) <= v for k, v in FP8_TOLERANCE.items())
+  return t
 
 
 # --------------------------------------------------------------------------- data
@@ -144,6 +191,12 @@ def check_config(cfg: DemoConfig, text_chars: int) -> None:
     raise ValueError(f"--mode={cfg.mode!r} is not one of {_config.MODES}")
   if cfg.backend not in _ops.BACKENDS:
     raise ValueError(f"--backend={cfg.backend!r} is not one of {_ops.BACKENDS}")
+  if cfg.fp8 and cfg.backend not in _fp8_layers.FP8_BACKENDS:
+    raise ValueError(f"--fp8 needs --backend in {_fp8_layers.FP8_BACKENDS} (the quantising "
+                     f"norm's backends), not {cfg.backend!r}")
+  if cfg.fp8_scaling not in _fp8_layers.SCALINGS:
+    raise ValueError(f"--fp8-scaling={cfg.fp8_scaling!r} is not one of "
+                     f"{_fp8_layers.SCALINGS}")
   if not cfg.learning_rate > 0:
     raise ValueError(f"--lr={cfg.learning_rate} must be positive")
   if cfg.devices is not None:
@@ -199,16 +252,24 @@ def _rope(x, sin, cos):
   """Rotary embedding of x: [B, T, H, Dh] with sin/cos: [T, Dh/2] (rotate-half)."""
   x1, x2 = jnp.split(x, 2, axis=-1)
   sin, cos = sin[:, None, :], cos[:, None, :]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _linear(fp8, dtype):
+  """The projection a norm feeds: nnx.Linear, or with ``fp8`` (a RMSNormDenseFP8
+  factory) the fused norm -> FP8 dense layer; ``linear(d_in, d_out, rngs=)``."""
+  if fp8 is not None:
+    return functools.partial(fp8, use_bias=False, dtype=dtype)
+  return functools.partial(nnx.Linear, use_bias=False, dtype=dtype)
 
 
 class _Attention(nnx.Module):
-  """Causal multi-head self-attention with RoPE."""
+  """Causal multi-head self-attention with RoPE (``fp8``: qkv is the fused layer)."""
 
-  def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs, dtype=None, fp8=None):
     self.heads = heads
-    self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-    self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+    self.qkv = _linear(fp8, dtype)(d_model, 3 * d_model, rngs=rngs)
+    self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, h, sin, cos):
     b, t, d = h.shape
@@ -220,12 +281,13 @@ class _Attention(nnx.Module):
 
 
 class _SwiGLU(nnx.Module):
-  """w_down(silu(w_gate(h)) * w_up(h)), hidden = 8/3 d rounded up to 8, as in Llama."""
+  """w_down(silu(w_gate(h)) * w_up(h)), hidden = 8/3 d rounded up to 8, as in Llama
+  (``fp8``: gate_up is the fused layer)."""
 
-  def __init__(self, d_model: int, *, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, fp8=None):
     hidden = -(-8 * d_model // 3 // 8) * 8
-    self.gate_up = nnx.Linear(d_model, 2 * hidden, use_bias=False, rngs=rngs)
-    self.down = nnx.Linear(hidden, d_model, use_bias=False, rngs=rngs)
+    self.gate_up = _linear(fp8, dtype)(d_model, 2 * hidden, rngs=rngs)
+    self.down = nnx.Linear(hidden, d_model, use_bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, h):
     gate, up = jnp.split(self.gate_up(h), 2, axis=-1)
@@ -233,17 +295,21 @@ class _SwiGLU(nnx.Module):
 
 
 class _Block(nnx.Module):
-  """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+  """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). With ``fp8`` the norms
+  live in the fused layers (qkv, gate_up) and attn_norm / mlp_norm are None; the params
+  are drawn in the same order (norm scale, then its projection's kernel)."""
 
-  def __init__(self, d_model: int, heads: int, norm, *, rngs: nnx.Rngs):
-    self.attn_norm = norm(d_model, rngs=rngs)
-    self.attn = _Attention(d_model, heads, rngs=rngs)
-    self.mlp_norm = norm(d_model, rngs=rngs)
-    self.mlp = _SwiGLU(d_model, rngs=rngs)
+  def __init__(self, d_model: int, heads: int, norm, *, rngs: nnx.Rngs, dtype=None,
+               fp8=None):
+    self.attn_norm = None if fp8 else norm(d_model, rngs=rngs)
+    self.attn = _Attention(d_model, heads, rngs=rngs, dtype=dtype, fp8=fp8)
+    self.mlp_norm = None if fp8 else norm(d_model, rngs=rngs)
+    self.mlp = _SwiGLU(d_model, rngs=rngs, dtype=dtype, fp8=fp8)
 
   def __call__(self, h, sin, cos):
-    h = h + self.attn(self.attn_norm(h), sin, cos)
-    return h + self.mlp(self.mlp_norm(h))
+    unless = lambda norm, h: h if norm is None else norm(h)
+    h = h + self.attn(unless(self.attn_norm, h), sin, cos)
+    return h + self.mlp(unless(self.mlp_norm, h))
 
 
 class CharTransformer(nnx.Module):
@@ -257,16 +323,22 @@ class CharTransformer(nnx.Module):
     norm: the RMSNorm class (or a partial of one) called as ``norm(d_model, rngs=rngs)``,
       e.g. ``pallas_norm.RMSNorm`` or ``flax.nnx.RMSNorm``.
     rngs: rng streams for the parameters.
+    dtype: the compute dtype of the embedding and the dense layers (default None: float32;
+      pass the norms a ``dtype`` through ``norm`` too).
+    fp8: None, or a ``flax_layers.RMSNormDenseFP8`` factory (``fp8(d_in, d_out, rngs=,
+      use_bias=, dtype=)``) that replaces each block's norm -> qkv and norm -> gate_up
+      pairs (not the final norm -> lm_head: the vocabulary stays in float GEMMs). The
+      params are drawn in the same order as without it: the same init.
   """
 
   def __init__(self, vocab_size: int, d_model: int, layers: int, heads: int, norm, *,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, dtype=None, fp8=None):
     self.heads = heads
-    self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
-    self.blocks = nnx.List([_Block(d_model, heads, norm, rngs=rngs)
+    self.embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([_Block(d_model, heads, norm, rngs=rngs, dtype=dtype, fp8=fp8)
                             for _ in range(layers)])
     self.final_norm = norm(d_model, rngs=rngs)
-    self.lm_head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+    self.lm_head = nnx.Linear(d_model, vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens):
     """tokens: [B, T] int32 -> logits [B, T, vocab_size] f32."""
@@ -282,7 +354,7 @@ class CharTransformer(nnx.Module):
 
 
 def _loss(model, x, y):
-  logits = model(x)  # [B, T, V]
+  logits = model(x).astype(jnp.float32)  # [B, T, V]
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -296,11 +368,16 @@ def _make_steps(graphdef, mesh=None):
   """
   jit_kw = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
 
+  # The FP8 layers' Fp8Meta state (delayed scaling) is differentiated too: its
+  # "gradients" are the new amax histories, written back (update_fp8_meta); a model
+  # without any differentiates its params only, as nnx.value_and_grad's default.
+  diff = nnx.DiffState(0, (nnx.Param, _fp8_layers.Fp8Meta))
+
   @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
   def train_step(state, x, y):
     model, opt = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    opt.update(model, grads)
+    loss, grads = nnx.value_and_grad(_loss, argnums=diff)(model, x, y)
+    opt.update(model, _fp8_layers.update_fp8_meta(model, grads))
     return nnx.state((model, opt)), loss
 
   @jax.jit
@@ -411,22 +488,35 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
                for d in (train_data, heldout_data)]
   evals = tuple(np.stack(a) for a in zip(*eval_sets))  # (xs, ys), each [2, K, B, T]
 
-  def build(norm):
-    return CharTransformer(len(chars), cfg.d_model, cfg.layers, cfg.heads, norm,
-                           rngs=nnx.Rngs(cfg.seed))
+  # --fp8: every model computes in bfloat16 (float32 params), the FP8 one's baseline.
+  dtype = jnp.bfloat16 if cfg.fp8 else None
 
-  ours = build(functools.partial(pallas_norm.RMSNorm, mode=cfg.mode, backend=cfg.backend))
+  def build(norm, fp8=None):
+    return CharTransformer(len(chars), cfg.d_model, cfg.layers, cfg.heads,
+                           functools.partial(norm, dtype=dtype), rngs=nnx.Rngs(cfg.seed),
+                           dtype=dtype, fp8=fp8)
+
+  ours_norm = functools.partial(pallas_norm.RMSNorm, mode=cfg.mode, backend=cfg.backend)
+  ours = build(ours_norm)
   # The flax.nnx.RMSNorm twin gets a copy of the same initial state: the param trees
   # are identical, so one model's state loads into the other's graph.
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: build(nnx.RMSNorm)))
   theirs = nnx.merge(graphdef, jax.tree.map(jnp.copy, nnx.state(ours)))
   num_params = sum(p.size for p in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+  # The FP8 model draws its params in the same order from the same seed: the same init.
+  fp8_model = build(ours_norm, functools.partial(
+      _fp8_layers.RMSNormDenseFP8, scaling=cfg.fp8_scaling,
+      backend=cfg.backend)) if cfg.fp8 else None
 
   num_devices, _ = data_parallel_devices(cfg)
   mesh = data_mesh(num_devices) if num_devices > 1 else None
   pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals,
                                        mesh)
   flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals, mesh)
+  fp8_run = None
+  if fp8_model is not None:
+    fp8_run, _ = _run(f"RMSNormDenseFP8 ({cfg.fp8_scaling})", fp8_model, cfg, batches,
+                      evals, mesh)
 
   # Prompts end at held-out line breaks, so each sample starts a fresh line.
   ends = np.flatnonzero(heldout_data[cfg.seq:] == lut.get("\n", -1)) + cfg.seq + 1
@@ -437,7 +527,7 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
   generated = _sample(graphdef, state, prompts, cfg.sample_chars, cfg.seed)
   samples = ["".join(chars[i] for i in row) for row in generated]
   return DemoResults(pallas_run, flax_run, samples, int(num_params), len(chars), len(text),
-                     num_devices, mesh)
+                     num_devices, mesh, fp8_run)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -450,16 +540,20 @@ def _plot(results: DemoResults, title: str, path: str) -> None:
 
   fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
                                     gridspec_kw={"height_ratios": [3, 1]})
-  for run, style in ((results.pallas, "-"), (results.flax, "--")):
+  runs = ((results.pallas, "-"), (results.flax, "--"))
+  if results.fp8 is not None:
+    runs += ((results.fp8, ":"),)
+  for run, style in runs:
     ax.plot(np.arange(1, len(run.losses) + 1), run.losses, style, lw=1.2,
             label=f"{run.norm} (held-out {run.heldout_loss:.3f})")
   ax.set_ylabel("train loss (nats/char)")
   ax.set_title(title)
   ax.legend()
   ax.grid(alpha=0.3)
-  diff = np.abs(results.pallas.losses - results.flax.losses)
+  other = results.flax if results.fp8 is None else results.fp8
+  diff = np.abs(results.pallas.losses - other.losses)
   ax_diff.plot(np.arange(1, len(diff) + 1), diff, color="k", lw=1)
-  ax_diff.set_ylabel("|Δ loss|")
+  ax_diff.set_ylabel("|Δ loss|" if results.fp8 is None else "|Δ loss| FP8 vs bf16")
   ax_diff.set_xlabel("step")
   ax_diff.grid(alpha=0.3)
   fig.tight_layout()
@@ -491,6 +585,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=None, metavar="N",
                  help="local devices to train on, data parallel over a ('data',) mesh "
                       "(default: all; 1: one device)")
+  p.add_argument("--fp8", action="store_true",
+                 help="also train the model with its norm -> dense pairs as "
+                      "flax_layers.RMSNormDenseFP8 (FP8 GEMMs); all models in bfloat16; "
+                      "reports how closely its loss tracks the bf16 model's")
+  p.add_argument("--fp8-scaling", choices=_fp8_layers.SCALINGS, default=d.fp8_scaling,
+                 help="the FP8 layers' scaling (default %(default)s)")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   return p
 
@@ -502,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
   cfg = DemoConfig(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model,
                    layers=args.layers, heads=args.heads, learning_rate=args.lr,
                    mode=args.mode, backend=args.backend, text=args.text, out=args.out,
-                   seed=args.seed, progress=not args.no_progress, devices=args.devices)
+                   seed=args.seed, progress=not args.no_progress, devices=args.devices,
+                   fp8=args.fp8, fp8_scaling=args.fp8_scaling)
   try:
     text = load_text(cfg.text)
     check_config(cfg, len(text))
@@ -543,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
   print(f"text: {cfg.text or 'pydoc_data.topics'} ({len(text):,} chars); "
         f"model d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
         f"batch={cfg.batch} steps={cfg.steps}")
+  if cfg.fp8:
+    print(f"--fp8: models in bfloat16 (float32 params); the FP8 model's norm -> qkv and "
+          f"norm -> gate_up pairs are RMSNormDenseFP8 (e4m3 forward, e5m2 gradients, "
+          f"{cfg.fp8_scaling} scaling)")
 
   t0 = time.perf_counter()
   r = train(cfg, text)
@@ -553,12 +658,22 @@ def main(argv: list[str] | None = None) -> int:
 
   print(f"\nparams: {r.num_params:,}  vocab: {r.vocab_size} chars")
   print(f"{'norm':<22}{'train loss':>11}{'held-out':>10}{'steps/s':>9}{'compile s':>11}")
-  for run in (r.pallas, r.flax):
+  for run in (r.pallas, r.flax) + ((r.fp8,) if r.fp8 is not None else ()):
     print(f"{run.norm:<22}{run.train_loss:>11.4f}{run.heldout_loss:>10.4f}"
           f"{run.steps_per_s:>9.2f}{run.compile_s:>11.1f}")
   diff = np.abs(r.pallas.losses - r.flax.losses)
   print(f"loss curves: max |Δ| = {diff.max():.2e} over {len(diff)} steps "
         f"(first loss {r.pallas.losses[0]:.4f}, last {r.pallas.losses[-1]:.4f})")
+  if r.fp8 is not None:
+    t = fp8_tracking(r)
+    print(f"FP8 vs bf16 (pallas_norm.RMSNorm): max |Δloss| = {t['max_abs_diff']:.4f} over "
+          f"{len(r.fp8.losses)} steps; final loss (mean of the last "
+          f"{min(_FP8_TAIL, len(r.fp8.losses))} steps) bf16 {t['final_bf16']:.4f}, FP8 "
+          f"{t['final_fp8']:.4f} (Δ {t['final_diff']:+.4f}); held-out Δ "
+          f"{t['heldout_diff']:+.4f}; bf16 noise floor (pallas_norm vs flax) max |Δ| "
+          f"{t['bf16_noise']:.4f}")
+    bounds = ", ".join(f"|{k}| <= {v}" for k, v in FP8_TOLERANCE.items())
+    print(f"FP8 tracks bf16 ({bounds}): {'yes' if t['within_tolerance'] else 'NO'}")
   print("\nsamples from the pallas_norm model (temperature 0.8, after held-out prompts):")
   for s in r.samples:
     lines = [ln.rstrip() for ln in s.splitlines() if ln.strip()][:2]

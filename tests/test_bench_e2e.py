@@ -71,3 +71,22 @@ def test_smoke_run_on_cpu(tmp_path):
     # the same model, the same data: the losses after the same steps agree
     assert abs(by["fused"]["loss"] - by["flax"]["loss"]) < 2e-2, (s, by)
   assert out.with_suffix(".png").exists()
+
+
+def test_fp8_dense_smoke_run_on_cpu(tmp_path):
+  """--fp8-dense: the norm -> dense stack with flax's bf16 layers and with
+  RMSNormDenseFP8 (delayed scaling, its state carried through the steps) at toy sizes;
+  the same init, so the losses after the same steps agree within FP8 rounding; no cuBLAS
+  calls on a CPU."""
+  out = tmp_path / "e2e_fp8.json"
+  argv = ["--e2e", "--fp8-dense", "--allow-cpu", "--rounds", "1", "--steps", "2",
+          "--chain", "1", "--warmup", "1", "--variants", "flax,fp8",
+          "--config", "base=d4096,d=64,layers=2,seq=8,batch=2", "--out", str(out)]
+  assert bench.main(argv) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["style"], r["variant"], r["d"]) for r in rows] == [("dense", "flax", 64),
+                                                                 ("dense", "fp8", 64)]
+  for r in rows:
+    assert r["step_ms"] > 0 and r["samples"] == 2 and r["gemm_calls"] == {}
+  flax, fp8 = (r["loss"] for r in rows)
+  assert abs(fp8 - flax) < 0.05 * flax, (flax, fp8)

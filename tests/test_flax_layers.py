@@ -290,5 +290,6 @@ def test_linen_in_a_model():
 
 
 def test_all_names():
-  assert flax_layers.__all__ == ["RMSNorm", "LayerNorm", "linen"]
-  assert pl_linen.__all__ == ["RMSNorm", "LayerNorm"]
+  assert flax_layers.__all__ == ["RMSNorm", "LayerNorm", "RMSNormDenseFP8",
+                                 "LayerNormDenseFP8", "Fp8Meta", "update_fp8_meta", "linen"]
+  assert pl_linen.__all__ == ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8"]

@@ -383,4 +383,22 @@ def test_gpu_d4096_matches_recipe_and_uses_fp8_gemms(subtract_mean):
   for name, g, w in zip(fp8.DelayedScalingState._fields, grads[5], want_new):
     np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=name)
   calls = fp8.fp8_gemm_calls(fwd_bwd, *args)
-  assert calls == {fp8.FP8_GEMM_TARGET: 3}, calls
+  assert fp8.fp8_gemm_count(calls) == 3 == sum(calls.values()), calls
+
+
+def test_gemm_calls_in_hlo_text():
+  """The HLO scan behind the GPU check, on lines as XLA prints them."""
+  hlo = "\n".join([
+      '  %c = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,16]{1,0} %a, f8e4m3fn[8,16]'
+      '{1,0} %b, f32[] %s, f32[] %t), custom_call_target="__cublas$lt$matmul$f8", '
+      'backend_config={}',
+      '  %d = (f32[8,8]{1,0}, s8[0]{0}) custom-call(f32[8,16]{1,0} %a, f32[16,8]{1,0} %b), '
+      'custom_call_target="__cublas$gemm"',
+      '  %g = bf16[8,8]{1,0} fusion(f8e5m2[8,16]{1,0} %a, f8e4m3fn[16,8]{1,0} %b), '
+      'kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":'
+      '"__triton_gemm"}}',
+      '  %h = f32[8]{0} custom-call(f32[8]{0} %a), custom_call_target="Sharding"',
+  ])
+  calls = fp8.gemm_calls_in(hlo)
+  assert calls == {"__cublas$lt$matmul$f8": 1, "__cublas$gemm": 1, "__triton_gemm[f8]": 1}
+  assert fp8.fp8_gemm_count(calls) == 2

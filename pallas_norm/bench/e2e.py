@@ -27,6 +27,20 @@ Per variant it reports:
     add and the norm in each variant: what XLA fuses around a norm, and the adds and
     casts around our calls), ``gemm``, ``attention``, ``other``.
 
+``--fp8-dense`` (issue #27) times norm -> dense stacks instead: ``layers`` blocks
+``h = h + dense(norm(h))`` ([batch * seq, d] bf16 activations, a d x d projection, fp32
+params and adamw state, loss mean(h**2)), with the variants
+
+  flax         ``nnx.RMSNorm`` then ``nnx.Linear``, both bf16 (``dtype=jnp.bfloat16``);
+  pallas       ``pallas_norm.RMSNorm`` then ``nnx.Linear``;
+  fp8          ``flax_layers.RMSNormDenseFP8``, delayed scaling (its Fp8Meta state is
+               carried with the optimizer state and overwritten with its "gradient");
+  fp8_current  the same with current scaling;
+
+on the configs of ``FP8_DENSE_CONFIGS`` (``--config d4096`` etc.; ``key=value`` sizes
+start from ``base=d4096``). Each row also counts the compiled step's cuBLAS GEMM calls
+by target (``gemm_calls``: ``__cublas$lt$matmul$f8`` are the FP8 ones).
+
 Output: JSON (and a PNG) under ``--out``; the table is printed. ``speedup``: flax's
 median step time / the variant's; ``speedup_paired``: the median over rounds of the
 same ratio within a round (drift between rounds cancels), with its interquartile range.
@@ -45,9 +59,11 @@ import re
 import sys
 import time
 
-__all__ = ["CONFIGS", "Config", "VARIANTS", "build", "classify", "main"]
+__all__ = ["CONFIGS", "FP8_DENSE_CONFIGS", "Config", "VARIANTS", "FP8_DENSE_VARIANTS",
+           "build", "classify", "main"]
 
 VARIANTS = ("flax", "pallas", "fused")
+FP8_DENSE_VARIANTS = ("flax", "pallas", "fp8", "fp8_current")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +94,23 @@ CONFIGS = {
                     ffn=16384, seq=2048, batch=2),
 }
 
+# --fp8-dense: norm -> dense stacks (style "dense"; the attention and MLP fields unused).
+FP8_DENSE_CONFIGS = {
+    f"d{d}": Config(f"d{d}", "dense", d=d, layers=4, heads=0, kv_heads=0, head_dim=0, ffn=0,
+                    seq=2048, batch=4)
+    for d in (4096, 8192)
+}
 
-def parse_config(text: str) -> Config:
-  """A name of CONFIGS, or ``base=llama,d=1024,layers=2,...`` (fields of Config)."""
+
+def parse_config(text: str, configs: dict = CONFIGS) -> Config:
+  """A name of ``configs``, or ``base=NAME,d=1024,layers=2,...`` (fields of Config; the
+  base defaults to the first of ``configs``)."""
   if "=" not in text:
-    if text not in CONFIGS:
-      raise ValueError(f"--config {text!r}: not one of {sorted(CONFIGS)} (or key=value,...)")
-    return CONFIGS[text]
+    if text not in configs:
+      raise ValueError(f"--config {text!r}: not one of {sorted(configs)} (or key=value,...)")
+    return configs[text]
   kv = dict(tok.split("=", 1) for tok in text.split(",") if tok)
-  base = CONFIGS[kv.pop("base", "llama")]
+  base = configs[kv.pop("base", next(iter(configs)))]
   fields = {f.name: f.type for f in dataclasses.fields(Config)}
   unknown = set(kv) - set(fields)
   if unknown:
@@ -217,12 +241,81 @@ def _modules():
 _ATTENTION = {"impl": None}  # jax.nn.dot_product_attention's implementation (--attention)
 
 
-def build(cfg: Config, variant: str, seed: int = 0):
-  """(step, donating step, params, opt_state): a jitted adamw step on next-token loss."""
+def _dense_stack(cfg: Config, variant: str, *, rngs):
+  """--fp8-dense: ``cfg.layers`` blocks h = h + dense(norm(h)), d x d, bf16."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import flax_layers
+  import pallas_norm
+  bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+
+  class Block(nnx.Module):
+    def __init__(self):
+      d = cfg.d
+      if variant.startswith("fp8"):
+        scaling = "current" if variant == "fp8_current" else "delayed"
+        self.norm, self.dense = None, flax_layers.RMSNormDenseFP8(
+            d, d, epsilon=cfg.eps, use_bias=False, scaling=scaling, **bf16, rngs=rngs)
+      else:
+        norm = nnx.RMSNorm if variant == "flax" else pallas_norm.RMSNorm
+        self.norm = norm(d, epsilon=cfg.eps, **bf16, rngs=rngs)
+        self.dense = nnx.Linear(d, d, use_bias=False, **bf16, rngs=rngs)
+
+    def __call__(self, h):
+      with jax.named_scope("pn_norm"):
+        y = h if self.norm is None else self.norm(h)
+      return h + self.dense(y)
+
+  class Stack(nnx.Module):
+    def __init__(self):
+      self.blocks = nnx.List([Block() for _ in range(cfg.layers)])
+
+    def __call__(self, h):
+      for block in self.blocks:
+        h = block(h)
+      return h
+
+  return Stack()
+
+
+def _build_dense(cfg: Config, variant: str, seed: int):
+  """build() for --fp8-dense: the state is (params, (opt_state, fp8_meta)); the step
+  differentiates the Fp8Meta state too and keeps its gradient as its next value."""
   import jax
   import jax.numpy as jnp
   import optax
   from flax import nnx
+
+  from flax_layers import fp8
+  model = _dense_stack(cfg, variant, rngs=nnx.Rngs(seed))
+  graphdef, params, meta = nnx.split(model, nnx.Param, fp8.Fp8Meta)
+  tx = optax.adamw(1e-4)
+  opt_state = (tx.init(params), meta)
+
+  def loss_fn(params, meta, x):
+    h = nnx.merge(graphdef, params, meta)(x)
+    return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+  def step(params, opt_state, x):
+    opt_state, meta = opt_state
+    loss, (grads, meta) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, meta, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, meta), loss
+
+  return jax.jit(step), jax.jit(step, donate_argnums=(0, 1)), params, opt_state
+
+
+def build(cfg: Config, variant: str, seed: int = 0):
+  """(step, donating step, params, opt_state): a jitted adamw step on next-token loss
+  (``cfg.style == "dense"``: on mean(h**2) of a norm -> dense stack)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  if cfg.style == "dense":
+    return _build_dense(cfg, variant, seed)
   model = _modules()(cfg, variant, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optax.adamw(1e-4)
@@ -311,10 +404,18 @@ def _time_round(dstep, state, tokens, samples: int, chain: int):
 
 def run_config(cfg: Config, args) -> list[dict]:
   import jax
+  import jax.numpy as jnp
   import numpy as np
-  tokens = jax.random.randint(jax.random.key(args.seed), (cfg.batch, cfg.seq + 1), 0,
-                              cfg.vocab)
-  variants = [v for v in VARIANTS if v in args.variants.split(",")]
+
+  from flax_layers import fp8
+  if cfg.style == "dense":  # the step's input: x [batch * seq, d] bf16
+    tokens = jax.random.normal(jax.random.key(args.seed), (cfg.batch * cfg.seq, cfg.d),
+                               jnp.bfloat16)
+  else:
+    tokens = jax.random.randint(jax.random.key(args.seed), (cfg.batch, cfg.seq + 1), 0,
+                                cfg.vocab)
+  order = FP8_DENSE_VARIANTS if cfg.style == "dense" else VARIANTS
+  variants = [v for v in order if v in args.variants.split(",")]
   live = {}
   rows = {}
   for v in variants:
@@ -324,7 +425,8 @@ def run_config(cfg: Config, args) -> list[dict]:
     hlo = compiled.as_text()
     row = {"config": cfg.name, "variant": v, **dataclasses.asdict(cfg),
            "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
-           "norm_fusions": len(norm_fusions(hlo))}
+           "norm_fusions": len(norm_fusions(hlo)),
+           "gemm_calls": dict(fp8.gemm_calls_in(hlo))}
     try:
       row["breakdown"] = _breakdown(step, (params, opt_state, tokens), hlo)
     except Exception as e:  # noqa: BLE001 - CUPTI missing (CPU) or failing
@@ -371,7 +473,7 @@ def _line(r: dict) -> str:
         f"{r['speedup_paired_p25']:.3f}-{r['speedup_paired_p75']:.3f})"
         if r.get("speedup") else "-")
   temp = f"{r['temp_bytes'] / 2**30:.2f} GiB" if r.get("temp_bytes") else "n/a"
-  return (f"{r['config']:<7} {r['variant']:<7} step {r['step_ms']:8.2f} ms "
+  return (f"{r['config']:<7} {r['variant']:<11} step {r['step_ms']:8.2f} ms "
           f"(p10 {r['step_ms_p10']:.2f}, p90 {r['step_ms_p90']:.2f}, n={r['samples']}) "
           f"{r['tokens_per_s']:9.0f} tok/s  speedup {sp}  temp {temp}  "
           f"CUPTI us: {cats}  loss {r['loss']:.4f}")
@@ -380,7 +482,7 @@ def _line(r: dict) -> str:
 def format_table(rows: list[dict], meta: dict) -> str:
   lines = [f"{meta['device']}  {meta['date']}  commit {str(meta['git_commit'])[:10]}  "
            f"(step: median wall ms; CUPTI us of one step by category)",
-           f"{'config':<7} {'variant':<7} {'step ms':>8} {'speedup':>8} {'paired':>7} {'tok/s':>9} "
+           f"{'config':<7} {'variant':<11} {'step ms':>8} {'speedup':>8} {'paired':>7} {'tok/s':>9} "
            f"{'norm us':>8} {'gemm us':>8} {'attn us':>8} {'other us':>8} {'temp GiB':>8}"]
   for r in rows:
     b = r.get("breakdown", {})
@@ -388,7 +490,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
     sp = (f"{r['speedup']:8.3f} {r['speedup_paired']:7.3f}" if r.get("speedup")
           else f"{'-':>8} {'-':>7}")
     tb = f"{r['temp_bytes'] / 2**30:8.2f}" if r.get("temp_bytes") else f"{'n/a':>8}"
-    lines.append(f"{r['config']:<7} {r['variant']:<7} {r['step_ms']:8.2f} {sp} "
+    lines.append(f"{r['config']:<7} {r['variant']:<11} {r['step_ms']:8.2f} {sp} "
                  f"{r['tokens_per_s']:9.0f} {g('norm')} {g('gemm')} {g('attention')} "
                  f"{g('other')} {tb}")
   return "\n".join(lines)
@@ -400,9 +502,10 @@ def plot(doc: dict, png) -> None:
   import matplotlib.pyplot as plt
   rows = doc["rows"]
   configs = list(dict.fromkeys(r["config"] for r in rows))
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
   fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-  width = 0.8 / len(VARIANTS)
-  for i, v in enumerate(VARIANTS):
+  width = 0.8 / len(variants)
+  for i, v in enumerate(variants):
     rs = [next((r for r in rows if r["config"] == c and r["variant"] == v), None)
           for c in configs]
     xs = [j + i * width for j in range(len(configs))]
@@ -426,7 +529,13 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--config", action="append",
                  help=f"one of {sorted(CONFIGS)} or key=value,... (base=NAME, then Config "
                       f"fields); repeatable; default: all three")
-  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--fp8-dense", action="store_true",
+                 help="time norm -> dense stacks: flax, pallas, fp8 (RMSNormDenseFP8, "
+                      "delayed scaling), fp8_current; configs "
+                      f"{sorted(FP8_DENSE_CONFIGS)} (default: all)")
+  p.add_argument("--variants", default=None,
+                 help=f"comma list (default: all; {','.join(VARIANTS)}, or with "
+                      f"--fp8-dense {','.join(FP8_DENSE_VARIANTS)})")
   p.add_argument("--rounds", type=int, default=12, help="alternation rounds")
   p.add_argument("--steps", type=int, default=3,
                  help="timed samples per variant per round (each of --chain steps)")
@@ -451,7 +560,10 @@ def main(argv=None) -> int:
     print(f"pallas_norm.bench --e2e needs a GPU (jax.default_backend()="
           f"{jax.default_backend()!r}); --allow-cpu for a smoke run", file=sys.stderr)
     return 2
-  configs = [parse_config(c) for c in (args.config or sorted(CONFIGS))]
+  table = FP8_DENSE_CONFIGS if args.fp8_dense else CONFIGS
+  if args.variants is None:
+    args.variants = ",".join(FP8_DENSE_VARIANTS if args.fp8_dense else VARIANTS)
+  configs = [parse_config(c, table) for c in (args.config or sorted(table))]
   _ATTENTION["impl"] = None if args.attention == "xla" else "cudnn"
   dev = jax.devices()[0]
   meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
@@ -482,7 +594,8 @@ def main(argv=None) -> int:
   meta["notes"] = notes
   meta["attention"] = args.attention
   doc = {"meta": meta, "rows": rows}
-  out = pathlib.Path(args.out or f"benchmarks/results/e2e_{meta['git_commit']}.json")
+  kind = "e2e_fp8_dense" if args.fp8_dense else "e2e"
+  out = pathlib.Path(args.out or f"benchmarks/results/{kind}_{meta['git_commit']}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(doc, indent=1))
   try:
