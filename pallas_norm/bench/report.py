@@ -103,7 +103,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
     lines.append(f"  merged: {src['file']} ({src['date']}, commit {src['git_commit']}, copy "
                  f"{src['copy_gbs'] or 0:.0f} GB/s)")
   ow = max([5] + [len(r["op"]) for r in rows])
-  head = f"{'op':{ow}} {'pass':6} {'MxN':12}" + "".join(f" {i.abbrev:>{width[i.name]}}" for i in impls)
+  head = f"{'op':{ow}} {'pass':6} {'MxN':12}" + "".join(
+      f" {i.abbrev:>{width[i.name]}}" for i in impls)
   lines.append(head + f" | {'pal%cp':>6} {'best peer':>13} {'pal/peer':>8}")
   by = {(_key(r), r["impl"]): r for r in rows}
   for s in summary(rows):
