@@ -92,7 +92,10 @@ class Fp8Config:
 # Unmeasured (no GPU run of these kernels yet): reasons, not timings. The row-block
 # kernels without y_t take the forward's measured tiles instead (fp8_config).
 _WHOLE_ROW_MAX = 8192  # rows up to this width stay in registers (forward's cached limit)
-_T_ROWS = 32  # transposed stores: 32 one-byte values = one 32-byte sector a y_t row
+# Transposed stores: 32 one-byte values = one 32-byte sector a y_t row. The second walk
+# of a row block reads 32 * N * itemsize bytes back from L2: at N = 8192 bf16 one such
+# block on each of 132 SMs is 64 MiB, over the H100's 50 MB (a candidate for 16 rows).
+_T_ROWS = 32
 _T_BLOCK_N = 256  # tall row blocks walk 256-wide chunks: 32 x 256 f32 = 16 a thread at 16 warps
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
