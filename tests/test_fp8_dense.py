@@ -31,8 +31,12 @@ _F32 = jnp.float32
 _E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _EPS = 1e-6
 # Same quantised operands on both sides: what is left is float32 accumulation order and
-# the final rounding to x's dtype.
-_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+# the final rounding to x's dtype. On a GPU (--gpu) the layer's GEMMs are cuBLASLt's FP8
+# ones (their own accumulation) and the compiled norm's float32 output may round an
+# element to the neighbouring FP8 value: looser.
+_ON_GPU = jax.default_backend() == "gpu"
+_TOL = {jnp.float32: 1e-2 if _ON_GPU else 2e-5, jnp.bfloat16: 2e-2 if _ON_GPU else 1e-2}
+_HIGHEST = jax.lax.Precision.HIGHEST  # the recipe's float32 GEMMs: no TF32 on a GPU
 
 
 def _deq(v, scale, dt):
@@ -63,16 +67,16 @@ def _recipe(x, kernel, scale, ln_bias, bias, dout, *, subtract_mean, state, grad
     s_y = _delayed(state.input_scale, state.input_amax_history, _E4M3)
     s_w = _delayed(state.kernel_scale, state.kernel_amax_history, _E4M3)
   y_d, w_d = _deq(y, s_y, _E4M3), _deq(wf, s_w, _E4M3)
-  out = (y_d @ w_d).astype(x.dtype)
+  out = jnp.matmul(y_d, w_d, precision=_HIGHEST).astype(x.dtype)
   if bias is not None:
     out = out + bias.astype(x.dtype)
   g_amax = jnp.max(jnp.abs(dout.astype(_F32)))
   s_g = (current_scale(g_amax, grad_dt) if state is None else
          _delayed(state.output_grad_scale, state.output_grad_amax_history, grad_dt))
   g_d = _deq(dout, s_g, grad_dt)
-  dy = (g_d @ w_d.T).astype(x.dtype)
+  dy = jnp.matmul(g_d, w_d.T, precision=_HIGHEST).astype(x.dtype)
   dx, dscale, dln_bias = norm_vjp(dy.astype(_F32))
-  dkernel = (y_d.T @ g_d).astype(kernel.dtype)
+  dkernel = jnp.matmul(y_d.T, g_d, precision=_HIGHEST).astype(kernel.dtype)
   dbias = None if bias is None else jnp.sum(dout.astype(_F32), 0).astype(bias.dtype)
   new = None
   if state is not None:
@@ -180,9 +184,10 @@ def test_e4m3_gradient_and_batch_dims():
       _recipe, subtract_mean=False, state=None, grad_dt=_E4M3))(
           x, kernel, None, None, None, dout)
   assert out.shape == (3, 4, kernel.shape[1]) and dx.shape == x3.shape
-  _allclose(out.reshape(want_out.shape), want_out, 2e-5, "out")
-  _allclose(dx.reshape(want_dx.shape), want_dx, 2e-5, "dx")
-  _allclose(dkernel, want_dk, 2e-5, "dkernel")
+  tol = _TOL[jnp.float32]
+  _allclose(out.reshape(want_out.shape), want_out, tol, "out")
+  _allclose(dx.reshape(want_dx.shape), want_dx, tol, "dx")
+  _allclose(dkernel, want_dk, tol, "dkernel")
 
 
 def test_pallas_kernels_match_recipe():
@@ -190,7 +195,7 @@ def test_pallas_kernels_match_recipe():
   and the two-stage backward, delayed scaling, LayerNorm."""
   x, kernel, scale, ln_bias, bias, dout = _inputs(m=32, n=128, f=32, subtract_mean=True)
   _check_against_recipe(x, kernel, scale, ln_bias, bias, dout, subtract_mean=True,
-                        state=_state(), backend="pallas", tol=1e-4)
+                        state=_state(), backend="pallas", tol=_TOL[jnp.float32] * 5)
 
 
 def test_empty_rows():
@@ -294,12 +299,12 @@ def test_nnx_and_linen_agree(name, scaling):
   l1, g1 = jax.jit(jax.value_and_grad(loss_linen))(variables)
   diff = nnx.DiffState(0, (nnx.Param, fp8.Fp8Meta))
   l2, g2 = nnx.jit(nnx.value_and_grad(loss_nnx, argnums=diff))(layer)
-  assert float(l1) == float(l2)
+  assert float(l1) == pytest.approx(float(l2), rel=1e-3 if _ON_GPU else 0)
   flat2 = {k: v[...] for k, v in g2.items()}
   flat1 = {**g1["params"], **g1.get(owg, {})}
   assert set(flat1) == set(flat2)
-  for k in flat1:
-    np.testing.assert_array_equal(flat1[k], flat2[k], err_msg=k)
+  for k in flat1:  # the same program; on a GPU each compilation tunes its own GEMMs
+    np.testing.assert_allclose(flat1[k], flat2[k], rtol=1e-3 if _ON_GPU else 0, err_msg=k)
 
 
 def test_lazy_export_from_pallas_norm():
