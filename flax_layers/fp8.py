@@ -44,8 +44,8 @@ XLA turns each ``dot_general`` of FP8 operands with a float32 result, times the 
 of two float32 scalars, cast to the output dtype, into one cuBLASLt FP8 GEMM
 (``__cublas$lt$matmul$f8``; the scales become its a/b scale operands) on Hopper and
 later (or, where its autotuner prefers, a Triton GEMM fusion of the FP8 operands);
-``fp8_gemm_calls`` lists the GEMMs of a compiled program (``python -m flax_layers.fp8``
-prints the layer's). On a CPU the same program runs the dots on converted operands.
+``fp8_gemm_calls`` lists the GEMMs of a compiled program (``report_fp8_gemms`` prints
+the layer's). On a CPU the same program runs the dots on converted operands.
 
 Reused from flax (``flax.linen.fp8_ops``): ``compute_scale``, ``compute_amax_history``
 and ``OVERWRITE_WITH_GRADIENT``. Quantisation is pallas_norm.fp8's ``quantise`` (the
@@ -72,7 +72,7 @@ from pallas_norm import ops as _ops
 
 __all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
            "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "gemm_calls_in",
-           "fp8_gemm_count", "fp8_gemm_calls",
+           "fp8_gemm_count", "fp8_gemm_calls", "report_fp8_gemms",
            "SCALINGS", "FP8_BACKENDS", "FP8_GEMM_TARGET", "OVERWRITE_WITH_GRADIENT"]
 
 SCALINGS = ("delayed", "current")
@@ -573,9 +573,11 @@ def fp8_gemm_calls(fn, *args) -> collections.Counter:
   return gemm_calls_in(jax.jit(fn).lower(*args).compile().as_text())
 
 
-def _main(m: int = 8192, n: int = 4096, f: int = 4096) -> int:
-  """``python -m flax_layers.fp8``: the GEMM custom calls of the layer's gradient at
-  [m, n] @ [n, f] (exit 1 unless all three GEMMs are cuBLASLt FP8 ones)."""
+def report_fp8_gemms(m: int = 8192, n: int = 4096, f: int = 4096) -> bool:
+  """Compiles the gradient of ``RMSNormDenseFP8(n, f)`` (bf16, delayed scaling) at
+  x [m, n] on the default device, prints its GEMMs by kind (``gemm_calls_in``) and
+  returns whether all three (forward, dgrad, wgrad) are FP8 GEMMs and there is no
+  other: ``python -c "from flax_layers import fp8; fp8.report_fp8_gemms()"``."""
   layer = RMSNormDenseFP8(n, f, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   graphdef, params, meta = nnx.split(layer, nnx.Param, Fp8Meta)
   x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
@@ -589,8 +591,4 @@ def _main(m: int = 8192, n: int = 4096, f: int = 4096) -> int:
         f"[{m}, {n}] @ [{n}, {f}], gradient: GEMMs {dict(calls)}")
   print(f"FP8 GEMMs: {fp8} of 3 (forward, dgrad, wgrad), {calls[FP8_GEMM_TARGET]} of them "
         f"{FP8_GEMM_TARGET}; other GEMMs: {sum(calls.values()) - fp8}")
-  return 0 if fp8 == 3 and sum(calls.values()) == 3 else 1
-
-
-if __name__ == "__main__":
-  raise SystemExit(_main())
+  return fp8 == 3 and sum(calls.values()) == 3
