@@ -68,7 +68,6 @@ from flax.linen import fp8_ops as _flax_fp8
 from flax.nnx.nn.linear import default_kernel_init
 
 from pallas_norm import fp8 as _fp8
-from pallas_norm import ops as _ops
 
 __all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
            "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "gemm_calls_in",
@@ -124,7 +123,6 @@ class _Static:
   fp8_dtype: str
   grad_fp8_dtype: str
   kernel_dtype: str  # dW's
-  mode: str | None
   backend: str
   interpret: bool | None
 
@@ -239,8 +237,7 @@ def _quantise_tensor(v, scale, fp8_dtype):
 
 def _norm_fp8(st: _Static, x, scale, ln_bias, y_scale, transpose: bool) -> _fp8.Fp8Norm:
   kw = dict(y_scale=y_scale, fp8_dtype=st.fp8_dtype, transpose=transpose, eps=st.eps,
-            scale_offset=st.scale_offset, mode=st.mode, backend=st.backend,
-            interpret=st.interpret)
+            scale_offset=st.scale_offset, backend=st.backend, interpret=st.interpret)
   if st.subtract_mean:
     return _fp8.layer_norm_fp8(x, scale, ln_bias, **kw)
   return _fp8.rms_norm_fp8(x, scale, **kw)
@@ -286,8 +283,7 @@ def _norm_dense_bwd(st: _Static, res, dout):
   dw = _scaled_dot(y_t, y_scale, g, g_scale, ((1,), (0,)), st.kernel_dtype)  # [N, F]
   dx, dscale, dbias = _fp8.norm_backward(
       dy, x, scale, ln_bias, mean, rstd, subtract_mean=st.subtract_mean,
-      scale_offset=st.scale_offset, mode=st.mode, backend=st.backend,
-      interpret=st.interpret)
+      scale_offset=st.scale_offset, backend=st.backend, interpret=st.interpret)
   new_state = None
   if state is not None:
     new_state = DelayedScalingState(
@@ -305,7 +301,7 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
                    subtract_mean: bool = False, eps: float = 1e-6, scale_offset: float = 0.0,
                    state: DelayedScalingState | None = None,
                    fp8_dtype=jnp.float8_e4m3fn, grad_fp8_dtype=jnp.float8_e5m2,
-                   mode: str | None = None, backend: str = "pallas",
+                   backend: str = "pallas",
                    interpret: bool | None = None):
   """``norm(x) @ kernel + bias`` with an FP8 norm output and FP8 GEMMs (module docstring).
 
@@ -328,14 +324,15 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
       gradient is the next step's state (flax's overwrite-with-gradient).
     fp8_dtype: the forward operands' FP8 dtype: float8_e4m3fn.
     grad_fp8_dtype: the output gradient's: float8_e5m2 (default, HYBRID) or e4m3fn.
-    mode, backend, interpret: pallas_norm.fp8's (backend "pallas" or "xla").
+    backend, interpret: pallas_norm.fp8's (backend "pallas" or "xla"; the FP8 norm
+      has no ``mode``: its kernels have their own structure).
 
   Returns:
     [..., F] in x's dtype.
 
   Raises:
     ValueError: kernel not 2-D, x's last axis not N, param shapes not (N,) / (F,),
-      ln_bias with RMSNorm, a malformed state, a bad backend or mode (pallas_norm.fp8's).
+      ln_bias with RMSNorm, a malformed state, a bad backend (pallas_norm.fp8's).
     TypeError: non-float arrays, an FP8 dtype not allowed, a state of another type.
   """
   fwd_dt, grad_dt = _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
@@ -348,7 +345,7 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
   else:
     kernel = jnp.asarray(kernel)
     st = _Static(bool(subtract_mean), float(eps), float(scale_offset), fwd_dt.name,
-                 grad_dt.name, kernel.dtype.name, mode, backend, interpret)
+                 grad_dt.name, kernel.dtype.name, backend, interpret)
     out = _norm_dense(st, x.reshape(-1, n), scale, ln_bias, kernel, state)
     out = out.reshape(*lead, f)
   if bias is not None:
@@ -418,7 +415,6 @@ class _NormDenseFP8(nnx.Module):
       amax_history_length: int = 1024,
       fp8_dtype: tp.Any = jnp.float8_e4m3fn,
       grad_fp8_dtype: tp.Any = jnp.float8_e5m2,
-      mode: str | None = None,
       backend: str = "pallas",
       rngs: nnx.Rngs,
   ):
@@ -436,7 +432,7 @@ class _NormDenseFP8(nnx.Module):
     self.dtype, self.param_dtype = dtype, param_dtype
     self.scaling, self.amax_history_length = scaling, amax_history_length
     self.fp8_dtype, self.grad_fp8_dtype = fp8_dtype, grad_fp8_dtype
-    self.mode, self.backend = mode, backend
+    self.backend = backend
 
   def __call__(self, x):
     """``x: [..., in_features]`` -> ``[..., out_features]`` in ``dtype`` (default: the
@@ -453,7 +449,7 @@ class _NormDenseFP8(nnx.Module):
                           subtract_mean=self.subtract_mean, eps=float(self.epsilon),
                           scale_offset=float(self.scale_offset), state=state,
                           fp8_dtype=self.fp8_dtype, grad_fp8_dtype=self.grad_fp8_dtype,
-                          mode=self.mode, backend=self.backend)
+                          backend=self.backend)
 
 
 _ARGS_DOC = """
@@ -477,7 +473,7 @@ _ARGS_DOC = """
       TransformerEngine and flax).
     fp8_dtype: the forward operands' FP8 dtype (default float8_e4m3fn, the only one).
     grad_fp8_dtype: the output gradient's (default float8_e5m2: HYBRID; or e4m3fn).
-    mode, backend: passed to pallas_norm.fp8 (backend "pallas" default, or "xla").
+    backend: passed to pallas_norm.fp8: "pallas" (default) or "xla" (its jnp chain).
     rngs: rng key; keys are drawn for scale, ln_bias, kernel, bias in that order (a
       param that is not used draws none).
 

@@ -199,7 +199,6 @@ class _NormDenseFP8(nn.Module):
   amax_history_length: int = 1024
   fp8_dtype: tp.Any = jnp.float8_e4m3fn
   grad_fp8_dtype: tp.Any = jnp.float8_e5m2
-  mode: str | None = None
   backend: str = "pallas"
 
   subtract_mean: tp.ClassVar[bool] = False
@@ -231,8 +230,7 @@ class _NormDenseFP8(nn.Module):
                                subtract_mean=self.subtract_mean, eps=float(self.epsilon),
                                scale_offset=float(self.scale_offset), state=state,
                                fp8_dtype=self.fp8_dtype,
-                               grad_fp8_dtype=self.grad_fp8_dtype, mode=self.mode,
-                               backend=self.backend)
+                               grad_fp8_dtype=self.grad_fp8_dtype, backend=self.backend)
 
 
 class RMSNormDenseFP8(_NormDenseFP8):
@@ -263,7 +261,7 @@ class RMSNormDenseFP8(_NormDenseFP8):
   Attributes:
     features: F, the output features (N is x's last axis).
     epsilon, use_scale, scale_init, scale_offset, use_bias, kernel_init, bias_init,
-    dtype, param_dtype, scaling, amax_history_length, fp8_dtype, grad_fp8_dtype, mode,
+    dtype, param_dtype, scaling, amax_history_length, fp8_dtype, grad_fp8_dtype,
     backend: as in ``flax_layers.RMSNormDenseFP8`` (checked when called).
   """
 
