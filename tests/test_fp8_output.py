@@ -14,6 +14,7 @@ On CPU the kernels run in Pallas interpret mode; ``make gpu-check`` runs this fi
 interpret=False, plus the ``gpu`` tests at 4096 x 4096 and 8192 x 2048.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -194,6 +195,38 @@ def test_chunked_kernels(op, cfg):
   np.testing.assert_array_equal(np.asarray(amax2), np.asarray(amax))
 
 
+# The persistent row-block kernels (Fp8Config.num_programs > 0) against the one-block-a-
+# program ones: whole rows with the prefetch (M = 37: 19 ragged row blocks over 3
+# programs, 7, 6 and 6 each) and chunked rows (5 chunks: a loop), y_t and the
+# statistics kernel too. Same statistics, y, y_t and tensor amax, bitwise.
+_PERSISTENT = [("rms", kfp8.Fp8Config(2, 256, 4), 3),
+               ("layer", kfp8.Fp8Config(8, 64, 4), 2)]
+
+
+@pytest.mark.parametrize("op,cfg,g", _PERSISTENT, ids=["rms-whole-row", "layer-chunked"])
+def test_persistent_kernels(op, cfg, g):
+  layer = op == "layer"
+  x, s, b = _data((37, 300 if layer else 200), layer=layer)
+  pcfg = dataclasses.replace(cfg, num_programs=g)
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=not _on_gpu())
+  inv = F32(1) / F32(0.01)
+  base = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=E4M3, transpose=True, config=cfg,
+                               **kw)
+  pers = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=E4M3, transpose=True, config=pcfg,
+                               **kw)
+  assert base[4].shape == (37,) and pers[4].shape == (g,)  # an amax a row / a program
+  for a, c in zip(base[:2], pers[:2]):  # y, y_t
+    np.testing.assert_array_equal(_bits(a), _bits(c))
+  for a, c in zip(base[2:4], pers[2:4]):  # mean, rstd
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+  assert _f32(kfp8.reduce_amax(pers[4])) == _f32(kfp8.reduce_amax(base[4])) > 0
+  mean, rstd, amax = kfp8.fp8_stats(x, s, b, config=pcfg, **kw)
+  np.testing.assert_array_equal(np.asarray(mean), np.asarray(base[2]))
+  np.testing.assert_array_equal(np.asarray(rstd), np.asarray(base[3]))
+  assert amax.shape == (g,)
+  assert _f32(kfp8.reduce_amax(amax)) == _f32(kfp8.reduce_amax(base[4]))
+
+
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_saturation(fp8_dtype):
   """A delayed scale too small: values clip to +-fp8_max, no Inf or NaN."""
@@ -290,6 +323,8 @@ def test_errors(bad, exc, match):
 def test_config_errors():
   with pytest.raises(ValueError, match="power of 2"):
     kfp8.Fp8Config(24, 128, 4)
+  with pytest.raises(ValueError, match="num_programs"):
+    kfp8.Fp8Config(32, 128, 4, -1)
   with pytest.raises(ValueError, match="not an FP8 kernel"):
     kfp8.fp8_config(64, 64, kernel="fused")
 
@@ -316,6 +351,24 @@ def test_lowers_for_cuda():
         args[2] = None
       text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("__gpu$xla.gpu.triton") == (1 if y_scale else 2)
+
+
+@pytest.mark.cpu_only
+def test_persistent_lowers_for_cuda():
+  """The persistent variants lower for CUDA: the prefetching whole-row loop (1 and 2
+  rows a block), the chunked loop with y_t in 32-row blocks, the scalar amax store."""
+  sds = jax.ShapeDtypeStruct
+  for m, n, cfg, transpose, layer in [
+      (8192, 4096, kfp8.Fp8Config(1, 4096, 4, 264), False, False),
+      (8192, 4096, kfp8.Fp8Config(2, 4096, 8, 132), False, True),
+      (8192, 4096, kfp8.Fp8Config(32, 256, 16, 132), True, True)]:
+    kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False, config=cfg)
+    for fn in (functools.partial(kfp8.fp8_norm_delayed, inv=F32(2), fp8_dtype=E4M3,
+                                 transpose=transpose, **kw),
+               functools.partial(kfp8.fp8_stats, **kw)):
+      args = (sds((m, n), jnp.bfloat16), sds((n,), F32), sds((n,), F32) if layer else None)
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------- backward

@@ -55,7 +55,7 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, forward_config,
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
-                                         _load_tile, _tile_index, _where0)
+                                         _load_row_block, _load_tile, _tile_index, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "reduce_amax"]
@@ -76,17 +76,27 @@ class Fp8Config:
     block_n: columns of a tile (power of 2); the row-block kernels walk rows wider than
       it in block_n chunks.
     num_warps: warps a program.
+    num_programs: the row-block kernels' grid. 0: one row block a program (grid
+      cdiv(M, block_m)); G > 0: G persistent programs, program r walking row blocks
+      r, r + G, ... (whole rows: the next block's x prefetched into registers before
+      this one's math), with the amax kept elementwise in registers across its rows
+      and reduced once, into one int32 partial a program (``_persistent_kernel``).
+      Ignored by "quantise".
   """
 
   block_m: int
   block_n: int
   num_warps: int
+  num_programs: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
       v = getattr(self, name)
       if v < 1 or v & (v - 1):
         raise ValueError(f"Fp8Config.{name}={v} must be a power of 2")
+    if self.num_programs < 0:
+      raise ValueError(f"Fp8Config.num_programs={self.num_programs} must be >= 0 (0: a "
+                       f"row block a program)")
 
 
 # Unmeasured (no GPU run of these kernels yet): reasons, not timings. The row-block
@@ -142,19 +152,20 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
 # --------------------------------------------------------------------------- tile code
 
 
-def _row_amax_bits(y, mask):
-  """Row max of |y| as int32 bits ([block_m]); NaN (bits above +Inf's) propagates, the
-  elements outside ``mask`` count as 0."""
+def _amax_bits(y, mask):
+  """|y| as int32 bits, elementwise (y's shape); the elements outside ``mask`` are 0. A
+  max over them is the max |y| (NaN, whose bits are above +Inf's, propagates)."""
   bits = lax.bitcast_convert_type(y, jnp.int32) & jnp.int32(0x7FFFFFFF)
   if mask is not None:
     bits = jnp.where(mask, bits, jnp.int32(0))
-  return jnp.max(bits, axis=1)
+  return bits
 
 
 def _emit(x, tile, mean, rstd, params, q):
   """y_f32 of the f32 x ``tile`` ((rows, cols, row_mask, col_mask, mask)) from the rows'
   ``mean`` (None: RMSNorm) and ``rstd``; quantised and stored when ``q`` is
-  (inv, fp8_dtype, y_ref, y_t_ref or None). Returns the tile's row amax bits."""
+  (inv, fp8_dtype, y_ref, y_t_ref or None). Returns the tile's |y| bits (_amax_bits,
+  [block_m, block_n] int32)."""
   rows, cols, _, col_mask, mask = tile
   if mean is not None:
     x = x - mean[:, None]
@@ -166,7 +177,7 @@ def _emit(x, tile, mean, rstd, params, q):
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], yq, mask=mask)
     if y_t_ref is not None:  # y_t[c, r] = y[r, c]: the same tile through transposed indices
       plgpu.store(y_t_ref.at[cols[None, :], rows[:, None]], yq, mask=mask)
-  return _row_amax_bits(y, mask)
+  return _amax_bits(y, mask)
 
 
 def _walk(num_chunks, body, init):
@@ -180,11 +191,9 @@ def _walk(num_chunks, body, init):
   return lax.fori_loop(0, num_chunks, lambda j, c: body(num_chunks - 1 - j, c), init)
 
 
-def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, block_m, block_n):
-  """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
-  when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
-  current scaling)."""
+def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean):
+  """(x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref) of a row-block kernel;
+  q as in _emit (None for the statistics kernel), the absent refs None."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -196,38 +205,121 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref)
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref, amax_ref = refs
-  m = x_ref.shape[0]
-  rb = pl.program_id(0)
-  tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
-                           rows_in_bounds=True)
-  params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
-  num_chunks = cdiv(n, block_n)
-  t0 = tile(0)
-  rows, _, row_mask, _, mask = t0
-  if num_chunks == 1:  # the row block stays in registers: x is read once
-    x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
-    mean = None
-    xc = x
-    if subtract_mean:
-      mean = jnp.sum(x, axis=1) / n  # [block_m]
-      xc = _where0(mask, x - mean[:, None])
-    rstd = lax.rsqrt(jnp.sum(xc * xc, axis=1) / n + _F32(eps))
-    amax = _emit(x, t0, mean, rstd, params, q)
-  else:  # statistics over the chunks, then a second walk (from L2) that stores
-    mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
-                             block_n=block_n)
-    rstd = lax.rsqrt(acc / n + _F32(eps))
+  return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
-    def body(k, amax):
-      t = tile(k)
-      x = _load_tile(x_ref, t[0], t[1], t[4])
-      return jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
 
-    amax = _walk(num_chunks, body, jnp.zeros((block_m,), jnp.int32))
+def _tile_stats(x, mask, *, n, eps, subtract_mean):
+  """(mean [block_m] f32 or None, rstd [block_m] f32) of a whole-row f32 tile (0
+  outside ``mask``); LayerNorm's variance is two-pass within the tile."""
+  mean = None
+  xc = x
+  if subtract_mean:
+    mean = jnp.sum(x, axis=1) / n  # [block_m]
+    xc = _where0(mask, x - mean[:, None])
+  return mean, lax.rsqrt(jnp.sum(xc * xc, axis=1) / n + _F32(eps))
+
+
+def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, block_m,
+                   block_n):
+  """Row block ``rb`` in block_n chunks: statistics, then a second walk (from L2) that
+  emits. ``amax``: the running |y| bits, [block_m, block_n] int32 (elementwise).
+  Returns (mean or None, rstd, amax)."""
+  mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
+                           block_n=block_n)
+  rstd = lax.rsqrt(acc / n + _F32(eps))
+
+  def body(k, amax):
+    t = tile(rb, k)
+    x = _load_tile(x_ref, t[0], t[1], t[4])
+    return jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
+
+  return mean, rstd, _walk(cdiv(n, block_n), body, amax)
+
+
+def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
-  plgpu.store(amax_ref.at[rows], amax, mask=row_mask)
+
+
+def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                 fp8_dtype, transpose, block_m, block_n):
+  """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
+  when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
+  current scaling)."""
+  x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean)
+  m = x_ref.shape[0]
+  rb = pl.program_id(0)
+  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
+  params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
+  t0 = tile(rb, 0)
+  rows, _, row_mask, _, mask = t0
+  if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
+    x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
+    mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
+    amax = _emit(x, t0, mean, rstd, params, q)
+  else:  # statistics over the chunks, then a second walk (from L2) that stores
+    mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q,
+                                      jnp.zeros((block_m, block_n), jnp.int32), n=n,
+                                      eps=eps, subtract_mean=subtract_mean,
+                                      block_m=block_m, block_n=block_n)
+  _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
+  plgpu.store(amax_ref.at[rows], jnp.max(amax, axis=1), mask=row_mask)
+
+
+def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                       fp8_dtype, transpose, block_m, block_n, num_programs):
+  """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
+  ``num_programs``), with the amax as one partial a program.
+
+  Whole rows (block_n >= N): scale/bias loaded once, the next row block's x loaded
+  before this one's reductions (its loads in flight during them; past the last block
+  fully masked), as forward.py's static_persistent. Longer rows: each row block chunked
+  as in ``_norm_kernel``. The |y| bits are max-ed elementwise into a [block_m, block_n]
+  int32 carry (no reduction a row) and reduced across the tile once, at the end:
+  amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
+  """
+  x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean)
+  m = x_ref.shape[0]
+  pid = pl.program_id(0)
+  num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
+  tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
+                           rows_in_bounds=True)
+  zeros = jnp.zeros((block_m, block_n), jnp.int32)
+  stats = dict(n=n, eps=eps, subtract_mean=subtract_mean)
+  if cdiv(n, block_n) == 1:
+    _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
+    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
+
+    def body(i, carry):
+      amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
+      rb = pid + i * num_programs
+      x_next = load(rb + num_programs)  # the prefetch
+      t = tile(rb, 0)
+      x = x.astype(_F32)
+      mean, rstd = _tile_stats(x, t[4], **stats)
+      amax = jnp.maximum(amax, _emit(x, t, mean, rstd, lambda c, cm: (w, b), q))
+      _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
+      return amax, x_next
+
+    amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
+  else:
+    params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
+
+    def body(i, amax):
+      rb = pid + i * num_programs
+      mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
+                                        block_n=block_n, **stats)
+      t = tile(rb, 0)
+      _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
+      return amax
+
+    amax = lax.fori_loop(0, num_steps, body, zeros)
+  amax_ref[pid] = jnp.max(jnp.max(amax, axis=1), axis=0)
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
@@ -254,14 +346,25 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
 # --------------------------------------------------------------------------- launchers
 
 
-def _row_outs(x, subtract_mean):
+def _row_outs(x, subtract_mean, num_amax):
   m = x.shape[0]
   return ([out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
-          + [out_struct((m,), jnp.int32, x)])
+          + [out_struct((num_amax,), jnp.int32, x)])
+
+
+def _row_launch(m, cfg: Fp8Config):
+  """(kernel, grid, statics, amax partials) of the row-block kernels for ``cfg``: a row
+  block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
+  (_persistent_kernel, at most one a row block; an amax a program)."""
+  num_row_blocks = cdiv(m, cfg.block_m)
+  if not cfg.num_programs:
+    return _norm_kernel, num_row_blocks, {}, m
+  g = min(cfg.num_programs, num_row_blocks)
+  return _persistent_kernel, g, dict(num_programs=g), g
 
 
 def _row_results(outs, m, subtract_mean):
-  """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, row amax bits [M] int32)."""
+  """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32)."""
   mean = outs.pop(0) if subtract_mean else jnp.zeros((m,), _F32)
   return mean, outs[0], outs[1]
 
@@ -301,14 +404,16 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
 
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
-    f32, row amax [M] int32: the bits of each row's max |y_f32|, ``reduce_amax``'s input).
+    f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
+    |y_f32| (config.num_programs == 0), or [G], each persistent program's max).
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret)
-  outs = _call(_norm_kernel, [x, scale, bias, _inv(inv)],
-               _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean),
-               (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_delayed",
+  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  outs = _call(kernel, [x, scale, bias, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean, num_amax),
+               (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None, fp8_dtype=jnp.dtype(fp8_dtype).name,
@@ -326,14 +431,15 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   Args: as in ``fp8_norm_delayed``.
 
   Returns:
-    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, row amax bits [M] int32).
+    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32 (as in
+    ``fp8_norm_delayed``)).
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
                              interpret=interpret)
-  outs = _call(_norm_kernel, [x, scale, bias], _row_outs(x, subtract_mean),
-               (cdiv(m, cfg.block_m),), cfg, interpret, "pallas_norm_fp8_stats",
-               n=n, eps=float(eps), scale_offset=float(scale_offset),
+  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  outs = _call(kernel, [x, scale, bias], _row_outs(x, subtract_mean, num_amax), (grid,),
+               cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None, fp8_dtype=None, transpose=False)
   return _row_results(list(outs), m, subtract_mean)
@@ -367,7 +473,7 @@ def fp8_quantise(x, scale, bias, mean, rstd, inv, *, scale_offset: float,
   return outs[0], (outs[1] if transpose else None)
 
 
-def reduce_amax(row_amax_bits):
-  """() float32 tensor amax from the kernels' [M] int32 row amax bits (NaN if any row
-  has one)."""
-  return lax.bitcast_convert_type(jnp.max(row_amax_bits), _F32)
+def reduce_amax(amax_bits):
+  """() float32 tensor amax from the kernels' int32 amax bits ([M] a row, or [G] a
+  persistent program; NaN if any has one)."""
+  return lax.bitcast_convert_type(jnp.max(amax_bits), _F32)
