@@ -195,26 +195,31 @@ def test_chunked_kernels(op, cfg):
   np.testing.assert_array_equal(np.asarray(amax2), np.asarray(amax))
 
 
-# The persistent row-block kernels (Fp8Config.num_programs > 0) against the one-block-a-
-# program ones: whole rows with the prefetch (M = 37: 19 ragged row blocks over 3
-# programs, 7, 6 and 6 each) and chunked rows (5 chunks: a loop), y_t and the
-# statistics kernel too. Same statistics, y, y_t and tensor amax, bitwise.
-_PERSISTENT = [("rms", kfp8.Fp8Config(2, 256, 4), 3),
-               ("layer", kfp8.Fp8Config(8, 64, 4), 2)]
+# The row-block kernels' variants against the default one-block-a-program kernel:
+# persistent programs (Fp8Config.num_programs > 0) over whole rows with the prefetch (M =
+# 37: 19 ragged row blocks over 3 programs) and over chunked rows (5 chunks: a loop), and
+# scale/bias loaded in the tile's layout (tile_params; ragged columns: masked). y_t and
+# the statistics kernel too. Same statistics, y, y_t and tensor amax, bitwise.
+_VARIANTS = [("rms", kfp8.Fp8Config(2, 256, 4), dict(num_programs=3, tile_params=True)),
+             ("layer", kfp8.Fp8Config(8, 64, 4), dict(num_programs=2, tile_params=True)),
+             ("rms", kfp8.Fp8Config(2, 256, 4), dict(tile_params=True))]
 
 
-@pytest.mark.parametrize("op,cfg,g", _PERSISTENT, ids=["rms-whole-row", "layer-chunked"])
-def test_persistent_kernels(op, cfg, g):
+@pytest.mark.parametrize("op,cfg,var", _VARIANTS,
+                         ids=["rms-persistent-whole-row", "layer-persistent-chunked",
+                              "rms-tile-params"])
+def test_row_kernel_variants(op, cfg, var):
   layer = op == "layer"
   x, s, b = _data((37, 300 if layer else 200), layer=layer)
-  pcfg = dataclasses.replace(cfg, num_programs=g)
+  pcfg = dataclasses.replace(cfg, **var)
   kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=not _on_gpu())
   inv = F32(1) / F32(0.01)
   base = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=E4M3, transpose=True, config=cfg,
                                **kw)
   pers = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=E4M3, transpose=True, config=pcfg,
                                **kw)
-  assert base[4].shape == (37,) and pers[4].shape == (g,)  # an amax a row / a program
+  # an amax a row, or a persistent program
+  assert base[4].shape == (37,) and pers[4].shape == (pcfg.num_programs or 37,)
   for a, c in zip(base[:2], pers[:2]):  # y, y_t
     np.testing.assert_array_equal(_bits(a), _bits(c))
   for a, c in zip(base[2:4], pers[2:4]):  # mean, rstd
@@ -223,7 +228,7 @@ def test_persistent_kernels(op, cfg, g):
   mean, rstd, amax = kfp8.fp8_stats(x, s, b, config=pcfg, **kw)
   np.testing.assert_array_equal(np.asarray(mean), np.asarray(base[2]))
   np.testing.assert_array_equal(np.asarray(rstd), np.asarray(base[3]))
-  assert amax.shape == (g,)
+  assert amax.shape == pers[4].shape
   assert _f32(kfp8.reduce_amax(amax)) == _f32(kfp8.reduce_amax(base[4]))
 
 
@@ -329,6 +334,27 @@ def test_config_errors():
     kfp8.fp8_config(64, 64, kernel="fused")
 
 
+def test_config_picks_variants(monkeypatch):
+  """fp8_config's variant switches (off by default) reach the configs and the public op:
+  a persistent whole-row tile for one (kernel, op, N'), persistent y_t programs,
+  scale/bias in the tile's layout."""
+  sms = pallas_norm.config.device_info().num_sms
+  d = kfp8.fp8_config(4096, 4096, kernel="delayed")
+  assert d.num_programs == 0 and not d.tile_params
+  monkeypatch.setattr(kfp8, "_PERSISTENT_ROWS", {("delayed", "rms", 128): (2, 4, 2)})
+  monkeypatch.setattr(kfp8, "_T_PROGRAMS_PER_SM", 1)
+  monkeypatch.setattr(kfp8, "_TILE_PARAMS", True)
+  assert kfp8.fp8_config(24, 100, kernel="delayed") == kfp8.Fp8Config(2, 128, 4, 2 * sms,
+                                                                       True)
+  assert kfp8.fp8_config(24, 100, kernel="stats").num_programs == 0  # not in the table
+  assert kfp8.fp8_config(24, 100, kernel="delayed", subtract_mean=True).num_programs == 0
+  t = kfp8.fp8_config(24, 100, kernel="delayed", transpose=True)
+  assert (t.block_m, t.num_programs, t.tile_params) == (32, sms, True)
+  x, s, _ = _data((24, 100), layer=False)
+  r, ref = _run("rms", x, s, None, y_scale=0.01, transpose=False)
+  _check_ref(r, ref, fp8_dtype=E4M3, transpose=False, layer=False)
+
+
 @pytest.mark.cpu_only
 def test_lowers_for_cuda():
   """Every FP8-output kernel lowers through JAX's Pallas Triton lowering for CUDA (on a
@@ -354,13 +380,15 @@ def test_lowers_for_cuda():
 
 
 @pytest.mark.cpu_only
-def test_persistent_lowers_for_cuda():
-  """The persistent variants lower for CUDA: the prefetching whole-row loop (1 and 2
-  rows a block), the chunked loop with y_t in 32-row blocks, the scalar amax store."""
+def test_row_variants_lower_for_cuda():
+  """The row-block variants lower for CUDA: the prefetching whole-row loop (1 and 2
+  rows a block), the chunked loop with y_t in 32-row blocks, the scalar amax store,
+  scale/bias in the tile's layout."""
   sds = jax.ShapeDtypeStruct
   for m, n, cfg, transpose, layer in [
       (8192, 4096, kfp8.Fp8Config(1, 4096, 4, 264), False, False),
-      (8192, 4096, kfp8.Fp8Config(2, 4096, 8, 132), False, True),
+      (8192, 4096, kfp8.Fp8Config(2, 4096, 8, 132, tile_params=True), False, True),
+      (8192, 4096, kfp8.Fp8Config(1, 4096, 4, tile_params=True), False, True),
       (8192, 4096, kfp8.Fp8Config(32, 256, 16, 132), True, True)]:
     kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False, config=cfg)
     for fn in (functools.partial(kfp8.fp8_norm_delayed, inv=F32(2), fp8_dtype=E4M3,

@@ -50,8 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, forward_config,
-                                next_power_of_2)
+from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, device_info,
+                                forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
@@ -82,12 +82,18 @@ class Fp8Config:
       this one's math), with the amax kept elementwise in registers across its rows
       and reduced once, into one int32 partial a program (``_persistent_kernel``).
       Ignored by "quantise".
+    tile_params: the row-block kernels load scale/bias as [1, block_n] rows indexed in
+      the x tile's 2-D shape (``_load_params_2d``), in the tile's register layout; False
+      loads them as [block_n] vectors, which the compiler converts to the tile's layout
+      through shared memory (a [4096] f32 scale at 4 warps: 8 rounds, 16 barriers, once
+      a row block, or once a program when num_programs > 0). Ignored by "quantise".
   """
 
   block_m: int
   block_n: int
   num_warps: int
   num_programs: int = 0
+  tile_params: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -111,6 +117,15 @@ _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y seg
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
+# The row-block kernels' variants, off until measured (the lead sets them from
+# .whl/fp8sweep2.py's H200 sweep; Fp8Config's docstring says what each does):
+# persistent whole-row tiles, {(kernel, op, N'): (block_m, num_warps, programs a SM)}
+# with kernel "stats" or "delayed" (without y_t), op "rms" or "layer", N' the row
+# padded to a power of 2 (<= _WHOLE_ROW_MAX); a shape not in it keeps the forward's tile.
+_PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int]] = {}
+_T_PROGRAMS_PER_SM = 0  # delayed with y_t: 0 = a 32-row block a program, k = SMs x k programs
+_TILE_PARAMS = False  # scale/bias in the tile's layout (Fp8Config.tile_params), row kernels
+
 
 def _warps(tile_elems: int) -> int:
   """One 16-byte vector of 2-byte x (8 values) a thread: tile / 256 warps in [4, 16]."""
@@ -126,7 +141,9 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   quantise, a 1-byte store), so they take the forward's measured tile of the same
   rows (``config.forward_config``): multi_wave_cached's whole row up to N = 8192,
   multi_wave_reload's chunks beyond. "delayed" with y_t takes 32-row blocks walked in
-  256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured).
+  256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured). The
+  variants (persistent programs, scale/bias in the tile's layout) are picked from
+  ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` and ``_TILE_PARAMS`` (all off by default).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -139,14 +156,21 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     bm = min(bm, next_power_of_2(m)) if not interpret else max(bm, min(
         _CPU_MIN_BLOCK_M, next_power_of_2(m)))
     return Fp8Config(bm, bn, _warps(bm * bn))
+  sms = device_info().num_sms
   if kernel == "delayed" and transpose:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
-    return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
+    return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn), sms * _T_PROGRAMS_PER_SM,
+                     _TILE_PARAMS)
+  tile = _PERSISTENT_ROWS.get((kernel, "layer" if subtract_mean else "rms",
+                               next_power_of_2(n)))
+  if tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
+    bm, warps, per_sm = tile
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, _TILE_PARAMS)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
     fwd = forward_config(m, n, dtype, "multi_wave_reload", subtract_mean=subtract_mean)
-  return Fp8Config(fwd.block_m, fwd.block_n, fwd.num_warps)
+  return Fp8Config(fwd.block_m, fwd.block_n, fwd.num_warps, tile_params=_TILE_PARAMS)
 
 
 # --------------------------------------------------------------------------- tile code
@@ -161,6 +185,22 @@ def _amax_bits(y, mask):
   return bits
 
 
+def _load_params_2d(scale_ref, bias_ref, cols, col_mask, scale_offset):
+  """_load_params as [1, block_n] f32 rows, indexed in the tile's 2-D shape: loaded in the
+  tile's layout, not as a 1-D vector that the compiler then converts through shared
+  memory (a [4096] f32 scale took 8 rounds and 16 barriers a row block; TTGIR)."""
+  c2 = cols[None, :]
+  m2 = None if col_mask is None else col_mask[None, :]
+  w = b = None
+  if scale_ref is not None:
+    w = _load(scale_ref.at[c2], m2).astype(_F32)
+    if scale_offset:
+      w = w + _F32(scale_offset)
+  if bias_ref is not None:
+    b = _load(bias_ref.at[c2], m2).astype(_F32)
+  return w, b
+
+
 def _emit(x, tile, mean, rstd, params, q):
   """y_f32 of the f32 x ``tile`` ((rows, cols, row_mask, col_mask, mask)) from the rows'
   ``mean`` (None: RMSNorm) and ``rstd``; quantised and stored when ``q`` is
@@ -170,7 +210,11 @@ def _emit(x, tile, mean, rstd, params, q):
   if mean is not None:
     x = x - mean[:, None]
   w, b = params(cols, col_mask)
-  y = _affine(x * rstd[:, None], w, b)  # [block_m, block_n] f32
+  y = x * rstd[:, None]  # [block_m, block_n] f32: _affine's y = x_hat * w + b
+  if w is not None:
+    y = y * (w if w.ndim == 2 else w[None, :])
+  if b is not None:
+    y = y + (b if b.ndim == 2 else b[None, :])
   if q is not None:
     inv, fp8_dtype, y_ref, y_t_ref = q
     yq = quantise(y, inv, fp8_dtype)
@@ -243,7 +287,7 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, block_m, block_n):
+                 fp8_dtype, transpose, tile_params, block_m, block_n):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling)."""
@@ -253,7 +297,8 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   rb = pl.program_id(0)
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)
-  params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
+  params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
+                             bias_ref, scale_offset=scale_offset)
   t0 = tile(rb, 0)
   rows, _, row_mask, _, mask = t0
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
@@ -270,7 +315,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       fp8_dtype, transpose, block_m, block_n, num_programs):
+                       fp8_dtype, transpose, tile_params, block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -290,9 +335,11 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
                            rows_in_bounds=True)
   zeros = jnp.zeros((block_m, block_n), jnp.int32)
   stats = dict(n=n, eps=eps, subtract_mean=subtract_mean)
+  params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
+                             bias_ref, scale_offset=scale_offset)
   if cdiv(n, block_n) == 1:
     _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
+    w, b = params(cols, col_mask)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
 
     def body(i, carry):
@@ -308,8 +355,6 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
     amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
   else:
-    params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
-
     def body(i, amax):
       rb = pid + i * num_programs
       mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
@@ -357,10 +402,11 @@ def _row_launch(m, cfg: Fp8Config):
   block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
   (_persistent_kernel, at most one a row block; an amax a program)."""
   num_row_blocks = cdiv(m, cfg.block_m)
+  statics = dict(tile_params=cfg.tile_params)
   if not cfg.num_programs:
-    return _norm_kernel, num_row_blocks, {}, m
+    return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  return _persistent_kernel, g, dict(num_programs=g), g
+  return _persistent_kernel, g, dict(statics, num_programs=g), g
 
 
 def _row_results(outs, m, subtract_mean):
