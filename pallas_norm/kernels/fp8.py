@@ -188,17 +188,9 @@ def _amax_bits(y, mask):
 def _load_params_2d(scale_ref, bias_ref, cols, col_mask, scale_offset):
   """_load_params as [1, block_n] f32 rows, indexed in the tile's 2-D shape: loaded in the
   tile's layout, not as a 1-D vector that the compiler then converts through shared
-  memory (a [4096] f32 scale took 8 rounds and 16 barriers a row block; TTGIR)."""
-  c2 = cols[None, :]
-  m2 = None if col_mask is None else col_mask[None, :]
-  w = b = None
-  if scale_ref is not None:
-    w = _load(scale_ref.at[c2], m2).astype(_F32)
-    if scale_offset:
-      w = w + _F32(scale_offset)
-  if bias_ref is not None:
-    b = _load(bias_ref.at[c2], m2).astype(_F32)
-  return w, b
+  memory (a [4096] f32 scale at 4 warps: 8 rounds, 16 barriers a row block; PTX)."""
+  return _load_params(scale_ref, bias_ref, cols[None, :],
+                      None if col_mask is None else col_mask[None, :], scale_offset)
 
 
 def _emit(x, tile, mean, rstd, params, q):
