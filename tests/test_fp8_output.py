@@ -197,10 +197,12 @@ def test_chunked_kernels(op, cfg):
 
 # The row-block kernels' variants against the default one-block-a-program kernel:
 # persistent programs (Fp8Config.num_programs > 0) over whole rows with the prefetch (M =
-# 37: 19 ragged row blocks over 3 programs) and over chunked rows (5 chunks: a loop), and
-# scale/bias loaded in the tile's layout (tile_params; ragged columns: masked). y_t and
+# 37: 19 ragged row blocks over 3 programs; scale/bias loaded a row block, hoisted in
+# test_config_picks_variants) and over chunked rows (5 chunks: a loop), and scale/bias
+# loaded in the tile's layout (tile_params; ragged columns: masked). y_t and
 # the statistics kernel too. Same statistics, y, y_t and tensor amax, bitwise.
-_VARIANTS = [("rms", kfp8.Fp8Config(2, 256, 4), dict(num_programs=3, tile_params=True)),
+_VARIANTS = [("rms", kfp8.Fp8Config(2, 256, 4), dict(num_programs=3, tile_params=True,
+                                                     hoist_params=False)),
              ("layer", kfp8.Fp8Config(8, 64, 4), dict(num_programs=2, tile_params=True)),
              ("rms", kfp8.Fp8Config(2, 256, 4), dict(tile_params=True))]
 
@@ -367,8 +369,9 @@ def test_config_picks_variants(monkeypatch):
   t = kfp8.fp8_config(24, 100, kernel="delayed", transpose=True)
   assert (t.block_m, t.num_programs, t.tile_params) == (32, sms, True)
   x, s, _ = _data((24, 100), layer=False)
-  r, ref = _run("rms", x, s, None, y_scale=0.01, transpose=False)
+  r, ref = _run("rms", x, s, None, y_scale=0.01, transpose=False)  # scale/bias hoisted
   _check_ref(r, ref, fp8_dtype=E4M3, transpose=False, layer=False)
+  _check_self(r, x, s, None, layer=False, scale_offset=0.0, y_scale=0.01, fp8_dtype=E4M3)
 
 
 @pytest.mark.cpu_only
