@@ -359,15 +359,17 @@ def test_config_picks_variants(monkeypatch):
   sms = pallas_norm.config.device_info().num_sms
   d = kfp8.fp8_config(4096, 4096, kernel="delayed")
   assert d.num_programs == 0 and not d.tile_params
-  monkeypatch.setattr(kfp8, "_PERSISTENT_ROWS", {("delayed", "rms", 128): (2, 4, 2)})
+  monkeypatch.setattr(kfp8, "_PERSISTENT_ROWS", {("delayed", "rms", 128): (2, 4, 2, True)})
   monkeypatch.setattr(kfp8, "_T_PROGRAMS_PER_SM", 1)
   monkeypatch.setattr(kfp8, "_TILE_PARAMS", True)
   assert kfp8.fp8_config(24, 100, kernel="delayed") == kfp8.Fp8Config(2, 128, 4, 2 * sms,
-                                                                       True)
+                                                                       True, True)
   assert kfp8.fp8_config(24, 100, kernel="stats").num_programs == 0  # not in the table
   assert kfp8.fp8_config(24, 100, kernel="delayed", subtract_mean=True).num_programs == 0
   t = kfp8.fp8_config(24, 100, kernel="delayed", transpose=True)
   assert (t.block_m, t.num_programs, t.tile_params) == (32, sms, True)
+  monkeypatch.setattr(kfp8, "_T_WARPS", 8)
+  assert kfp8.fp8_config(24, 100, kernel="delayed", transpose=True).num_warps == 8
   x, s, _ = _data((24, 100), layer=False)
   r, ref = _run("rms", x, s, None, y_scale=0.01, transpose=False)  # scale/bias hoisted
   _check_ref(r, ref, fp8_dtype=E4M3, transpose=False, layer=False)

@@ -125,11 +125,15 @@ _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer o
 
 # The row-block kernels' variants, off until measured (the lead sets them from
 # .whl/fp8sweep2.py's H200 sweep; Fp8Config's docstring says what each does):
-# persistent whole-row tiles, {(kernel, op, N'): (block_m, num_warps, programs a SM)}
-# with kernel "stats" or "delayed" (without y_t), op "rms" or "layer", N' the row
-# padded to a power of 2 (<= _WHOLE_ROW_MAX); a shape not in it keeps the forward's tile.
-_PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int]] = {}
-_T_PROGRAMS_PER_SM = 0  # delayed with y_t: 0 = a 32-row block a program, k = SMs x k programs
+# persistent whole-row tiles, {(kernel, op, N'): (block_m, num_warps, programs a SM,
+# hoist_params)} with kernel "stats" or "delayed" (without y_t), op "rms" or "layer", N'
+# the row padded to a power of 2 (<= _WHOLE_ROW_MAX); a shape not in it keeps the
+# forward's tile.
+_PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {}
+# delayed with y_t: 0 = a _T_ROWS-row block a program, k = SMs x k persistent programs;
+# _T_WARPS 0 = the _warps rule.
+_T_PROGRAMS_PER_SM = 0
+_T_WARPS = 0
 _TILE_PARAMS = False  # scale/bias in the tile's layout (Fp8Config.tile_params), row kernels
 
 
@@ -149,7 +153,8 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   multi_wave_reload's chunks beyond. "delayed" with y_t takes 32-row blocks walked in
   256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured). The
   variants (persistent programs, scale/bias in the tile's layout) are picked from
-  ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` and ``_TILE_PARAMS`` (all off by default).
+  ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` (with ``_T_ROWS``, ``_T_BLOCK_N``,
+  ``_T_WARPS``) and ``_TILE_PARAMS`` (all off by default).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -165,13 +170,13 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   sms = device_info().num_sms
   if kernel == "delayed" and transpose:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
-    return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn), sms * _T_PROGRAMS_PER_SM,
+    return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * _T_PROGRAMS_PER_SM,
                      _TILE_PARAMS)
   tile = _PERSISTENT_ROWS.get((kernel, "layer" if subtract_mean else "rms",
                                next_power_of_2(n)))
   if tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
-    bm, warps, per_sm = tile
-    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, _TILE_PARAMS)
+    bm, warps, per_sm, hoist = tile
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, _TILE_PARAMS, hoist)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
@@ -319,8 +324,9 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   ``num_programs``), with the amax as one partial a program.
 
   Whole rows (block_n >= N): scale/bias loaded once (``hoist_params``; else once a row
-  block), the next row block's x loaded before this one's reductions (its loads in flight during them; past the last block
-  fully masked), as forward.py's static_persistent. Longer rows: each row block chunked
+  block), the next row block's x loaded before this one's reductions (its loads in
+  flight during them; past the last block fully masked), as forward.py's
+  static_persistent. Longer rows: each row block chunked
   as in ``_norm_kernel``. The |y| bits are max-ed elementwise into a [block_m, block_n]
   int32 carry (no reduction a row) and reduced across the tile once, at the end:
   amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
@@ -487,9 +493,10 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
                              interpret=interpret)
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
   outs = _call(kernel, [x, scale, bias], _row_outs(x, subtract_mean, num_amax), (grid,),
-               cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps), scale_offset=float(scale_offset),
-               subtract_mean=subtract_mean, has_scale=scale is not None,
-               has_bias=bias is not None, fp8_dtype=None, transpose=False)
+               cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
+               scale_offset=float(scale_offset), subtract_mean=subtract_mean,
+               has_scale=scale is not None, has_bias=bias is not None, fp8_dtype=None,
+               transpose=False)
   return _row_results(list(outs), m, subtract_mean)
 
 
