@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 
@@ -27,10 +28,14 @@ from pallas_norm import config as _config
 from pallas_norm import reference, spmd
 from pallas_norm.kernels._compat import to_varying, varying_axes
 
-__all__ = ["rms_norm", "layer_norm", "BACKENDS"]
+__all__ = ["rms_norm", "layer_norm", "BACKENDS", "GROUP_SIZES"]
 
 BACKENDS = ("pallas", "triton", "xla")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# FP8 x (issue #27, COAT's group-scaled input): its dtypes, and the group sizes the
+# kernels serve (powers of 2 up to the narrowest column tile config.py picks, 512).
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+GROUP_SIZES = (16, 32, 64, 128, 256, 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,8 @@ class _Static:
   residual_in_dtype: str | None = None
   # cast="llama": (x's dtype, y's dtype) names; None for "torch" (and "gemma")
   llama: tuple[str, str] | None = None
+  # FP8 x (x_scale=): y's and dx's dtype name; None for a float x
+  out_dtype: str | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -63,7 +70,7 @@ def _check_float(name: str, a) -> None:
                     f"(float32, bfloat16 or float16)")
 
 
-def _check_args(op: str, x, scale, bias, eps, mode, backend) -> int:
+def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
   if backend not in BACKENDS:
     raise ValueError(f"{backend=} is not a valid backend; valid backends: {BACKENDS}")
   if mode is not None and mode not in _config.MODES:
@@ -72,8 +79,10 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend) -> int:
   if len(x_shape) == 0:
     raise ValueError(f"{op}: x must have rank >= 1, got {x_shape=}")
   _check_float("x", x)
-  if jnp.result_type(x) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
-    raise TypeError(f"{op}: x.dtype={jnp.result_type(x)} must be float32, bfloat16 or float16")
+  dtypes = _FLOAT_DTYPES + (_FP8_DTYPES if allow_fp8 else ())
+  if jnp.result_type(x) not in [jnp.dtype(d) for d in dtypes]:
+    raise TypeError(f"{op}: x.dtype={jnp.result_type(x)} must be float32, bfloat16 or float16"
+                    + (" (or float8_e4m3fn / float8_e5m2 with x_scale)" if allow_fp8 else ""))
   n = x_shape[-1]
   if n == 0:
     raise ValueError(f"{op}: the normalised axis is empty: {x_shape=} has N=0")
@@ -115,6 +124,46 @@ def _check_residual(op: str, x, residual, residual_dtype):
   return jnp.result_type(residual).name, h_dtype.name
 
 
+def _check_fp8(op: str, x, x_scale, group_size, out_dtype, cast, residual) -> str | None:
+  """y's (and dx's) dtype name for FP8 x (default bfloat16), None for a float x; every
+  error of FP8 input, before any kernel."""
+  x_dtype = jnp.result_type(x)
+  if x_dtype not in [jnp.dtype(d) for d in _FP8_DTYPES]:
+    if x_scale is not None:
+      raise ValueError(f"{op}: x_scale is the dequantisation scale of FP8 x (float8_e4m3fn "
+                       f"or float8_e5m2), but x.dtype={x_dtype}")
+    if out_dtype is not None:
+      raise ValueError(f"{op}: {out_dtype=} is for FP8 x only; y has x's dtype ({x_dtype})")
+    return None
+  n = jnp.shape(x)[-1]
+  if x_scale is None:
+    raise ValueError(f"{op}: x.dtype={x_dtype} needs x_scale, its float32 dequantisation "
+                     f"scales of shape x.shape[:-1] + (N // group_size,)")
+  if residual is not None:
+    raise ValueError(f"{op}: residual= is not supported with FP8 x (x.dtype={x_dtype})")
+  if cast == "llama":
+    raise ValueError(f"{op}: cast='llama' rounds x_hat to x's dtype, which has no meaning "
+                     f"for FP8 x (x.dtype={x_dtype}); use cast='torch' or 'gemma'")
+  if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+    raise TypeError(f"{op}: {group_size=} must be an int")
+  if int(group_size) not in GROUP_SIZES or n % group_size:
+    raise ValueError(f"{op}: {group_size=} must be one of {GROUP_SIZES} and divide N={n} "
+                     f"(x_scale.shape={tuple(jnp.shape(x_scale))})")
+  want = tuple(jnp.shape(x)[:-1]) + (n // group_size,)
+  if tuple(jnp.shape(x_scale)) != want:
+    raise ValueError(f"{op}: x_scale.shape={tuple(jnp.shape(x_scale))} must be {want}: "
+                     f"x.shape[:-1] + (N // group_size,) with N={n}, {group_size=}")
+  if jnp.result_type(x_scale) != jnp.float32:
+    raise TypeError(f"{op}: x_scale.dtype={jnp.result_type(x_scale)} must be float32")
+  try:
+    out = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  except TypeError as e:
+    raise TypeError(f"{op}: {out_dtype=} is not a dtype") from e
+  if out not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{op}: out_dtype={out} must be float32, bfloat16 or float16")
+  return out.name
+
+
 CASTS = ("torch", "llama", "gemma")
 
 
@@ -153,14 +202,15 @@ def _backend_module(backend: str):
 
 
 def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
-             combine_stats=None, residual=None):
+             combine_stats=None, residual=None, x_scale=None):
   """x2: [M, N] -> (y [M, N] x.dtype, mean [M] f32 | None, rstd [M] f32 | None,
   h [M, N] | None).
 
   ``combine_stats`` (x2 a shard of the hidden dim, spmd.py): ``(s1, s2) -> (mean, rstd)``
   of the whole rows from this shard's statistics; the forward is then the statistics
   kernel, that function, and the normalise kernel. ``residual`` ([M, N] or None): the
-  fused add, normalising h = x2 + residual (h in ``st.residual_dtype``).
+  fused add, normalising h = x2 + residual (h in ``st.residual_dtype``). ``x_scale``
+  ([M, N // G] f32 or None): FP8 x2's scales, y in ``st.out_dtype``.
   """
   m, n = x2.shape
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
@@ -168,18 +218,20 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   fwd, _ = _backend_module(st.backend)
   res = {} if residual is None else dict(residual=residual,
                                          residual_dtype=jnp.dtype(st.residual_dtype))
+  fp8 = {} if x_scale is None else dict(x_scale=x_scale)
+  y_dtype = {} if x_scale is None else dict(y_dtype=jnp.dtype(st.out_dtype))
   if combine_stats is None:
     out = fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                            subtract_mean=st.subtract_mean, config=cfg,
                            interpret=st.interpret, return_residuals=return_residuals,
-                           **res, **_cast_kw(st))
+                           **res, **_cast_kw(st), **fp8, **y_dtype)
     return out if residual is not None else (*out, None)
   s1, s2, *h = fwd.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
-                                      interpret=st.interpret, **res)
+                                      interpret=st.interpret, **res, **fp8)
   mean, rstd = combine_stats(s1, s2)
   y = fwd.norm_forward_apply(x2, scale, bias, mean, rstd, scale_offset=st.scale_offset,
                              config=cfg, interpret=st.interpret, residual=residual,
-                             **_cast_kw(st))
+                             **_cast_kw(st), **fp8, **y_dtype)
   h = h[0] if h else None
   return (y, mean, rstd, h) if return_residuals else (y, None, None, h)
 
@@ -191,11 +243,12 @@ def _cast_kw(st: _Static) -> dict:
 
 
 def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=None,
-              param_grad_dtype=None, dh=None):
+              param_grad_dtype=None, dh=None, x_scale=None):
   """-> (dx [M, N] x.dtype, dresidual [M, N] | None, dscale [N] | None, dbias [N] | None),
   dscale and dbias in ``param_grad_dtype`` if given, else in scale's and bias's dtypes.
   ``combine_row_sums``: as in kernels.backward.norm_backward (x2 a shard of the hidden
-  dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent."""
+  dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent. With FP8
+  x2, ``x_scale`` its [M, N // G] scales, and dx is in ``st.out_dtype``."""
   m, n = x2.shape
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=st.backend,
@@ -206,12 +259,13 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   if st.residual_dtype is not None:
     res = dict(dh=dh, dx_dtype=jnp.dtype(st.x_dtype),
                residual_dtype=jnp.dtype(st.residual_in_dtype))
+  fp8 = {} if x_scale is None else dict(x_scale=x_scale, dx_dtype=jnp.dtype(st.out_dtype))
   out = bwd.norm_backward(dy, x2, scale, mean, rstd,
                           has_bias=bias is not None,
                           scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                           config=cfg, interpret=st.interpret,
                           scale_dtype=dtype(scale), bias_dtype=dtype(bias),
-                          combine_row_sums=combine_row_sums, **res,
+                          combine_row_sums=combine_row_sums, **res, **fp8,
                           **({} if st.llama is None else {"cast": st.llama}))
   return out if res else (out[0], None, *out[1:])
 
@@ -223,23 +277,64 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
 # spmd.py runs the launchers on each device's rows (and columns).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _norm_nd(x, scale, bias, st: _Static):
-  return spmd.forward(_forward, x, scale, bias, st, return_residuals=False)[0]
+# FP8 x comes with its scales x_scale (None for a float x). The forward saves the FP8 x
+# and x_scale, not a dequantised copy; the backward dequantises again as it loads x.
+# x_scale's cotangent is zero (scales are constants, as in TransformerEngine and COAT);
+# dx, the cotangent of the dequantised x, is in st.out_dtype (JAX takes a cotangent of
+# another float dtype for an FP8 primal).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm_nd(x, x_scale, scale, bias, st: _Static):
+  return spmd.forward(_forward, x, scale, bias, st, False, x_scale=x_scale)[0]
 
 
-def _norm_nd_fwd(x, scale, bias, st: _Static):
-  y, mean, rstd, _ = spmd.forward(_forward, x, scale, bias, st, return_residuals=True)
-  return y, (x, scale, bias, mean, rstd)
+def _norm_nd_fwd(x, x_scale, scale, bias, st: _Static):
+  y, mean, rstd, _ = spmd.forward(_forward, x, scale, bias, st, True, x_scale=x_scale)
+  return y, (x, x_scale, scale, bias, mean, rstd)
 
 
 def _norm_nd_bwd(st: _Static, res, dy):
-  x, scale, bias, mean, rstd = res
-  dx, _, dscale, dbias = spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st)
-  return dx, dscale, dbias
+  x, x_scale, scale, bias, mean, rstd = res
+  dx, _, dscale, dbias = spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st,
+                                       x_scale=x_scale)
+  return dx, _zero_cotangent(x_scale), dscale, dbias
+
+
+def _zero_cotangent(a):
+  return None if a is None else jnp.zeros_like(a)
 
 
 _norm_nd.defvjp(_norm_nd_fwd, _norm_nd_bwd)
+
+
+# backend="xla" with FP8 x: the reference (dequantise, then the norm in float32) under
+# the same custom_vjp contract: dx in st.out_dtype, not rounded to x's FP8 dtype as
+# JAX's own derivative of x.astype(float32) would give it, and a zero x_scale cotangent.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _xla_fp8(x, x_scale, scale, bias, st: _Static):
+  return _xla_fp8_fwd(x, x_scale, scale, bias, st)[0]
+
+
+def _xla_fp8_norm(st: _Static):
+  """(dequantised x, scale, bias) -> y in st.out_dtype."""
+  return lambda xd, scale, bias: reference.norm(
+      xd, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
+      subtract_mean=st.subtract_mean, axis_name=st.axis_name,
+      axis_index_groups=st.axis_index_groups, out_dtype=st.out_dtype)[0]
+
+
+def _xla_fp8_fwd(x, x_scale, scale, bias, st: _Static):
+  y = _xla_fp8_norm(st)(reference.dequantise(x, x_scale), scale, bias)
+  return y, (x, x_scale, scale, bias)
+
+
+def _xla_fp8_bwd(st: _Static, res, dy):
+  x, x_scale, scale, bias = res
+  _, pull = jax.vjp(_xla_fp8_norm(st), reference.dequantise(x, x_scale), scale, bias)
+  dx, dscale, dbias = pull(dy)
+  return dx.astype(st.out_dtype), _zero_cotangent(x_scale), dscale, dbias
+
+
+_xla_fp8.defvjp(_xla_fp8_fwd, _xla_fp8_bwd)
 
 
 # The fused residual add: (y, h) = (norm(x + residual), x + residual). The forward saves
@@ -264,7 +359,7 @@ def _norm_res_nd_bwd(st: _Static, res, cts):
 _norm_res_nd.defvjp(_norm_res_nd_fwd, _norm_res_nd_bwd)
 # Jitted, so that an eager call on sharded arrays is partitioned as it is under the
 # caller's jit (custom_partitioning runs its rule only when XLA compiles it).
-_norm_nd_jit = jax.jit(_norm_nd, static_argnums=(3,))
+_norm_nd_jit = jax.jit(_norm_nd, static_argnums=(4,))
 _norm_res_nd_jit = jax.jit(_norm_res_nd, static_argnums=(4,))
 
 
@@ -289,15 +384,37 @@ def _axis_groups(axis_name, axis_index_groups):
   return names, groups
 
 
+def _check_fp8_backend(op: str, backend: str) -> None:
+  """NotImplementedError for FP8 x on a backend whose launchers take no ``x_scale=``
+  (the plain-Triton one, until kernels/jax_triton.py serves it)."""
+  if backend != "triton":
+    return
+  from pallas_norm.kernels import jax_triton
+  launchers = (jax_triton.norm_forward, jax_triton.norm_forward_stats,
+               jax_triton.norm_forward_apply, jax_triton.norm_backward)
+  if not all("x_scale" in inspect.signature(f).parameters for f in launchers):
+    raise NotImplementedError(f"{op}: FP8 x (x_scale=) is not served by backend='triton' "
+                              f"yet; use backend='pallas' or 'xla'")
+
+
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
-          axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch"):
-  _check_args(op, x, scale, bias, eps, mode, backend)
+          axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch",
+          x_scale=None, group_size=16, out_dtype=None):
+  _check_args(op, x, scale, bias, eps, mode, backend, allow_fp8=True)
   scale_offset = _check_cast(op, cast, scale, scale_offset)
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
+  out_dtype = _check_fp8(op, x, x_scale, group_size, out_dtype, cast, residual)
+  if out_dtype is not None:
+    _check_fp8_backend(op, backend)
+    x_scale = jnp.asarray(x_scale)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)
   if residual is not None:
     residual = jnp.asarray(residual)
+  if backend == "xla" and out_dtype is not None:
+    st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, False,
+                 names, groups, out_dtype=out_dtype)
+    return _xla_fp8(x, x_scale, scale, bias, st)
   if backend == "xla":
     ref_cast = "llama" if cast == "llama" else "torch"
     if residual is None:
@@ -320,13 +437,13 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
                                             if a is not None)).name)
   m = math.prod(x.shape[:-1])
   if m == 0:
-    y = jnp.zeros(x.shape, x.dtype if llama is None else llama[1])
+    y = jnp.zeros(x.shape, out_dtype or (x.dtype if llama is None else llama[1]))
     if residual is None:
       return y
     return y, (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(h_dtype)
   # inside a shard_map with check_vma=True: one set of varying axes for the kernels'
   # operands (a replicated scale's cotangent is then psummed by JAX's transpose)
-  axes = frozenset().union(*(varying_axes(a) for a in (x, residual, scale, bias)
+  axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias)
                              if a is not None))
   interpret = _resolve_interpret(interpret)
   if axes and interpret and backend == "pallas":
@@ -335,13 +452,15 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
         f"check_vma=True: JAX's interpret-mode lowering rejects operands typed as varying "
         f"over mesh axes {sorted(axes)}. Pass check_vma=False to that shard_map, or run on "
         f"a GPU (interpret=False), where check_vma=True is supported.")
-  x, residual, scale, bias = (to_varying(a, axes) for a in (x, residual, scale, bias))
+  x, x_scale, residual, scale, bias = (to_varying(a, axes)
+                                       for a in (x, x_scale, residual, scale, bias))
   if residual is None:
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-                 names, groups, llama=llama)
+                 names, groups, llama=llama, out_dtype=out_dtype)
     if x.ndim == 1:
-      return _norm_nd_jit(x[None], scale, bias, st)[0]
-    return _norm_nd_jit(x, scale, bias, st)
+      return _norm_nd_jit(x[None], None if x_scale is None else x_scale[None], scale, bias,
+                          st)[0]
+    return _norm_nd_jit(x, x_scale, scale, bias, st)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
                names, groups, h_dtype, x.dtype.name, res_in_dtype, llama)
   if x.ndim == 1:
@@ -353,9 +472,9 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
 # --------------------------------------------------------------------------- public ops
 
 
-def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
-             scale_offset=0.0, cast="torch", mode=None, backend="pallas", interpret=None,
-             axis_name=None, axis_index_groups=None):
+def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, residual=None,
+             residual_dtype=None, eps=None, scale_offset=0.0, cast="torch", mode=None,
+             backend="pallas", interpret=None, axis_name=None, axis_index_groups=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -363,7 +482,20 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
 
   Args:
     x: [..., N] float32, bfloat16 or float16, any rank >= 1; M = prod(x.shape[:-1]) rows.
+      Or FP8 (float8_e4m3fn or float8_e5m2) with ``x_scale``: COAT's group-scaled FP8
+      input (Xi et al., 2024, https://arxiv.org/abs/2410.19313; its
+      ``_rms_norm_fwd_fused``), dequantised in registers as the kernels load it, forward
+      and backward: the op normalises ``x.astype(f32) * repeat(x_scale, group_size)``.
     scale: [N] float array or None (no scale).
+    x_scale: for FP8 x only (required there): float32 of shape
+      ``x.shape[:-1] + (N // group_size,)``, the DEQUANTISATION scale of each group of
+      ``group_size`` consecutive elements of a row (COAT's s_x, TransformerEngine's
+      scale_inv). Its cotangent is zero (scales are constants, as in TransformerEngine
+      and COAT).
+    group_size: elements a scale covers: 16 (COAT's QB, the default), 32, 64, 128, 256
+      or 512, dividing N.
+    out_dtype: FP8 x only: y's dtype, float32, bfloat16 (the default) or float16. dx,
+      the cotangent of the dequantised x, is returned in it too (not in x's FP8 dtype).
     residual: None, or an array of x's shape (float32, bfloat16 or float16): the fused
       residual add of pre-norm transformers (flash-attention's and Quack's
       ``residual=``). The op normalises ``h = x + residual``, summed in float32, and
@@ -401,23 +533,30 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
       as in ``jax.lax.pmean``.
 
   Returns:
-    y: [..., N] with x's dtype and sharding; ``(y, h)`` with a residual. Differentiable
-    in x, residual and scale (custom_vjp); dx has x's sharding, dscale scale's.
+    y: [..., N] with x's dtype (FP8 x: ``out_dtype``) and sharding; ``(y, h)`` with a
+    residual. Differentiable in x, residual and scale (custom_vjp); dx has x's
+    sharding, dscale scale's. FP8 x is sharded as a float x is (rows, or the hidden dim
+    with N // group_size divisible by its shards), x_scale laid out like x.
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), a residual shape other
       than x's (or a residual_dtype without a residual), an unknown cast, cast="gemma"
       without a scale or with a scale_offset other than 0 or 1, cast="llama" with a
-      scale_offset, eps < 0, an unknown
+      scale_offset, eps < 0; FP8 x without x_scale, with a residual or with
+      cast="llama", x_scale or out_dtype with a float x, a group_size that is not one
+      of the above or does not divide N, an x_scale shape other than
+      ``x.shape[:-1] + (N // group_size,)``; an unknown
       mode or backend, an axis_name not bound by an enclosing shard_map, a
       ``check_vma=True`` shard_map in Pallas interpret mode (CPU; JAX's interpret
       lowering rejects varying-typed operands: pass ``check_vma=False``), or x sharded
       unevenly over a mesh axis (raised at trace/compile time, before any kernel).
-    TypeError: integer or complex x, scale or residual; a residual_dtype that is not
-      float32, bfloat16 or float16.
+    TypeError: integer or complex x, scale or residual, an FP8 x other than
+      float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
+      bfloat16 or float16; an x_scale that is not float32; a group_size not an int.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
+      FP8 x with backend="triton" (not served yet).
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:
@@ -425,12 +564,14 @@ def rms_norm(x, scale=None, *, residual=None, residual_dtype=None, eps=None,
   return _norm("rms_norm", x, scale, None, eps=eps, scale_offset=scale_offset,
                subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
-               residual=residual, residual_dtype=residual_dtype, cast=cast)
+               residual=residual, residual_dtype=residual_dtype, cast=cast,
+               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype)
 
 
-def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, eps=1e-5,
-               scale_offset=0.0, cast="torch", mode=None, backend="pallas", interpret=None,
-               axis_name=None, axis_index_groups=None):
+def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dtype=None,
+               residual=None, residual_dtype=None, eps=1e-5, scale_offset=0.0, cast="torch",
+               mode=None, backend="pallas", interpret=None, axis_name=None,
+               axis_index_groups=None):
   """Layer normalisation over the last axis (Ba et al., 2016,
   https://arxiv.org/abs/1607.06450). Matches ``torch.nn.functional.layer_norm`` over
   the last dimension.
@@ -439,9 +580,13 @@ def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, 
   biased and computed in float32 without ``E[x^2] - E[x]^2``.
 
   Args:
-    x: [..., N] float32, bfloat16 or float16, any rank >= 1; M = prod(x.shape[:-1]) rows.
+    x: [..., N] float32, bfloat16 or float16, any rank >= 1; M = prod(x.shape[:-1]) rows;
+      or FP8 with ``x_scale``, as in ``rms_norm``.
     scale: [N] float array or None.
     bias: [N] float array or None.
+    x_scale, group_size, out_dtype: FP8 x (COAT's group-scaled input), as in
+      ``rms_norm``: y = layer_norm(x.astype(f32) * repeat(x_scale, group_size)) in
+      out_dtype (default bfloat16).
     residual, residual_dtype: the fused residual add, as in ``rms_norm``.
     cast: as in ``rms_norm``; "llama" adds the bias after the rounded product, in the
       promotion of x's, scale's and bias's dtypes.
@@ -451,8 +596,8 @@ def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, 
       across shards the variance is combined with Chan et al.'s formula.
 
   Returns:
-    y: [..., N] with x's dtype; ``(y, h)`` with a residual. Differentiable in x,
-    residual, scale and bias (custom_vjp).
+    y: [..., N] with x's dtype (FP8 x: ``out_dtype``); ``(y, h)`` with a residual.
+    Differentiable in x, residual, scale and bias (custom_vjp).
 
   Raises:
     ValueError, TypeError, NotImplementedError, ImportError: as in ``rms_norm``.
@@ -460,4 +605,5 @@ def layer_norm(x, scale=None, bias=None, *, residual=None, residual_dtype=None, 
   return _norm("layer_norm", x, scale, bias, eps=eps, scale_offset=scale_offset,
                subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
-               residual=residual, residual_dtype=residual_dtype, cast=cast)
+               residual=residual, residual_dtype=residual_dtype, cast=cast,
+               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype)

@@ -16,7 +16,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["norm"]
+__all__ = ["norm", "dequantise"]
+
+
+def dequantise(x: jax.Array, x_scale: jax.Array) -> jax.Array:
+  """FP8 ``x`` [..., N] with float32 ``x_scale`` [..., N // G] -> [..., N] float32
+  ``x.astype(f32) * x_scale`` with each scale repeated over its group of G consecutive
+  elements (COAT's ``x * s_x``; the scale is the dequantisation scale)."""
+  g = x.shape[-1] // x_scale.shape[-1]
+  return x.astype(jnp.float32) * jnp.repeat(x_scale.astype(jnp.float32), g, axis=-1)
 
 
 def norm(
@@ -30,6 +38,8 @@ def norm(
     axis_name=None,
     axis_index_groups=None,
     cast: str = "torch",
+    x_scale: jax.Array | None = None,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Reference RMSNorm (``subtract_mean=False``) or LayerNorm (``True``).
 
@@ -46,11 +56,20 @@ def norm(
     cast: "torch" (the above, one rounding at the end) or "llama" (HF
       ``LlamaRMSNorm``: ``x_hat.astype(x.dtype) * scale (+ bias)`` in jnp's promotion,
       scale_offset not applied; y's dtype is that promotion).
+    x_scale: None, or [..., N // G] float32 for FP8 x: x is dequantised first
+      (``dequantise``), then normalised as a float32 x.
+    out_dtype: y's dtype (default x's; bfloat16 with an ``x_scale``).
 
   Returns:
-    (y, mean, rstd): y is [..., N] in x's dtype (cast="llama": the promotion of x's,
-    scale's and bias's); mean and rstd are [...] float32 (mean is zeros for RMSNorm).
+    (y, mean, rstd): y is [..., N] in ``out_dtype``, default x's dtype (cast="llama":
+    the promotion of x's, scale's and bias's); mean and rstd are [...] float32 (mean is
+    zeros for RMSNorm).
   """
+  if x_scale is not None:
+    return norm(dequantise(x, x_scale), scale, bias, eps=eps, scale_offset=scale_offset,
+                subtract_mean=subtract_mean, axis_name=axis_name,
+                axis_index_groups=axis_index_groups, cast=cast,
+                out_dtype=jnp.bfloat16 if out_dtype is None else out_dtype)
   def pmean(v):
     if axis_name is None:
       return v
@@ -78,4 +97,4 @@ def norm(
     y = y * (jnp.float32(scale_offset) + scale.astype(jnp.float32))
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  return y.astype(x.dtype), mean, rstd
+  return y.astype(x.dtype if out_dtype is None else out_dtype), mean, rstd

@@ -115,9 +115,16 @@ def _combine_stats(s1, s2, *, n, eps, axes, groups):
   return mean, jax.lax.rsqrt(var + _F32(eps))
 
 
-def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden, residual=None):
-  """One shard: x [..., n] (and residual, like x, or None) -> (y [..., n],
-  mean [...] | None, rstd [...] | None, h [..., n] | None)."""
+def _fp8_kw(x_scale) -> dict:
+  """The launchers' ``x_scale=`` ([M, n // G], FP8 x), none for a float x."""
+  return {} if x_scale is None else {"x_scale": x_scale.reshape(-1, x_scale.shape[-1])}
+
+
+def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden, residual=None,
+                   x_scale=None):
+  """One shard: x [..., n] (and residual, like x, or None; x_scale [..., n // G] with
+  FP8 x, or None) -> (y [..., n], mean [...] | None, rstd [...] | None,
+  h [..., n] | None)."""
   lead, n = x.shape[:-1], x.shape[-1]
   combine = None
   if hidden:
@@ -125,16 +132,17 @@ def _local_forward(fwd2d, x, scale, bias, st, return_residuals, hidden, residual
                                 groups=st.axis_index_groups)
   flat = lambda a: None if a is None else a.reshape(-1, n)
   y, mean, rstd, h = fwd2d(x.reshape(-1, n), scale, bias, st, return_residuals, combine,
-                           flat(residual))
+                           flat(residual), **_fp8_kw(x_scale))
   back = lambda a: None if a is None else a.reshape(lead)
   return y.reshape(x.shape), back(mean), back(rstd), None if h is None else h.reshape(x.shape)
 
 
-def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows, dh=None):
+def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows, dh=None,
+                    x_scale=None):
   """One shard: -> (dx [..., n], dresidual [..., n] | None, dscale [n] | None,
   dbias [n] | None), dscale and dbias summed over the ``rows`` mesh axes (in float32,
   then cast to the parameter's dtype). With a residual (``st.residual_dtype``) x is h
-  and dh its cotangent."""
+  and dh its cotangent; with FP8 x, x_scale its scales."""
   n = x.shape[-1]
   combine = None
   if hidden:
@@ -145,7 +153,8 @@ def _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, hidden, rows, dh=
   dx, dres, dscale, dbias = bwd2d(dy.reshape(-1, n), x.reshape(-1, n), scale, bias,
                                   flat(mean), flat(rstd), st, combine,
                                   _F32 if rows else None,
-                                  None if dh is None else dh.reshape(-1, n))
+                                  None if dh is None else dh.reshape(-1, n),
+                                  **_fp8_kw(x_scale))
   if rows:
     dscale, dbias = (None if d is None else jax.lax.psum(d, rows).astype(p.dtype)
                      for d, p in ((dscale, scale), (dbias, bias)))
@@ -187,23 +196,25 @@ def _same_layout(mesh, x_shape, like, what):
                      f"alike (pallas_norm never reshards them)")
 
 
-def _fwd_impl(x, params, residual, fwd2d, st, return_residuals):
-  return _local_forward(fwd2d, x, *params, st, return_residuals, (), residual)
+def _fwd_impl(x, params, residual, x_scale, fwd2d, st, return_residuals):
+  return _local_forward(fwd2d, x, *params, st, return_residuals, (), residual, x_scale)
 
 
 def _fwd_partition(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
   del result_shape
-  x_shape, params, residual = arg_shapes
+  x_shape, params, residual, x_scale = arg_shapes
   _same_layout(mesh, x_shape, residual, "residual")
   spec, row_spec, p_spec, _, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
   named = lambda s: NamedSharding(mesh, s)
   p_sh = tuple(None if p is None else named(p_spec) for p in params)
   out = _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals)
 
-  def lower(x, params, residual):
-    return _local_forward(fwd2d, x, *params, st, return_residuals, hidden, residual)
+  def lower(x, params, residual, x_scale):
+    return _local_forward(fwd2d, x, *params, st, return_residuals, hidden, residual,
+                          x_scale)
 
-  return mesh, lower, out, (named(spec), p_sh, None if residual is None else named(spec))
+  return mesh, lower, out, (named(spec), p_sh, None if residual is None else named(spec),
+                            _scale_sharding(mesh, spec, x_scale))
 
 
 def _fwd_infer(fwd2d, st, return_residuals, mesh, arg_shapes, result_shape):
@@ -220,45 +231,56 @@ def _fwd_out_shardings(mesh, spec, row_spec, st, return_residuals):
           row if return_residuals else None, full if st.residual_dtype else None)
 
 
+def _scale_sharding(mesh, spec, x_scale):
+  """FP8 x's scales [..., N // G] (or None), laid out as x (``spec``): a ValueError
+  where a shard would split a group (N // G not divisible by the hidden shards)."""
+  if x_scale is None:
+    return None
+  mesh_layout(x_scale.shape, spec, dict(mesh.shape), "x_scale")
+  return NamedSharding(mesh, spec)
+
+
 def _fwd_sharding_rule(fwd2d, st, return_residuals, mesh, operand_types, result_types):
-  del fwd2d, st, return_residuals, mesh
+  del fwd2d, return_residuals, mesh
   rank = len(operand_types[0].shape)
   lead = _letters(rank)
+  params = operand_types[1:len(operand_types) - (1 if st.out_dtype else 0)]
   ops = ", ".join([f"{lead} n"] + ["n" if len(t.shape) == 1 else f"{lead} n"
-                                   for t in operand_types[1:]])
+                                   for t in params] + ([f"{lead} g"] if st.out_dtype else []))
   res = ", ".join([f"{lead} n"] + [f"{lead} n" if len(t.shape) == rank else lead
                                    for t in result_types[1:]])
   return f"{ops} -> {res}"
 
 
-_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(3, 4, 5))
+_fwd_cp = custom_partitioning(_fwd_impl, static_argnums=(4, 5, 6))
 _fwd_cp.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
                       sharding_rule=_fwd_sharding_rule)
 
 
-def _bwd_impl(dy, x, params, mean, rstd, dh, bwd2d, st):
-  return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, (), (), dh)
+def _bwd_impl(dy, x, params, mean, rstd, dh, x_scale, bwd2d, st):
+  return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, (), (), dh, x_scale)
 
 
 def _bwd_partition(bwd2d, st, mesh, arg_shapes, result_shape):
   del result_shape
-  _, x_shape, params, mean, _, dh = arg_shapes
+  _, x_shape, params, mean, _, dh, x_scale = arg_shapes
   spec, row_spec, p_spec, rows, hidden = _plan(mesh, x_shape.shape, x_shape.sharding)
   named = lambda s: NamedSharding(mesh, s)
   p_sh = tuple(None if p is None else named(p_spec) for p in params)
   full = named(spec)
   args = (full, full, p_sh, None if mean is None else named(row_spec), named(row_spec),
-          None if dh is None else full)
+          None if dh is None else full, _scale_sharding(mesh, spec, x_scale))
 
-  def lower(dy, x, params, mean, rstd, dh):
-    return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, hidden, rows, dh)
+  def lower(dy, x, params, mean, rstd, dh, x_scale):
+    return _local_backward(bwd2d, dy, x, *params, mean, rstd, st, hidden, rows, dh,
+                           x_scale)
 
   return mesh, lower, (full, full if st.residual_dtype else None, *p_sh), args
 
 
 def _bwd_infer(bwd2d, st, mesh, arg_shapes, result_shape):
   del bwd2d, result_shape
-  _, x_shape, params, _, _, _ = arg_shapes
+  _, x_shape, params, _, _, _, _ = arg_shapes
   spec, _, p_spec, _, _ = _plan(mesh, x_shape.shape, x_shape.sharding)
   full = NamedSharding(mesh, spec)
   return (full, full if st.residual_dtype else None,
@@ -273,12 +295,12 @@ def _bwd_sharding_rule(bwd2d, st, mesh, operand_types, result_types):
   n_params = len(result_types) - 1 - n_res
   x_like = f"{lead} n"
   ops = ([x_like, x_like] + ["n"] * n_params + [lead] * (2 if st.subtract_mean else 1)
-         + [x_like] * n_res)
+         + [x_like] * n_res + ([f"{lead} g"] if st.out_dtype else []))
   res = [x_like] * (1 + n_res) + ["n"] * n_params
   return f"{', '.join(ops)} -> {', '.join(res)}"
 
 
-_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(6, 7))
+_bwd_cp = custom_partitioning(_bwd_impl, static_argnums=(7, 8))
 _bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
                       sharding_rule=_bwd_sharding_rule)
 
@@ -353,48 +375,57 @@ def _explicit_like(like, mesh, spec, what):
   return like
 
 
-def forward(fwd2d, x, scale, bias, st, return_residuals, residual=None):
+def forward(fwd2d, x, scale, bias, st, return_residuals, residual=None, x_scale=None):
   """y (and the residuals) of ``x: [..., N]``, rank >= 2, wherever x lives.
 
   ``fwd2d(x2, scale, bias, st, return_residuals, combine_stats, residual2)`` is the
-  single-device launcher on [M, n] (ops._forward). ``residual``: None, or laid out like
-  x (the fused add). Returns (y [..., N], mean [...] | None, rstd [...] | None,
+  single-device launcher on [M, n] (ops._forward; with FP8 x it also takes
+  ``x_scale=`` [M, n // G]). ``residual``: None, or laid out like x (the fused add).
+  ``x_scale``: None, or FP8 x's scales [..., N // G], laid out like x (a hidden shard
+  holds its own groups). Returns (y [..., N], mean [...] | None, rstd [...] | None,
   h [..., N] | None).
   """
   if st.axis_name is not None:  # inside the caller's shard_map
     return _local_forward(fwd2d, x, scale, bias, st, return_residuals, st.axis_name,
-                          residual)
+                          residual, x_scale)
   explicit = _explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
     spec, row_spec, p_spec, _, hidden = _plan(mesh, x.shape, sharding)
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
     residual = _explicit_like(residual, mesh, spec, "residual")
+    _scale_sharding(mesh, spec, x_scale)
+    x_scale = _explicit_like(x_scale, mesh, spec, "x_scale")
     out_specs = (spec, row_spec if return_residuals and st.subtract_mean else None,
                  row_spec if return_residuals else None,
                  spec if residual is not None else None)
     body = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
                              hidden=hidden)
-    return _shard_map(lambda x, s, b, r: body(x, s, b, residual=r), mesh,
-                      (x, scale, bias, residual), (spec, p_spec, p_spec, spec), out_specs)
+    return _shard_map(lambda x, s, b, r, xs: body(x, s, b, residual=r, x_scale=xs), mesh,
+                      (x, scale, bias, residual, x_scale), (spec, p_spec, p_spec, spec, spec),
+                      out_specs)
   if jax.device_count() > 1:
     local = functools.partial(_local_forward, fwd2d, st=st, return_residuals=return_residuals,
                               hidden=())
-    return _unbatched(lambda x, s, b, r: _fwd_cp(x, (s, b), r, fwd2d, st, return_residuals),
-                      lambda x, s, b, r: local(x, s, b, residual=r), x, scale, bias,
-                      residual)
-  return _local_forward(fwd2d, x, scale, bias, st, return_residuals, (), residual)
+    return _unbatched(
+        lambda x, s, b, r, xs: _fwd_cp(x, (s, b), r, xs, fwd2d, st, return_residuals),
+        lambda x, s, b, r, xs: local(x, s, b, residual=r, x_scale=xs), x, scale, bias,
+        residual, x_scale)
+  return _local_forward(fwd2d, x, scale, bias, st, return_residuals, (), residual, x_scale)
 
 
-def backward(bwd2d, dy, x, scale, bias, mean, rstd, st, dh=None):
+def backward(bwd2d, dy, x, scale, bias, mean, rstd, st, dh=None, x_scale=None):
   """(dx [..., N], dresidual [..., N] | None, dscale [N] | None, dbias [N] | None) for
-  ``forward``'s residuals; with a residual, x is h and ``dh`` its cotangent.
+  ``forward``'s residuals; with a residual, x is h and ``dh`` its cotangent; with FP8
+  x, ``x_scale`` its scales, as in ``forward``.
 
   ``bwd2d(dy2, x2, scale, bias, mean, rstd, st, combine_row_sums, param_grad_dtype,
-  dh2)`` is the single-device launcher on [M, n] (ops._backward).
+  dh2)`` is the single-device launcher on [M, n] (ops._backward; with FP8 x it also
+  takes ``x_scale=``).
   """
   if st.axis_name is not None:
-    return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, (), dh)
+    return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, st.axis_name, (), dh,
+                           x_scale)
   explicit = _explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
@@ -403,12 +434,14 @@ def backward(bwd2d, dy, x, scale, bias, mean, rstd, st, dh=None):
     scale, bias = (_reshard(p, mesh, p_spec) for p in (scale, bias))
     dy = _reshard(dy, mesh, spec)
     dh = _reshard(dh, mesh, spec)
-    def body(dy, x, s, b, mu, r, dh):
-      return _local_backward(bwd2d, dy, x, s, b, mu, r, st, hidden, rows, dh)
+    _scale_sharding(mesh, spec, x_scale)
+    x_scale = _explicit_like(x_scale, mesh, spec, "x_scale")
+    def body(dy, x, s, b, mu, r, dh, xs):
+      return _local_backward(bwd2d, dy, x, s, b, mu, r, st, hidden, rows, dh, xs)
 
     dx, dres, dscale, dbias = _shard_map(
-        body, mesh, (dy, x, scale, bias, mean, rstd, dh),
-        (spec, spec, p_spec, p_spec, row_spec, row_spec, spec),
+        body, mesh, (dy, x, scale, bias, mean, rstd, dh, x_scale),
+        (spec, spec, p_spec, p_spec, row_spec, row_spec, spec, spec),
         (spec, spec if st.residual_dtype else None, p_spec if scale is not None else None,
          p_spec if bias is not None else None))
     dscale, dbias = (None if d is None else _reshard(d, mesh, ps)
@@ -417,7 +450,7 @@ def backward(bwd2d, dy, x, scale, bias, mean, rstd, st, dh=None):
   if jax.device_count() > 1:
     local = functools.partial(_local_backward, bwd2d, st=st, hidden=(), rows=())
     return _unbatched(
-        lambda dy, x, s, b, mu, r, dh: _bwd_cp(dy, x, (s, b), mu, r, dh, bwd2d, st),
-        lambda dy, x, s, b, mu, r, dh: local(dy, x, s, b, mu, r, dh=dh),
-        dy, x, scale, bias, mean, rstd, dh)
-  return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), (), dh)
+        lambda dy, x, s, b, mu, r, dh, xs: _bwd_cp(dy, x, (s, b), mu, r, dh, xs, bwd2d, st),
+        lambda dy, x, s, b, mu, r, dh, xs: local(dy, x, s, b, mu, r, dh=dh, x_scale=xs),
+        dy, x, scale, bias, mean, rstd, dh, x_scale)
+  return _local_backward(bwd2d, dy, x, scale, bias, mean, rstd, st, (), (), dh, x_scale)

@@ -31,6 +31,8 @@ never [M, N]:
     programs that exchange
     their shares of c1 (and c2) through slots in global memory, so x and dy are read
     once (``_bwd_split_kernel``).
+FP8 x (``x_scale=``): every stage-1 kernel loads x through forward.py's ``_load_x``,
+which dequantises it again in registers; dx is written in ``dx_dtype``.
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
 the parameter's dtype, dscale's and dbias's partials in one launch, one program a
 (column strip, array). No atomic
@@ -51,9 +53,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
-                                         _round, _slot_bits, _split_count, _split_rows_call,
-                                         _split_rows_loop, _split_rows_refs,
-                                         _split_slot_tiles, _tile_index, _where0)
+                                         _load_x, _round, _slot_bits, _split_count,
+                                         _split_rows_call, _split_rows_loop, _split_rows_refs,
+                                         _split_slot_tiles, _tile_index, _where0, _x_src,
+                                         _y_dtype, fp8_group_size)
 
 __all__ = ["norm_backward"]
 
@@ -120,11 +123,13 @@ def _store_dx(dx_ref, rows, cols, mask, g, x_hat, c1, c2, rstd, dh=None):
 
 
 def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0, has_dh=False,
-                has_dres=False):
-  """(dy, x, scale, mean, rstd, *extra, dh) inputs then (dx, dres, dscale_part,
-  dbias_part) outputs; with dh or dres, dx_ref is their _DxOut."""
+                has_dres=False, group_size=0):
+  """(dy, x, x_scale, scale, mean, rstd, *extra, dh) inputs then (dx, dres, dscale_part,
+  dbias_part) outputs; with dh or dres, dx_ref is their _DxOut; with a ``group_size``
+  (FP8 x), x_ref is the forward's _Fp8 of x and x_scale."""
   refs = list(refs)
-  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  dy_ref = refs.pop(0)
+  x_ref = _x_src(refs.pop(0), refs, group_size)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
@@ -138,9 +143,10 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0, has_dh=F
 
 
 def _load_xdy(x_ref, dy_ref, rows, cols, mask, eviction_policy=None):
-  """Raw x and dy tiles (their own dtype); masked elements do not touch memory."""
+  """Raw x and dy tiles (their own dtype; FP8 x dequantised, float32); masked elements
+  do not touch memory."""
   idx = (rows[:, None], cols[None, :])
-  return (_load_stream(x_ref.at[idx], mask, eviction_policy=eviction_policy),
+  return (_load_x(x_ref, rows, cols, mask, first=False, eviction_policy=eviction_policy),
           _load_stream(dy_ref.at[idx], mask, eviction_policy=eviction_policy))
 
 
@@ -261,13 +267,13 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
-                           pieces=(), cast=None):
+                           pieces=(), cast=None, group_size=0):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, c_refs,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, n_c,
-                                         has_dh, has_dres)
+                                         has_dh, has_dres, group_size)
   _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref),
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
@@ -276,11 +282,12 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
-                          block_n, cast=None):
+                          block_n, cast=None, group_size=0):
   """c1 = sum(x_hat * g) / N and (LayerNorm) c2 = sum(g) / N per row, walking the row in
   chunks."""
   refs = list(refs)
-  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  dy_ref = refs.pop(0)
+  x_ref = _x_src(refs.pop(0), refs, group_size)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref, c1_ref, *c2_ref = refs  # c2 only for LayerNorm
@@ -308,7 +315,8 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
 
 
 def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                       has_dh, has_dres, block_m, block_n, num_programs, cast=None):
+                       has_dh, has_dres, block_m, block_n, num_programs, cast=None,
+                       group_size=0):
   """Stage 1 for rows of a few chunks: G persistent programs, each over whole rows.
 
   Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
@@ -320,7 +328,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
   """
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
-                                         has_dh, has_dres)
+                                         has_dh, has_dres, group_size)
   m = x_ref.shape[0]
   r = pl.program_id(0)
   num_chunks = cdiv(n, block_n)
@@ -368,7 +376,7 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
 def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                       has_dh, has_dres, block_m, block_n, chunk_n, num_splits, num_groups,
-                      num_warps, lag, early, phase, cast=None):
+                      num_warps, lag, early, phase, cast=None, group_size=0):
   """Stage 1 for long rows, each split over ``num_splits`` programs (x and dy read once
   from HBM).
 
@@ -405,7 +413,8 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   then "consume" (step 2 for program (r, k), reading the published slots).
   """
   refs = list(refs)
-  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  dy_ref = refs.pop(0)
+  x_ref = _x_src(refs.pop(0), refs, group_size)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
@@ -535,11 +544,11 @@ def _reduce_partials(parts, dtypes, cfg: BackwardConfig, interpret: bool):
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config: BackwardConfig, interpret: bool,
                   scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
-                  dx_dtype=None, residual_dtype=None, cast=None):
+                  dx_dtype=None, residual_dtype=None, cast=None, x_scale=None):
   """Two-stage backward.
 
   Args:
-    dy, x: [M, N] (x's dtype).
+    dy, x: [M, N] (x's dtype; dy in y's for FP8 x).
     scale: [N] or None.
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32, saved by the forward.
     has_bias: whether to produce dbias.
@@ -561,6 +570,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     cast: None (``cast="torch"``) or (x's dtype name, y's dtype name) for
       ``cast="llama"`` (the forward's roundings, transposed; dscale sums dy against the
       rounded x_hat).
+    x_scale: None, or [M, N // G] float32 for FP8 x, as in ``forward.norm_forward``: x
+      is dequantised again as stage 1 loads it (give ``dx_dtype``: dx is the cotangent
+      of the dequantised x).
 
   Returns:
     (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
@@ -568,7 +580,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     itself when the dtypes agree.
 
   Raises:
-    ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``.
+    ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``; an
+      ``x_scale`` that does not fit x or ``config`` (``forward.fp8_group_size``).
     NotImplementedError: ``split_rows`` with more splits than can surely be resident
       (``cdiv(N, config.block_n) > SMs x config.split_resident_programs(num_warps)``).
   """
@@ -580,9 +593,11 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   statics = dict(n=n, scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=has_scale, block_m=cfg.block_m, block_n=cfg.block_n,
-                 cast=None if cast is None else tuple(cast))
-  inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd) if a is not None]
-  dx_dtype = jnp.dtype(dx_dtype or x.dtype)
+                 cast=None if cast is None else tuple(cast),
+                 group_size=fp8_group_size(x, x_scale, cfg))
+  inputs = [a for a in (dy, x, x_scale, scale, mean if subtract_mean else None, rstd)
+            if a is not None]
+  dx_dtype = _y_dtype(x, dx_dtype)  # default x's; bfloat16 for FP8 x
   has_dres = residual_dtype is not None and jnp.dtype(residual_dtype) != dx_dtype
   out_shape = [out_struct((m, n), dx_dtype, x)]
   if has_dres:

@@ -25,6 +25,11 @@ Three kernels, one per mode (TileGym's names), each with its own grid and loop:
 Outside ``jax.vjp`` the forward runs without residuals (``return_residuals=False``):
 no mean/rstd are written.
 
+FP8 x (``x_scale=``, COAT's group-scaled input: one float32 scale per ``G`` consecutive
+elements of a row) is served by every kernel, here and in backward.py: they read x
+through ``_load_x``, which dequantises an ``_Fp8`` source in registers as it loads a tile
+(``_dequantise``), so the kernels see float32 x; y is written in ``y_dtype``.
+
 RMSNorm and LayerNorm share the kernels through the static ``subtract_mean`` flag.
 LayerNorm's variance is two-pass within a tile, and chunked rows combine per-chunk
 (mean, M2) pairs with Chan et al.'s parallel update; never E[x^2] - E[x]^2 on raw x. A
@@ -50,7 +55,8 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, d
                                 next_power_of_2, split_resident_programs)
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 
-__all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply"]
+__all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply", "fp8_group_size",
+           "FP8_DTYPES"]
 
 _F32 = jnp.float32
 
@@ -124,9 +130,56 @@ class _Sum:
     return self.x.shape
 
 
+class _Fp8:
+  """x stored in FP8 as a kernel's input (``x_scale=``, COAT's group-scaled input).
+
+  ``x`` is the [M, N] float8_e4m3fn / float8_e5m2 ref, ``s`` the [M, N // group_size]
+  float32 dequantisation scales: one per ``group_size`` consecutive elements of a row,
+  x ~= x_fp8 * s. ``_load_x`` of it returns the float32 tile, dequantised in registers
+  (_dequantise); masked elements are 0.
+  """
+
+  def __init__(self, x_ref, s_ref, group_size: int):
+    self.x, self.s, self.group_size = x_ref, s_ref, group_size
+
+  @property
+  def shape(self):
+    return self.x.shape
+
+
+def _x_src(x_ref, refs: list, group_size: int):
+  """x's source in a kernel: ``x_ref`` itself, or with a ``group_size`` (FP8 x) the
+  _Fp8 of it and its scales, the next ref of ``refs`` (popped)."""
+  return _Fp8(x_ref, refs.pop(0), group_size) if group_size else x_ref
+
+
+def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
+  """The [block_m, block_n] f32 tile x_fp8 * s of an _Fp8 source, as COAT's
+  ``_rms_norm_fwd_fused`` does it: the fp8 tile and the [block_m, block_n / G] scale
+  tile are loaded, and the tile, viewed as [block_m, block_n / G, G], is multiplied by
+  the scales broadcast over each group. ``cols`` is a column tile starting at a
+  multiple of G (every tile of the kernels: G divides block_n, chunk_n and the pieces;
+  the launchers check it)."""
+  m, n = src.shape
+  g = src.group_size
+  block_m, block_n = rows.shape[0], cols.shape[0]
+  ng = block_n // g
+  gcols = jnp.min(cols) // g + jnp.arange(ng, dtype=jnp.int32)  # [ng] group indices
+  smask = None
+  if mask is not None:  # the groups of the elements in the mask (G divides N)
+    smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
+  q = _load_stream(src.x.at[rows[:, None], cols[None, :]], mask, eviction_policy)
+  s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
+  x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
+  return x.reshape(block_m, block_n)
+
+
 def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
-  """The [rows, cols] tile of x (x's dtype), or of x + residual (float32; see _Sum)."""
+  """The [rows, cols] tile of x (x's dtype), or of x + residual (float32; see _Sum), or
+  of FP8 x dequantised (float32; see _Fp8)."""
   idx = (rows[:, None], cols[None, :])
+  if isinstance(src, _Fp8):
+    return _dequantise(src, rows, cols, mask, eviction_policy)
   if not isinstance(src, _Sum):
     return _load_stream(src.at[idx], mask, eviction_policy)
   h = (_load_stream(src.x.at[idx], mask, eviction_policy).astype(_F32)
@@ -438,11 +491,12 @@ def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, 
 
 
 def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
-                has_residual=False, cast_dtype=None):
-  """(x, residual, scale, bias) inputs then (y, h, mean, rstd) outputs; absent ones are
-  None. With a residual, x_ref is the _Sum of x and residual (storing h)."""
+                has_residual=False, cast_dtype=None, group_size=0):
+  """(x, x_scale, residual, scale, bias) inputs then (y, h, mean, rstd) outputs; absent
+  ones are None. With a residual, x_ref is the _Sum of x and residual (storing h); with
+  a ``group_size``, the _Fp8 of x and x_scale."""
   refs = list(refs)
-  x_ref = refs.pop(0)
+  x_ref = _x_src(refs.pop(0), refs, group_size)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -455,10 +509,11 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals, has_residual, cast_dtype,
+                   return_residuals, has_residual, cast_dtype, group_size,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual, cast_dtype)
+                                               return_residuals, has_residual, cast_dtype,
+                                               group_size)
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
@@ -466,20 +521,22 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                   return_residuals, has_residual, cast_dtype,
+                   return_residuals, has_residual, cast_dtype, group_size,
                    block_m, block_n):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual, cast_dtype)
+                                               return_residuals, has_residual, cast_dtype,
+                                               group_size)
   _chunked_rows(pl.program_id(0), io, scale_ref, bias_ref, n=n, eps=eps,
                 scale_offset=scale_offset, subtract_mean=subtract_mean,
                 block_m=block_m, block_n=block_n)
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       return_residuals, has_residual, cast_dtype,
+                       return_residuals, has_residual, cast_dtype, group_size,
                        block_m, block_n, num_programs):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
-                                               return_residuals, has_residual, cast_dtype)
+                                               return_residuals, has_residual, cast_dtype,
+                                               group_size)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
@@ -508,8 +565,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                  return_residuals, has_residual, cast_dtype, block_m, block_n, chunk_n,
-                  num_splits, num_warps, max_polls, interpret):
+                  return_residuals, has_residual, cast_dtype, group_size, block_m, block_n,
+                  chunk_n, num_splits, num_warps, max_polls, interpret):
   """multi_wave_cached for rows split over ``num_splits`` programs (block_n < N).
 
   Program p = rb * num_splits + k holds columns [k * block_n, (k + 1) * block_n) of
@@ -542,6 +599,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   so CPU tests run both paths.
   """
   refs = list(refs)
+  x_ref = _x_src(x_ref, refs, group_size)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -741,8 +799,9 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
 
 
 def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale,
-                             has_bias, return_residuals, has_residual, cast_dtype, block_m,
-                             block_n, num_splits, num_groups, num_warps, lag, early, phase):
+                             has_bias, return_residuals, has_residual, cast_dtype, group_size,
+                             block_m, block_n, num_splits, num_groups, num_warps, lag, early,
+                             phase):
   """static_persistent with ``split_rows``: each row over ``num_splits`` programs, x read
   once from HBM and nothing held across the wait.
 
@@ -763,6 +822,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
   dy; the machinery is _split_rows_refs / _split_rows_loop / _split_rows_call.
   """
   refs = list(refs)
+  x_ref = _x_src(x_ref, refs, group_size)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -820,11 +880,11 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 
 
 def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
-        y_dtype=None):
-  """The kernels' inputs (x, residual, scale, bias; the present ones) and outputs
-  (y, h, mean, rstd; the wanted ones)."""
+        y_dtype=None, x_scale=None):
+  """The kernels' inputs (x, x_scale, residual, scale, bias; the present ones) and
+  outputs (y, h, mean, rstd; the wanted ones)."""
   m, n = x.shape
-  inputs = [a for a in (x, residual, scale, bias) if a is not None]
+  inputs = [a for a in (x, x_scale, residual, scale, bias) if a is not None]
   outs = [out_struct((m, n), y_dtype or x.dtype, x)]
   if residual is not None:
     outs.append(out_struct((m, n), residual_dtype, x))
@@ -844,11 +904,12 @@ def _results(outs, has_residual, return_residuals, subtract_mean):
 
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config: ForwardConfig, interpret: bool, return_residuals: bool = True,
-                 residual=None, residual_dtype=None, cast: str = "torch"):
+                 residual=None, residual_dtype=None, cast: str = "torch", x_scale=None,
+                 y_dtype=None):
   """Launch the forward kernel that ``config.mode`` names.
 
   Args:
-    x: [M, N] float32/bfloat16/float16.
+    x: [M, N] float32/bfloat16/float16, or float8_e4m3fn/float8_e5m2 with ``x_scale``.
     scale, bias: [N] float arrays or None.
     eps, scale_offset, subtract_mean: as in ``pallas_norm.layer_norm``.
     config: the launch config (mode, block_m, block_n, num_warps, num_programs).
@@ -860,27 +921,35 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     cast: "torch" (y rounded once, in x's dtype) or "llama" (HF LlamaRMSNorm: x_hat
       rounded to x's dtype, times the weight in the promotion of x's and the weight's
       dtypes, which is y's dtype). ("gemma" is "torch" with scale_offset=1: ops.py.)
+    x_scale: None, or [M, N // G] float32 for FP8 x: the dequantisation scale of each
+      group of G consecutive elements of a row (x ~= x.astype(f32) * x_scale repeated
+      G times; COAT's s_x), applied in registers as the tiles are loaded (_Fp8). G, a
+      power of 2, must divide N and every column tile of ``config``.
+    y_dtype: y's dtype (default x's; for FP8 x, bfloat16). Not with cast="llama".
 
   Returns:
-    (y [M, N] x.dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
+    (y [M, N] y_dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
     with a residual. mean is None for RMSNorm; both are None without
     ``return_residuals``.
 
   Raises:
+    ValueError: an ``x_scale`` that does not fit x or ``config`` (fp8_group_size).
     NotImplementedError: multi_wave_cached split over more programs than the device has
       SMs (``cdiv(N, config.block_n) > SMs``).
   """
   m, n = x.shape
   cfg = config
+  group_size = fp8_group_size(x, x_scale, cfg)
   statics = dict(n=n, eps=float(eps), scale_offset=float(scale_offset),
                  subtract_mean=subtract_mean, has_scale=scale is not None,
                  has_bias=bias is not None, return_residuals=return_residuals,
                  has_residual=residual is not None, block_m=cfg.block_m, block_n=cfg.block_n,
-                 cast_dtype=x.dtype.name if cast == "llama" else None)
+                 cast_dtype=x.dtype.name if cast == "llama" else None, group_size=group_size)
   if residual is not None and residual_dtype is None:
     residual_dtype = residual.dtype
   io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
-           llama_dtype(x, scale, bias) if cast == "llama" else None)
+           llama_dtype(x, scale, bias) if cast == "llama" else _y_dtype(x, y_dtype),
+           x_scale)
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     outs = _split_forward(x, *io, statics, cfg, interpret)
@@ -889,6 +958,49 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   else:
     outs = _whole_rows_forward(*io, statics, cfg, num_row_blocks, interpret)
   return _results(outs, residual is not None, return_residuals, subtract_mean)
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def fp8_group_size(x, x_scale, config=None) -> int:
+  """G, the group size of FP8 ``x`` [M, N] scaled by ``x_scale`` [M, N // G] (0 when
+  x_scale is None): the one check of the launchers of both passes.
+
+  Raises:
+    ValueError: x_scale with an x that is not FP8 (FP8_DTYPES) or none with FP8 x;
+      an x_scale that is not float32 [M, N // G] for a power of 2 G; a column tile of
+      ``config`` (block_n, chunk_n, pieces) that is not a multiple of G.
+  """
+  if x_scale is None:
+    if x.dtype in FP8_DTYPES:
+      raise ValueError(f"{x.dtype=} needs x_scale, its [M, N // group_size] dequantisation "
+                       f"scales")
+    return 0
+  m, n = x.shape
+  if x.dtype not in FP8_DTYPES:
+    raise ValueError(f"x_scale is for FP8 x ({', '.join(d.name for d in FP8_DTYPES)}), "
+                     f"not {x.dtype=}")
+  groups = x_scale.shape[-1] if x_scale.ndim == 2 else 0
+  g = n // groups if groups else 0
+  if (x_scale.dtype != _F32 or x_scale.shape != (m, groups) or not g or g * groups != n
+      or g & (g - 1)):
+    raise ValueError(f"{x_scale.shape=} ({x_scale.dtype}) must be float32 [M, N // G] for "
+                     f"x [M, N] = {x.shape} and a group size G, a power of 2 dividing N")
+  widths = () if config is None else (config.block_n, config.chunk_n,
+                                      *getattr(config, "pieces", ()))
+  for w in widths:
+    if w % g:
+      raise ValueError(f"the config's column tiles {tuple(v for v in widths if v)} must be "
+                       f"multiples of the group size {g} (N={n}, {x_scale.shape=})")
+  return g
+
+
+def _y_dtype(x, y_dtype):
+  """y's dtype: ``y_dtype``, else x's, bfloat16 for FP8 x."""
+  if y_dtype is not None:
+    return jnp.dtype(y_dtype)
+  return jnp.dtype(jnp.bfloat16) if x.dtype in FP8_DTYPES else x.dtype
 
 
 def llama_dtype(x, scale, bias):
@@ -999,11 +1111,12 @@ def _split_count(n: int, block_n: int, interpret: bool, *, what: str, remedy: st
 # ----------------------------------------------------- tensor parallel: statistics, then y
 
 
-def _stats_kernel(*refs, n, subtract_mean, has_residual, block_m, block_n, num_programs):
+def _stats_kernel(*refs, n, subtract_mean, has_residual, group_size, block_m, block_n,
+                  num_programs):
   """Per row of this shard: RMSNorm s1 = sum(x^2); LayerNorm s1 = mean, s2 = M2 (of
   h = x + residual with one, storing h)."""
   refs = list(refs)
-  x_ref = refs.pop(0)
+  x_ref = _x_src(refs.pop(0), refs, group_size)
   r_ref = refs.pop(0) if has_residual else None
   s1_ref = refs.pop(0)
   s2_ref = [refs.pop(0)] if subtract_mean else []
@@ -1023,10 +1136,11 @@ def _stats_kernel(*refs, n, subtract_mean, has_residual, block_m, block_n, num_p
 
 
 def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                  has_residual, cast_dtype, block_m, block_n, num_programs):
+                  has_residual, cast_dtype, group_size, block_m, block_n, num_programs):
   """y from x (+ residual) and the whole row's mean (LayerNorm) and rstd, [M] f32
   inputs."""
   refs = list(refs)
+  x_ref = _x_src(x_ref, refs, group_size)
   if has_residual:
     x_ref = _Sum(x_ref, refs.pop(0), None)  # h was stored by the statistics kernel
   scale_ref = refs.pop(0) if has_scale else None
@@ -1071,7 +1185,7 @@ def _tp_launch(cfg: ForwardConfig, m: int):
 
 
 def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpret: bool,
-                       residual=None, residual_dtype=None):
+                       residual=None, residual_dtype=None, x_scale=None):
   """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
 
   The row block is walked in ``config.block_n`` chunks (one chunk when the row fits, as
@@ -1083,6 +1197,7 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpr
     subtract_mean: LayerNorm (True) or RMSNorm.
     config, interpret, residual, residual_dtype: as in ``norm_forward``; with a
       residual the statistics are those of h = x + residual, and h is written.
+    x_scale: as in ``norm_forward`` (FP8 x; the shard's [M, n // G] scales).
 
   Returns:
     (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
@@ -1091,27 +1206,28 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: ForwardConfig, interpr
   """
   m, n = x.shape
   cfg = config
+  group_size = fp8_group_size(x, x_scale, cfg)
   grid, num_programs = _tp_launch(cfg, m)
   outs = [out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
   if residual is not None:
     outs.append(out_struct((m, n), residual_dtype or residual.dtype, x))
   out = pl.pallas_call(
       functools.partial(_stats_kernel, n=n, subtract_mean=subtract_mean,
-                        has_residual=residual is not None, block_m=cfg.block_m,
-                        block_n=cfg.block_n, num_programs=num_programs),
+                        has_residual=residual is not None, group_size=group_size,
+                        block_m=cfg.block_m, block_n=cfg.block_n, num_programs=num_programs),
       out_shape=outs,
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="pallas_norm_fwd_shard_stats",
-  )(*[a for a in (x, residual) if a is not None])
+  )(*[a for a in (x, x_scale, residual) if a is not None])
   s = (out[0], out[1]) if subtract_mean else (out[0], None)
   return s if residual is None else (*s, out[-1])
 
 
 def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
                        config: ForwardConfig, interpret: bool, residual=None,
-                       cast: str = "torch"):
+                       cast: str = "torch", x_scale=None, y_dtype=None):
   """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
 
   Args:
@@ -1119,23 +1235,25 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32.
     scale_offset, config, interpret: as in ``norm_forward``.
     residual: the residual given to ``norm_forward_stats``: y is that of x + residual.
-    cast: as in ``norm_forward``.
+    cast, x_scale, y_dtype: as in ``norm_forward``.
 
   Returns:
-    y: [M, n] in x's dtype.
+    y: [M, n] in ``y_dtype`` (default x's dtype; bfloat16 for FP8 x).
   """
   m, n = x.shape
   cfg = config
+  group_size = fp8_group_size(x, x_scale, cfg)
   grid, num_programs = _tp_launch(cfg, m)
-  inputs = [a for a in (x, residual, scale, bias, mean, rstd) if a is not None]
+  inputs = [a for a in (x, x_scale, residual, scale, bias, mean, rstd) if a is not None]
   return pl.pallas_call(
       functools.partial(_apply_kernel, n=n, scale_offset=float(scale_offset),
                         subtract_mean=mean is not None, has_scale=scale is not None,
                         has_bias=bias is not None, has_residual=residual is not None,
                         cast_dtype=x.dtype.name if cast == "llama" else None,
-                        block_m=cfg.block_m, block_n=cfg.block_n, num_programs=num_programs),
+                        group_size=group_size, block_m=cfg.block_m, block_n=cfg.block_n,
+                        num_programs=num_programs),
       out_shape=out_struct((m, n), llama_dtype(x, scale, bias) if cast == "llama"
-                           else x.dtype, x),
+                           else _y_dtype(x, y_dtype), x),
       grid=(grid,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,

@@ -543,3 +543,50 @@ def test_linen_with_logical_partitioning_under_jit(axis_type):
   for k in ("scale", "bias"):
     np.testing.assert_allclose(np.asarray(results[0][1]["params"][k]),
                                np.asarray(results[1][1]["params"][k]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("axis_type,op", [("auto", "layer"), ("explicit", "rms")])
+def test_fp8_input_sharded(axis_type, op):
+  """FP8 x with its group scales (x_scale laid out like x), rows and hidden dim sharded:
+  y, dx and dscale against the reference that dequantises first; y and dx keep x's
+  sharding, x_scale's cotangent is zero; no all-gather. A hidden shard that would split
+  a group of scales is a ValueError naming x_scale's sharding."""
+  mesh = jax.make_mesh((2, HALF), ("data", "model"),
+                       axis_types=(AXIS_TYPES[axis_type],) * 2)
+  spec, layer, g = P("data", None, "model"), op == "layer", 16
+  shape = (4, 3, 2 * g * HALF)
+  x, scale, bias, dy = _inputs(shape, jnp.float32, seed=21)
+  x = x.astype(jnp.float8_e4m3fn)
+  s = jax.random.uniform(jax.random.key(22), shape[:-1] + (shape[-1] // g,), minval=0.5,
+                         maxval=2.0)
+  dy = dy.astype(jnp.bfloat16)
+  ours = (lambda x, s, w, b: pallas_norm.layer_norm(x, w, b, x_scale=s)) if layer else (
+      lambda x, s, w, b: pallas_norm.rms_norm(x, w, x_scale=s))
+  ref = lambda xd, w, b: reference.norm(xd, w, b if layer else None,
+                                        eps=1e-5 if layer else _EPS_RMS,
+                                        subtract_mean=layer, out_dtype=jnp.bfloat16)[0]
+
+  @jax.jit
+  def step(x, s, w, b, dy):
+    y, pull = jax.vjp(ours, x, s, w, b)
+    return (y, *pull(dy))
+
+  put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+  args = (put(x, spec), put(s, spec), put(scale, P("model")), put(bias, P("model")),
+          put(dy, spec))
+  y, dx, ds_x, ds, _ = step(*args)
+  y_w, pull = jax.vjp(ref, reference.dequantise(x, s), scale, bias)
+  dx_w, ds_w, _ = pull(dy)
+  tol_x, tol_p = _tol(jnp.bfloat16, shape[-1], 12)
+  for name, got, want, tol in (("y", y, y_w, tol_x), ("dx", dx, dx_w, tol_x),
+                               ("dscale", ds, ds_w, tol_p)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol, err_msg=name)
+  assert y.dtype == dx.dtype == jnp.bfloat16 and not np.asarray(ds_x).any()
+  for a in (y, dx):
+    assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), 3), a.sharding
+  assert _collectives(step.lower(*args).compile().as_text())["all-gather"] == 0
+  if HALF > 1:  # 16 columns a shard: a group of 32 would straddle two shards
+    with pytest.raises(Exception, match="x_scale of shape .* is uneven"):
+      jax.jit(lambda x, s: pallas_norm.rms_norm(x, x_scale=s, group_size=2 * g))(
+          put(x[..., :g * HALF], spec), put(s[..., :HALF // 2], P("data", None, None)))

@@ -1,0 +1,416 @@
+"""FP8 input (issue #27 item 1): ``rms_norm(x_fp8, scale, x_scale=s)`` / ``layer_norm``.
+
+x is float8_e4m3fn or float8_e5m2 with one float32 dequantisation scale per group of
+``group_size`` consecutive elements of a row (COAT's s_x); the kernels dequantise in
+registers, forward and backward. Oracle: the jnp reference that dequantises first
+(``reference.dequantise``, then ``reference.norm`` in float32): y against it rounded to
+out_dtype, dx / dscale / dbias against ``jax.vjp`` of it on the float32 dequantised x.
+Every forward and backward kernel variant is forced through its config at the launcher
+level; the public op runs in every mode. On CPU the kernels run in Pallas interpret
+mode; ``make gpu-check`` runs this file with interpret=False, plus the ``gpu`` test on
+real shapes.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import config as pn_config
+from pallas_norm import ops, reference
+
+MODES = pn_config.MODES
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+_EPS_RMS = float(jnp.finfo(jnp.float32).eps)
+# About one unit roundoff of the compared dtype; float32 gets a floor of 2^-17 (the
+# residual tests' scale).
+_ULP = {"float32": 2.0**-17, "bfloat16": 2.0**-8, "float16": 2.0**-10}
+# (M, N, group_size, FP8 dtype): a single row, ragged M, N that needs column masking
+# (96 in a 128-wide tile, 1008 in 1024, 384 in 512), group sizes 16 to 128, both FP8
+# dtypes. One row a case (CPU time), every mode and both ops among the cases; every
+# kernel variant in both ops below (test_kernel_variants).
+SHAPES = [(1, 64, 16, "e4m3"), (7, 96, 32, "e5m2"), (13, 1008, 16, "e5m2"),
+          (5, 384, 128, "e4m3")]
+_CASES = [(False, "multi_wave_cached", SHAPES[2]), (False, "static_persistent", SHAPES[3]),
+          (True, "multi_wave_reload", SHAPES[1]), (True, "multi_wave_cached", SHAPES[0])]
+
+
+def _interpret():
+  return jax.default_backend() != "gpu"
+
+
+def _quantise(v, fp8, group_size):
+  """v [..., N] f32 -> (x fp8, x_scale [..., N // G] f32): current scaling per group,
+  scale = amax / fp8_max, as the FP8 contract's quantise (NaN-free inputs here)."""
+  fmax = float(jnp.finfo(fp8).max)
+  g = v.reshape(*v.shape[:-1], -1, group_size)
+  amax = np.abs(g).max(-1)
+  s = np.where(amax > 0, amax / fmax, 1.0).astype(np.float32)
+  q = np.clip(g * (np.float32(1) / s)[..., None], -fmax, fmax).reshape(v.shape)
+  return jnp.asarray(q, jnp.float32).astype(fp8), jnp.asarray(s)
+
+
+def _inputs(m, n, group_size, fp8="e4m3", *, layer, seed=0, lead=None):
+  rng = np.random.default_rng(seed + 7919 * m + n + group_size)
+  # Groups of different magnitudes: the scales matter.
+  v = rng.standard_normal((m, n)) * np.exp(rng.uniform(-3, 3, (m, n // group_size))).repeat(
+      group_size, -1) + (0.5 if layer else 0.0)
+  x, s = _quantise(v.astype(np.float32), FP8[fp8], group_size)
+  scale = jnp.asarray(1 + 0.5 * rng.standard_normal(n), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.float32) if layer else None
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  if lead is not None:
+    x, s, dy = (a.reshape(*lead, *a.shape[1:]) for a in (x, s, dy))
+  return x, s, scale, bias, dy
+
+
+def _op(layer, **kw):
+  if layer:
+    return lambda x, s, w, b: pallas_norm.layer_norm(x, w, b, x_scale=s, **kw)
+  return lambda x, s, w, b: pallas_norm.rms_norm(x, w, x_scale=s, **kw)
+
+
+def _ref_fn(layer, out_dtype=jnp.bfloat16, scale_offset=0.0):
+  """(dequantised float32 x, scale, bias) -> y in out_dtype: the reference."""
+  eps = 1e-5 if layer else _EPS_RMS
+  return lambda xd, w, b: reference.norm(xd, w, b, eps=eps, scale_offset=scale_offset,
+                                         subtract_mean=layer, out_dtype=out_dtype)[0]
+
+
+def _close(got, want, dtype, n=1, what=""):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  tol = 4 * _ULP[jnp.dtype(dtype).name] * max(1.0, np.sqrt(n) / 8)
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()),
+                             err_msg=what)
+
+
+def _check_vjp(f, x, s, scale, bias, dy, *, layer, out_dtype=jnp.bfloat16, ref=None):
+  """y and (dx, dx_scale, dscale, dbias) of ``f`` against the reference's; returns them."""
+  m, n = x.shape[0], x.shape[-1]
+  y, pull = jax.vjp(f, x, s, scale, bias)
+  xd = reference.dequantise(x, s)
+  y_w, pull_w = jax.vjp(ref or _ref_fn(layer, out_dtype), xd, scale, bias)
+  assert y.dtype == y_w.dtype == jnp.dtype(out_dtype) and y.shape == x.shape
+  _close(y, y_w, out_dtype, n, "y")
+  dx, ds_x, ds, db = grads = pull(dy.astype(out_dtype))
+  dx_w, ds_w, db_w = pull_w(dy.astype(out_dtype))
+  assert dx.dtype == jnp.dtype(out_dtype) and dx.shape == x.shape
+  _close(dx, dx_w, out_dtype, n, "dx")
+  assert ds_x.dtype == jnp.float32 and not np.asarray(ds_x).any()  # x_scale: constants
+  _close(ds, ds_w, jnp.float32, m, "dscale")
+  if layer:
+    _close(db, db_w, jnp.float32, m, "dbias")
+  return y, grads
+
+
+# --------------------------------------------------------------------------- public op
+
+
+@pytest.mark.parametrize("layer,mode,shape", _CASES,
+                         ids=[f"{'layer' if c[0] else 'rms'}-{c[1]}" for c in _CASES])
+def test_matches_reference(layer, mode, shape):
+  """y, dx, dscale (and dbias) of the public op in every mode, on the shape table (the
+  heuristic's mode=None is one of these on CPU; the gpu test runs it too)."""
+  m, n, g, fp8 = shape
+  x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
+  _check_vjp(_op(layer, group_size=g, mode=mode), x, s, scale, bias, dy, layer=layer)
+
+
+def test_out_dtype():
+  """y and dx in out_dtype (float32 here, float16 in the tensor-parallel kernels' test);
+  scale_offset (Gemma's cast) applied as for a float x."""
+  x, s, scale, bias, dy = _inputs(6, 256, 64, "e5m2", layer=True)
+  f = _op(True, group_size=64, out_dtype=jnp.float32, cast="gemma")
+  _check_vjp(f, x, s, scale, bias, dy, layer=True, out_dtype=jnp.float32,
+             ref=_ref_fn(True, jnp.float32, scale_offset=1.0))
+
+
+def test_xla_backend():
+  """backend='xla' is the reference (bitwise), under the same contract: dx the
+  cotangent of the dequantised x, in out_dtype; x_scale's cotangent zero."""
+  x, s, scale, _, dy = _inputs(7, 96, 32, layer=False)
+  f = _op(False, group_size=32, backend="xla")
+  y, (dx, ds_x, ds, _) = _check_vjp(f, x, s, scale, None, dy, layer=False)
+  y_w, pull_w = jax.vjp(_ref_fn(False), reference.dequantise(x, s), scale, None)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_w, np.float32))
+  np.testing.assert_array_equal(np.asarray(dx, np.float32),
+                                np.asarray(pull_w(dy)[0].astype(jnp.bfloat16), np.float32))
+
+
+def test_transforms_and_determinism():
+  """jit of a rank-3 x, vmap, a 1-D x, grad under checkpoint; bitwise-equal reruns; the
+  saved residuals are the FP8 x and its scales (no dequantised copy)."""
+  x, s, scale, _, dy = _inputs(12, 128, 16, layer=False)
+  f = _op(False)
+  want = _ref_fn(False)(reference.dequantise(x, s), scale, None)
+  x3, s3 = x.reshape(3, 4, 128), s.reshape(3, 4, 8)
+  for got in (jax.jit(f)(x3, s3, scale, None),
+              jax.vmap(f, in_axes=(0, 0, None, None))(x3, s3, scale, None)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(want.shape),
+                                  np.asarray(want, np.float32))
+  y1 = f(x[0], s[0], scale, None)
+  assert y1.shape == (128,) and y1.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(want[0], np.float32))
+
+  _, res = jax.vjp(f, x, s, scale, None)
+  big = [a for a in jax.tree_util.tree_leaves(res) if getattr(a, "size", 0) >= x.size]
+  assert [a.dtype for a in big] == [x.dtype]
+
+  def loss(x, s, w):
+    return jnp.sum(jax.checkpoint(f)(x, s, w, None).astype(jnp.float32) * dy)
+
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  g1, g2 = g(x, s, scale), g(x, s, scale)
+  for a, b in zip(g1, g2):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  _, pull_w = jax.vjp(_ref_fn(False), reference.dequantise(x, s), scale, None)
+  dx_w, ds_w, _ = pull_w(dy)
+  assert g1[0].dtype == jnp.bfloat16 and not np.asarray(g1[1]).any()
+  _close(g1[0], dx_w, "bfloat16", 128, "dx")
+  _close(g1[2], ds_w, "float32", 12, "dscale")
+
+
+def test_empty_rows():
+  x = jnp.zeros((0, 64), jnp.float8_e4m3fn)
+  y = pallas_norm.layer_norm(x, x_scale=jnp.zeros((0, 4)), out_dtype=jnp.float16)
+  assert y.shape == (0, 64) and y.dtype == jnp.float16
+
+
+def test_errors():
+  x = jnp.ones((4, 64), jnp.float8_e4m3fn)
+  s = jnp.ones((4, 4), jnp.float32)
+  xb = jnp.ones((4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="needs x_scale"):
+    pallas_norm.rms_norm(x)
+  with pytest.raises(ValueError, match="x_scale is the dequantisation scale of FP8 x"):
+    pallas_norm.rms_norm(xb, x_scale=s)
+  with pytest.raises(ValueError, match="out_dtype=.* is for FP8 x only"):
+    pallas_norm.layer_norm(xb, out_dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"x_scale.shape=\(4, 8\) must be \(4, 4\)"):
+    pallas_norm.rms_norm(x, x_scale=jnp.ones((4, 8)))
+  with pytest.raises(ValueError, match=r"x_scale.shape=\(4,\) must be \(4, 4\)"):
+    pallas_norm.rms_norm(x, x_scale=jnp.ones((4,)))
+  with pytest.raises(TypeError, match="x_scale.dtype=bfloat16 must be float32"):
+    pallas_norm.rms_norm(x, x_scale=s.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"group_size=48 must be one of .* N=64 "
+                                       r"\(x_scale.shape=\(4, 4\)\)"):
+    pallas_norm.rms_norm(x, x_scale=s, group_size=48)
+  with pytest.raises(ValueError, match=r"group_size=128 .* divide N=64"):
+    pallas_norm.rms_norm(x, x_scale=s, group_size=128)
+  with pytest.raises(ValueError, match=r"group_size=16 .* divide N=40"):
+    pallas_norm.rms_norm(jnp.ones((4, 40), jnp.float8_e5m2), x_scale=jnp.ones((4, 2)))
+  with pytest.raises(TypeError, match="group_size=16.0 must be an int"):
+    pallas_norm.rms_norm(x, x_scale=s, group_size=16.0)
+  with pytest.raises(TypeError, match="out_dtype=int8 must be float32, bfloat16 or float16"):
+    pallas_norm.rms_norm(x, x_scale=s, out_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="out_dtype=float8_e4m3fn must be"):
+    pallas_norm.rms_norm(x, x_scale=s, out_dtype=jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="cast='llama' .* no meaning for FP8 x"):
+    pallas_norm.rms_norm(x, jnp.ones(64), x_scale=s, cast="llama")
+  with pytest.raises(ValueError, match="residual= is not supported with FP8 x"):
+    pallas_norm.rms_norm(x, x_scale=s, residual=xb)
+  with pytest.raises(TypeError, match="x.dtype=float8_e4m3fnuz must be"):
+    pallas_norm.rms_norm(x.astype(jnp.float8_e4m3fnuz), x_scale=s)
+
+
+@pytest.mark.cpu_only
+def test_triton_backend_not_served_yet():
+  """backend='triton' with FP8 x: NotImplementedError before any kernel, until the
+  jax-triton launchers take x_scale=."""
+  from pallas_norm.kernels import jax_triton
+  import inspect
+  if "x_scale" in inspect.signature(jax_triton.norm_forward).parameters:
+    pytest.skip("the Triton backend serves FP8 x")
+  x = jnp.ones((4, 64), jnp.float8_e4m3fn)
+  with pytest.raises(NotImplementedError, match="not served by backend='triton'"):
+    pallas_norm.rms_norm(x, x_scale=jnp.ones((4, 4)), backend="triton")
+
+
+# ------------------------------------------------------- every kernel variant, by config
+
+
+def _launch_case(m, n, g, fp8, layer, cfg_fwd, cfg_bwd):
+  """norm_forward(x_scale=) with cfg_fwd and norm_backward(x_scale=) with cfg_bwd
+  against the reference's values and vjp; the launch runs twice and gives the same
+  bits (deterministic)."""
+  from pallas_norm.kernels import backward, forward
+  x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
+  b = bias if layer else None
+
+  @jax.jit
+  def launch(x, s, scale, b, dy):
+    y, mean, rstd = forward.norm_forward(x, scale, b, eps=1e-5, scale_offset=0.5,
+                                         subtract_mean=layer, config=cfg_fwd,
+                                         interpret=_interpret(), x_scale=s)
+    return (y, *backward.norm_backward(
+        dy, x, scale, mean, rstd, has_bias=layer, scale_offset=0.5, subtract_mean=layer,
+        config=cfg_bwd, interpret=_interpret(), scale_dtype=jnp.float32,
+        bias_dtype=jnp.float32, x_scale=s))
+
+  out = launch(x, s, scale, b, dy)
+  ref = lambda xd, w, b: reference.norm(xd, w, b, eps=1e-5, scale_offset=0.5,
+                                        subtract_mean=layer, out_dtype=jnp.bfloat16)[0]
+  y_w, pull = jax.vjp(ref, reference.dequantise(x, s), scale, b)
+  assert out[0].dtype == out[1].dtype == jnp.bfloat16
+  for name, got, want, d, k in zip(("y", "dx", "dscale", "dbias"), out, (y_w, *pull(dy)),
+                                   ("bfloat16", "bfloat16", "float32", "float32"),
+                                   (n, n, m, m)):
+    if want is not None:
+      _close(got, want, d, k, name)
+  for first, again in zip(out, launch(x, s, scale, b, dy)):
+    if first is not None:
+      np.testing.assert_array_equal(np.asarray(first, np.float32),
+                                    np.asarray(again, np.float32))
+
+
+# test_residual's kernel-variant configs at half its tile widths (CPU time).
+FWD = {
+    "cached": pn_config.ForwardConfig("multi_wave_cached", 2, 512, 4),
+    "cached_split": pn_config.ForwardConfig("multi_wave_cached", 2, 128, 4, chunk_n=64),
+    "reload": pn_config.ForwardConfig("multi_wave_reload", 2, 128, 4),
+    "persistent": pn_config.ForwardConfig("static_persistent", 2, 512, 4, 3),
+    "persistent_chunked": pn_config.ForwardConfig("static_persistent", 2, 128, 4, 3),
+    "persistent_split": pn_config.ForwardConfig("static_persistent", 1, 128, 4, 2,
+                                                split_rows=True, split_lag=2),
+}
+_RED = pn_config.reduce_config(512, 2)
+BWD = {
+    "persistent": pn_config.BackwardConfig(2, 512, 4, 2, **_RED),
+    "pieces": pn_config.BackwardConfig(1, 512, 4, 2, pieces=(256, 128), **_RED),
+    "reload": pn_config.BackwardConfig(2, 128, 4, 2, reload_rows=True, **_RED),
+    "split": pn_config.BackwardConfig(1, 128, 4, 2, split_rows=True, split_lag=1,
+                                      chunk_n=64, **_RED),
+    "columns": pn_config.BackwardConfig(2, 128, 4, 2, **_RED),
+}
+# (forward, backward, group size, FP8 dtype, LayerNorm): every variant once (the
+# split-row pair in both ops; CPU time), with group sizes up to the narrowest tile of
+# its configs (the splits' 64-wide chunks). x reaches the kernels through one load
+# helper whatever the op (forward._load_x).
+VARIANTS = [("cached", "persistent", 128, "e4m3", True),
+            ("cached_split", "split", 64, "e5m2", False),
+            ("cached_split", "split", 64, "e4m3", True),
+            ("reload", "reload", 32, "e4m3", False),
+            ("persistent", "pieces", 16, "e5m2", True),
+            ("persistent_chunked", "columns", 64, "e4m3", False),
+            ("persistent_split", "persistent", 16, "e5m2", True)]
+
+
+@pytest.mark.parametrize("fwd,bwd,g,fp8,layer", VARIANTS,
+                         ids=["-".join(map(str, v[:2])) + ("-layer" if v[4] else "-rms")
+                              for v in VARIANTS])
+def test_kernel_variants(fwd, bwd, g, fp8, layer):
+  """Every forward and backward kernel on a ragged M and an N that needs masking (the
+  chunked and split ones over 3 tiles), run twice for the same bits."""
+  _launch_case(9, 384 - g, g, fp8, layer, FWD[fwd], BWD[bwd])
+
+
+def test_tensor_parallel_kernels():
+  """norm_forward_stats / norm_forward_apply with x_scale (the hidden-dim-sharded pair),
+  one shard, and the backward's row-statistics + column pair that it takes (LayerNorm;
+  RMSNorm's run in tests/sharded); y and dx in float16."""
+  from pallas_norm.kernels import backward, forward
+  m, n, g = 7, 320, 32
+  x, s, scale, bias, dy = _inputs(m, n, g, "e4m3", layer=True)
+  dy = dy.astype(jnp.float16)
+  cfg = pn_config.forward_config(m, n, x.dtype, "static_persistent", subtract_mean=True)
+  mean, m2 = forward.norm_forward_stats(x, subtract_mean=True, config=cfg,
+                                        interpret=_interpret(), x_scale=s)
+  rstd = jax.lax.rsqrt(m2 / n + 1e-5)
+  y = forward.norm_forward_apply(x, scale, bias, mean, rstd, scale_offset=0.0, config=cfg,
+                                 interpret=_interpret(), x_scale=s, y_dtype=jnp.float16)
+  y_w, pull = jax.vjp(_ref_fn(True, jnp.float16), reference.dequantise(x, s), scale, bias)
+  assert y.dtype == jnp.float16
+  _close(y, y_w, "float16", n, "y")
+  dx, ds, db = backward.norm_backward(
+      dy, x, scale, mean, rstd, has_bias=True, scale_offset=0.0, subtract_mean=True,
+      config=pn_config.backward_config(m, n, x.dtype, subtract_mean=True),
+      interpret=_interpret(), scale_dtype=jnp.float32, bias_dtype=jnp.float32,
+      combine_row_sums=lambda c1, c2: (c1, c2), x_scale=s, dx_dtype=jnp.float16)
+  assert dx.dtype == jnp.float16
+  for name, got, want, d, k in zip(("dx", "dscale", "dbias"), (dx, ds, db), pull(dy),
+                                   ("float16", "float32", "float32"), (n, m, m)):
+    _close(got, want, d, k, name)
+
+
+def test_launcher_checks():
+  """The launchers' own check (fp8_group_size): scales that do not fit x or the config."""
+  from pallas_norm.kernels import forward
+  x = jnp.ones((4, 256), jnp.float8_e4m3fn)
+  cfg = pn_config.ForwardConfig("multi_wave_reload", 4, 64, 4)
+  run = functools.partial(forward.norm_forward, eps=1e-5, scale_offset=0.0,
+                          subtract_mean=False, interpret=True)
+  with pytest.raises(ValueError, match=r"column tiles \(64,\) must be multiples of the "
+                                       r"group size 128"):
+    run(x, None, None, config=cfg, x_scale=jnp.ones((4, 2)))
+  with pytest.raises(ValueError, match="a power of 2 dividing N"):
+    run(x, None, None, config=cfg, x_scale=jnp.ones((4, 5)))
+  with pytest.raises(ValueError, match="needs x_scale"):
+    run(x, None, None, config=cfg)
+  with pytest.raises(ValueError, match="x_scale is for FP8 x"):
+    run(x.astype(jnp.bfloat16), None, None, config=cfg, x_scale=jnp.ones((4, 16)))
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("device", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_config_tiles_fit_every_group_size(device):
+  """The configs config.py picks for FP8 x (its itemsize-1 dtype goes through the
+  2-byte rules) have every column tile a multiple of each group size the ops accept,
+  over row lengths that group sizes divide, on the GPUs and on CPU."""
+  devices = [pn_config.DeviceInfo("gpu", device, 132), pn_config.device_info()]
+  ns = [16, 48, 96, 512, 1008, 3072, 4096, 5120, 8192, 12288, 16384, 24576, 32768,
+        65536, 98304, 131072, 262144, 540672, 1048576]
+  for dev in devices:
+    for n in ns:
+      for layer in (False, True):
+        for mode in (None, *MODES):
+          for m in (1, 4096):
+            try:
+              f = pn_config.forward_config(m, n, jnp.float8_e4m3fn, mode, dev,
+                                           subtract_mean=layer)
+            except NotImplementedError:  # multi_wave_cached's limit, as for bf16
+              continue
+            b = pn_config.backward_config(m, n, jnp.float8_e4m3fn, dev, subtract_mean=layer)
+            for g in ops.GROUP_SIZES:
+              if n % g == 0:
+                for w in (f.block_n, f.chunk_n, b.block_n, b.chunk_n, *b.pieces):
+                  assert w % g == 0, (dev, n, layer, mode, g, f, b)
+
+
+def test_lowers_for_cuda():
+  """The FP8 kernels of every mode, forward and backward, lower through JAX's Pallas
+  Triton lowering for CUDA (which runs on a CPU-only machine): the dequantising reshape
+  and the FP8 loads are accepted."""
+  m, n, g = 64, 1024, 16
+  args = (jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((m, n // g), jnp.float32),
+          jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
+  lower = lambda f: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  for mode in MODES:
+    assert "__gpu$xla.gpu.triton" in lower(_op(False, mode=mode, interpret=False))
+  f = _op(True, interpret=False)
+  vjp = lambda x, s, w, b: jax.vjp(f, x, s, w, b)[1](jnp.ones((m, n), jnp.bfloat16))
+  assert lower(vjp).count("__gpu$xla.gpu.triton") == 3  # forward, stage 1, stage 2
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, *MODES])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_gpu_real_shapes(layer, mode):
+  """Compiled (interpret=False) on real shapes, every mode: 4096 x 4096 and 1024 x 8192
+  (one-tile rows), and 256 x 65536 (the split-row forward and backward), e4m3 with
+  group 16 and e5m2 with group 128."""
+  for (m, n), (fp8, g) in [((4096, 4096), ("e4m3", 16)), ((1024, 8192), ("e5m2", 128)),
+                           ((256, 65536), ("e4m3", 16))]:
+    if mode == "multi_wave_cached" and layer and n > 4096 * 132:
+      continue
+    x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
+    f = jax.jit(_op(layer, group_size=g, mode=mode, interpret=False))
+    _check_vjp(f, x, s, scale, bias if layer else None, dy, layer=layer)
