@@ -111,30 +111,40 @@ class Fp8Config:
                        f"row block a program)")
 
 
-# Unmeasured (no GPU run of these kernels yet): reasons, not timings. The row-block
-# kernels without y_t take the forward's measured tiles instead (fp8_config).
+# The row-block kernels' configs. H200, bf16 x, e4m3fn, 2026-11-23 (CUPTI kernel time,
+# median of 10 calls over inputs rotated over >= 256 MiB; docs/fp8.md#fp8-tuning,
+# benchmarks/results/h200_2026-11-23_sweep2_fp8_f2c3297.json): the pick against the
+# one-row-block-a-program kernel at the forward's tile, in us.
 _WHOLE_ROW_MAX = 8192  # rows up to this width stay in registers (forward's cached limit)
-# Transposed stores: 32 one-byte values = one 32-byte sector a y_t row. The second walk
-# of a row block reads 32 * N * itemsize bytes back from L2: at N = 8192 bf16 one such
-# block on each of 132 SMs is 64 MiB, over the H100's 50 MB (a candidate for 16 rows).
-_T_ROWS = 32
-_T_BLOCK_N = 256  # tall row blocks walk 256-wide chunks: 32 x 256 f32 = 16 a thread at 16 warps
+# Persistent whole-row tiles, scale/bias in the tile's layout (tile_params):
+# {(kernel, op, N'): (block_m, num_warps, programs a SM, hoist_params)}, kernel "stats" or
+# "delayed" (without y_t), N' the row padded to a power of 2; a shape not in it (and
+# LayerNorm's statistics at N' 2048 and 8192, where none won by 3%) keeps the forward's
+# tile.
+_PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
+    ("stats", "rms", 2048): (2, 4, 4, True),        # 32768x2048: 38.0 / 41.2
+    ("delayed", "rms", 2048): (2, 4, 4, True),      # 65.0 / 69.2
+    ("delayed", "layer", 2048): (2, 4, 3, True),    # 72.4 / 81.1
+    ("stats", "rms", 4096): (1, 8, 3, True),        # 8192x4096: 21.6 / 23.1
+    ("delayed", "rms", 4096): (1, 16, 3, False),    # 32.6 / 38.0
+    ("stats", "layer", 4096): (1, 4, 4, False),     # 27.6 / 29.2
+    ("delayed", "layer", 4096): (1, 8, 2, True),    # 38.3 / 45.8
+    ("stats", "rms", 8192): (2, 16, 1, True),       # 8192x8192: 41.3 / 43.8
+    ("delayed", "rms", 8192): (1, 32, 1, True),     # 68.1 / 73.1
+    ("delayed", "layer", 8192): (1, 8, 2, False),   # 86.8 / 100.5
+}
+# Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
+# 32-byte sector a y_t row) walked in 128-wide chunks, 16 warps, 2 a SM, scale/bias in the
+# tile's layout (8192x4096: RMSNorm 71.6 / 78.3 at 32 x 256, a row block a program;
+# LayerNorm 75.9 / 85.0). The second walk of a row block reads 32 * N * itemsize bytes
+# back from L2.
+_T_ROWS, _T_BLOCK_N, _T_WARPS, _T_PROGRAMS_PER_SM, _T_TILE_PARAMS = 32, 128, 16, 2, True
+_TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 / 38.0, but
+#                       32768x2048 80.2 / 69.2)
+# Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
-
-# The row-block kernels' variants, off until measured (the lead sets them from
-# .whl/fp8sweep2.py's H200 sweep; Fp8Config's docstring says what each does):
-# persistent whole-row tiles, {(kernel, op, N'): (block_m, num_warps, programs a SM,
-# hoist_params)} with kernel "stats" or "delayed" (without y_t), op "rms" or "layer", N'
-# the row padded to a power of 2 (<= _WHOLE_ROW_MAX); a shape not in it keeps the
-# forward's tile.
-_PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {}
-# delayed with y_t: 0 = a _T_ROWS-row block a program, k = SMs x k persistent programs;
-# _T_WARPS 0 = the _warps rule.
-_T_PROGRAMS_PER_SM = 0
-_T_WARPS = 0
-_TILE_PARAMS = False  # scale/bias in the tile's layout (Fp8Config.tile_params), row kernels
 
 
 def _warps(tile_elems: int) -> int:
@@ -154,7 +164,8 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured). The
   variants (persistent programs, scale/bias in the tile's layout) are picked from
   ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` (with ``_T_ROWS``, ``_T_BLOCK_N``,
-  ``_T_WARPS``) and ``_TILE_PARAMS`` (all off by default).
+  ``_T_WARPS``) and ``_TILE_PARAMS``, on a GPU (H200-measured rules, the constants'
+  comments).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -168,15 +179,21 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
         _CPU_MIN_BLOCK_M, next_power_of_2(m)))
     return Fp8Config(bm, bn, _warps(bm * bn))
   sms = device_info().num_sms
+  # The persistent picks are GPU rules: interpret mode (CPU) runs programs one after
+  # another, so it keeps the forward's (CPU-sized) tiles and one row block a program.
+  gpu = not interpret and device_info().platform == "gpu"
+  if kernel == "delayed" and transpose and not gpu:
+    bn = min(next_power_of_2(n), _T_BLOCK_N)
+    return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
   if kernel == "delayed" and transpose:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
     return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * _T_PROGRAMS_PER_SM,
-                     _TILE_PARAMS)
+                     _T_TILE_PARAMS)
   tile = _PERSISTENT_ROWS.get((kernel, "layer" if subtract_mean else "rms",
                                next_power_of_2(n)))
-  if tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
+  if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
     bm, warps, per_sm, hoist = tile
-    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, _TILE_PARAMS, hoist)
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
