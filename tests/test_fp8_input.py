@@ -121,9 +121,9 @@ def test_matches_reference(layer, mode, shape):
 
 def test_out_dtype():
   """y and dx in out_dtype (float32 here, float16 in the tensor-parallel kernels' test);
-  scale_offset (Gemma's cast) applied as for a float x."""
-  x, s, scale, bias, dy = _inputs(6, 256, 64, "e5m2", layer=True)
-  f = _op(True, group_size=64, out_dtype=jnp.float32, cast="gemma")
+  scale_offset (Gemma's cast) applied as for a float x; groups of 256."""
+  x, s, scale, bias, dy = _inputs(6, 768, 256, "e5m2", layer=True)
+  f = _op(True, group_size=256, out_dtype=jnp.float32, cast="gemma")
   _check_vjp(f, x, s, scale, bias, dy, layer=True, out_dtype=jnp.float32,
              ref=_ref_fn(True, jnp.float32, scale_offset=1.0))
 
@@ -405,10 +405,10 @@ def test_lowers_for_cuda():
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 def test_gpu_real_shapes(layer, mode):
   """Compiled (interpret=False) on real shapes, every mode: 4096 x 4096 and 1024 x 8192
-  (one-tile rows), and 256 x 65536 (the split-row forward and backward), e4m3 with
-  group 16 and e5m2 with group 128."""
-  for (m, n), (fp8, g) in [((4096, 4096), ("e4m3", 16)), ((1024, 8192), ("e5m2", 128)),
-                           ((256, 65536), ("e4m3", 16))]:
+  (one-tile rows), and 256 x 65536 (the split-row forward and backward); groups of 16,
+  512 and 256, both FP8 dtypes."""
+  for (m, n), (fp8, g) in [((4096, 4096), ("e4m3", 16)), ((1024, 8192), ("e5m2", 512)),
+                           ((256, 65536), ("e4m3", 256))]:
     x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
     f = jax.jit(_op(layer, group_size=g, mode=mode, interpret=False))
     _check_vjp(f, x, s, scale, bias if layer else None, dy, layer=layer)
