@@ -589,12 +589,13 @@ def test_heuristic_modes():
   # Backward, single tiles (config.py): RMSNorm block_n / 256 warps (4 under 4096), 2
   # programs a SM up to 4096 wide, else 1; LayerNorm's 2048-wide tiles 8 warps, rows of
   # 2048 < N <= 3072 as 2048 + 512 / 1024 column pieces at 8 warps, 2 a SM
-  # (bwd_pieces.txt), its 4096- and 8192-wide tiles 16 warps, 1 a SM (ln_bwd_tile.txt).
+  # (bwd_pieces.txt), its 4096- and 8192-wide tiles 16 warps, 1 a SM (ln_bwd_tile.txt),
+  # the 4096-wide ones as [2, 4096] row blocks (ab_ln_bwd_4096.txt).
   for n, rms, ln, ln_pieces in ((2048, (2, 2048, 4, 264), (2, 2048, 8, 264), ()),
                                 (2500, (1, 4096, 16, 264), (1, 4096, 8, 264), (2048, 512)),
                                 (3072, (1, 4096, 16, 264), (1, 4096, 8, 264), (2048, 1024)),
-                                (3584, (1, 4096, 16, 264), (1, 4096, 16, 132), ()),
-                                (4096, (1, 4096, 16, 264), (1, 4096, 16, 132), ()),
+                                (3584, (1, 4096, 16, 264), (2, 4096, 16, 132), ()),
+                                (4096, (1, 4096, 16, 264), (2, 4096, 16, 132), ()),
                                 (5120, (1, 8192, 32, 132), (1, 8192, 16, 132), ()),
                                 (8192, (1, 8192, 32, 132), (1, 8192, 16, 132), ())):
     for sm, want, pieces in ((False, rms, ()), (True, ln, ln_pieces)):
