@@ -15,8 +15,7 @@ directly to FP8 with one per-tensor scale (never rounded to bf16 first):
 ``saturate`` clips to +-fp8_max and keeps NaN (+-Inf saturate); fp8_max is
 ``jnp.finfo(fp8_dtype).max``: 448 for float8_e4m3fn, 57344 for float8_e5m2. The scale
 is the DEQUANTISATION scale (COAT's s_x, TransformerEngine's scale_inv, flax fp8_ops'
-``scale``). The contract the FP8 helpers share: .whl/FP8_CONTRACT.md; the design and
-bytes model: docs/fp8.md, "FP8 output".
+``scale``). The design and bytes model: docs/fp8.md, "FP8 output".
 
 Backends: "xla" is the jnp chain (``reference.norm`` in float32, amax, quantise,
 transpose), the oracle of the tests and the bench's baseline; "pallas" runs
