@@ -246,15 +246,16 @@ def _round(v, dtype):
 
 def _affine(x_hat, w, b, y_ref=None):
   """y = x_hat * w + b in float32 (``cast="torch"``: one rounding, at the store); with
-  a _LlamaY destination, HF Llama's roundings in between."""
+  a _LlamaY destination, HF Llama's roundings in between. w and b are [block_n]
+  vectors, or [1, block_n] rows already in the tile's shape."""
   llama = isinstance(y_ref, _LlamaY)
   y = _round(x_hat, y_ref.x_dtype) if llama else x_hat  # [block_m, block_n] f32
   if w is not None:
-    y = y * w[None, :]
+    y = y * (w if w.ndim == 2 else w[None, :])
     if llama:
       y = _round(y, y_ref.dtype)
   if b is not None:
-    y = y + b[None, :]
+    y = y + (b if b.ndim == 2 else b[None, :])
   return y
 
 

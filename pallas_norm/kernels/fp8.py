@@ -178,10 +178,11 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     bm = min(bm, next_power_of_2(m)) if not interpret else max(bm, min(
         _CPU_MIN_BLOCK_M, next_power_of_2(m)))
     return Fp8Config(bm, bn, _warps(bm * bn))
-  sms = device_info().num_sms
+  device = device_info()
+  sms = device.num_sms
   # The persistent picks are GPU rules: interpret mode (CPU) runs programs one after
   # another, so it keeps the forward's (CPU-sized) tiles and one row block a program.
-  gpu = not interpret and device_info().platform == "gpu"
+  gpu = not interpret and device.platform == "gpu"
   if kernel == "delayed" and transpose and not gpu:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
     return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
@@ -230,11 +231,7 @@ def _emit(x, tile, mean, rstd, params, q):
   if mean is not None:
     x = x - mean[:, None]
   w, b = params(cols, col_mask)
-  y = x * rstd[:, None]  # [block_m, block_n] f32: _affine's y = x_hat * w + b
-  if w is not None:
-    y = y * (w if w.ndim == 2 else w[None, :])
-  if b is not None:
-    y = y + (b if b.ndim == 2 else b[None, :])
+  y = _affine(x * rstd[:, None], w, b)  # [block_m, block_n] f32
   if q is not None:
     inv, fp8_dtype, y_ref, y_t_ref = q
     yq = quantise(y, inv, fp8_dtype)
