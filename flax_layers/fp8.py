@@ -204,8 +204,20 @@ def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype):
   """``dot_general(a, b)`` of FP8 operands accumulated in float32, times
   ``a_scale * b_scale`` (() float32 each), cast to ``out_dtype``: the pattern XLA's GPU
   gemm rewriter makes one ``__cublas$lt$matmul$f8`` of (the scales become its a/b scale
-  operands, the cast its output type). ``contract``: (a's, b's) contracting dims."""
-  out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=_F32)
+  operands, the cast its output type). ``contract``: (a's, b's) contracting dims.
+
+  On an Explicit mesh whose axes shard the contracting dims (the weight gradient of a
+  data-parallel batch: y_t [N, M] @ g [M, F] with M sharded), the output's sharding is
+  ambiguous to JAX; it is the replicated [N, F] (the partial products' psum)."""
+  kw = {}
+  sharding = jax.typeof(a).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if (mesh is not None and not mesh.empty
+      and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+      and any(tuple(sharding.spec)[d] is not None for d in contract[0]
+              if d < len(tuple(sharding.spec)))):
+    kw["out_sharding"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=_F32, **kw)
   return (out * (a_scale * b_scale)).astype(out_dtype)
 
 

@@ -37,6 +37,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_norm import config as _config
 from pallas_norm import ops, reference, spmd
@@ -193,7 +196,10 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
 
 
-def _pallas(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=()) -> Fp8Norm:
+  """The kernels on x [..., N] (one device's rows). ``rows``: the mesh axes that shard
+  x's rows, over which the tensor amax is a ``pmax`` (of the amax's int32 bits, so that
+  a NaN on any device wins, as in ``reduce_amax``) before current scaling uses it."""
   from pallas_norm.kernels import fp8 as _kernels
   n, lead = x.shape[-1], x.shape[:-1]
   dt = jnp.dtype(st.fp8_dtype)
@@ -201,18 +207,121 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   kw = dict(scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
             interpret=st.interpret)
   q = dict(fp8_dtype=dt, transpose=st.transpose)
+
+  def amax_of(bits):
+    bits = jnp.max(bits)
+    return _kernels.reduce_amax(jax.lax.pmax(bits, rows) if rows else bits)
+
   if y_scale is None:  # pass 1: statistics and row amax; pass 2: quantise
     mean, rstd, row_amax = _kernels.fp8_stats(x2, scale, bias, eps=st.eps, **kw)
-    amax = _kernels.reduce_amax(row_amax)
+    amax = amax_of(row_amax)
     y_scale = current_scale(amax, dt)
     y, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale,
                                    **kw, **q)
   else:  # one pass
     y, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
         x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw, **q)
-    amax = _kernels.reduce_amax(row_amax)
+    amax = amax_of(row_amax)
   return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
                  rstd.reshape(lead))
+
+
+# ------------------------------------------------------------ sharded x (spmd.py's way)
+# Rows sharded (data / sequence parallel): each device quantises its own rows; the amax
+# (and so current scaling's y_scale) is global, a pmax over the row axes. A sharded
+# hidden dim is not served yet (ValueError). Explicit meshes: shard_map with the specs of
+# x's type; Auto meshes: custom_partitioning, whose rule picks the same specs.
+
+
+def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
+  """(x spec, row spec, y_t spec or None, row axes) of x sharded by ``x_sharding``;
+  ValueError for the layouts the FP8 ops do not serve."""
+  op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
+  spec, row_spec, _, rows, hidden = spmd._plan(mesh, x_shape, x_sharding)
+  if hidden:
+    raise ValueError(
+        f"{op}: x of shape {tuple(x_shape)} is sharded {spec}: its hidden (last) "
+        f"dimension is sharded over {hidden} (tensor parallel), which the FP8 ops do not "
+        f"serve yet (they never gather x). Shard only the leading dimensions, or use "
+        f"pallas_norm.rms_norm / layer_norm, which serve it")
+  yt_spec = None
+  if st.transpose:
+    sharded = [d for d, e in enumerate(tuple(spec)[:-1]) if spmd._axes(e)]
+    if sharded not in ([], [0]):
+      raise ValueError(
+          f"{op}(transpose=True): x of shape {tuple(x_shape)} is sharded {spec}; the "
+          f"transposed copy y_t [N, M] is served when at most the first dimension of x "
+          f"is sharded (data parallel): then each device's rows are one contiguous "
+          f"block of M. Shard the first dimension only, or pass transpose=False")
+    yt_spec = P(None, tuple(spec)[0]) if sharded else P(None, None)
+  return spec, row_spec, yt_spec, rows
+
+
+def _fp8_out_specs(spec, row_spec, yt_spec):
+  return (spec, P(), P(), yt_spec, row_spec, row_spec)
+
+
+def _fp8_cp_impl(x, scale, bias, y_scale, st):
+  return tuple(_pallas(x, scale, bias, y_scale, st))
+
+
+def _fp8_cp_partition(st, mesh, arg_shapes, result_shape):
+  del result_shape
+  x_shape, scale, bias, y_scale = arg_shapes
+  spec, row_spec, yt_spec, rows = _fp8_plan(mesh, x_shape.shape, x_shape.sharding, st)
+  named = lambda s: None if s is None else NamedSharding(mesh, s)
+
+  def lower(x, scale, bias, y_scale):
+    return tuple(_pallas(x, scale, bias, y_scale, st, rows))
+
+  args = (named(spec), named(None if scale is None else P(None)),
+          named(None if bias is None else P(None)), named(None if y_scale is None else P()))
+  return mesh, lower, tuple(map(named, _fp8_out_specs(spec, row_spec, yt_spec))), args
+
+
+def _fp8_cp_infer(st, mesh, arg_shapes, result_shape):
+  del result_shape
+  spec, row_spec, yt_spec, _ = _fp8_plan(mesh, arg_shapes[0].shape,
+                                         arg_shapes[0].sharding, st)
+  return tuple(None if s is None else NamedSharding(mesh, s)
+               for s in _fp8_out_specs(spec, row_spec, yt_spec))
+
+
+def _fp8_cp_rule(st, mesh, operand_types, result_types):
+  del mesh, result_types
+  lead = spmd._letters(len(operand_types[0].shape))
+  ops = [f"{lead} n"] + ["n" if len(t.shape) == 1 else "" for t in operand_types[1:]]
+  rows = f"({lead})" if " " in lead else lead  # y_t's M: the leading dims flattened
+  res = [f"{lead} n", "", ""] + ([f"n {rows}"] if st.transpose else []) + [lead, lead]
+  return f"{', '.join(ops)} -> {', '.join(res)}"
+
+
+_fp8_cp = custom_partitioning(_fp8_cp_impl, static_argnums=(4,))
+_fp8_cp.def_partition(partition=_fp8_cp_partition, infer_sharding_from_operands=_fp8_cp_infer,
+                      sharding_rule=_fp8_cp_rule)
+
+
+def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+  """``_pallas`` wherever x lives: one device, an Explicit mesh or an Auto mesh."""
+  if x.ndim < 2:  # one row
+    return _pallas(x, scale, bias, y_scale, st)
+  explicit = spmd._explicit_sharding(x)
+  if explicit is not None:
+    mesh, sharding = explicit
+    spec, row_spec, yt_spec, rows = _fp8_plan(mesh, x.shape, sharding, st)
+    scale, bias = (spmd._reshard(p, mesh, P(None)) for p in (scale, bias))
+    y_scale = spmd._reshard(y_scale, mesh, P())
+    out = spmd._shard_map(lambda *a: tuple(_pallas(*a, st, rows)), mesh,
+                          (x, scale, bias, y_scale),
+                          (spec, P(None), P(None), P()),
+                          _fp8_out_specs(spec, row_spec, yt_spec))
+    return Fp8Norm(*out)
+  if jax.device_count() > 1:
+    out = spmd._unbatched(lambda x, s, b, ys: _fp8_cp(x, s, b, ys, st),
+                          lambda x, s, b, ys: tuple(_pallas(x, s, b, ys, st)),
+                          x, scale, bias, y_scale)
+    return Fp8Norm(*out)
+  return _pallas(x, scale, bias, y_scale, st)
 
 
 def _empty(x, y_scale, st: _Fp8Static) -> Fp8Norm:
@@ -228,7 +337,7 @@ def _empty(x, y_scale, st: _Fp8Static) -> Fp8Norm:
 def _dispatch(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   if math.prod(x.shape[:-1]) == 0:
     return _empty(x, y_scale, st)
-  return (_xla if st.backend == "xla" else _pallas)(x, scale, bias, y_scale, st)
+  return (_xla if st.backend == "xla" else _pallas_sharded)(x, scale, bias, y_scale, st)
 
 
 # Not differentiable: FP8 values have no useful cotangent. A fused layer (item 3 of the
@@ -302,7 +411,10 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
-      not () or (concrete) not finite and > 0, an unknown mode or backend.
+      not () or (concrete) not finite and > 0, an unknown mode or backend; under a
+      multi-device jit, x's hidden dim sharded (only rows are served, with the amax a
+      pmax over their mesh axes; docs/fp8.md "Multi-device"), a dimension sharded
+      unevenly, or transpose=True with a row dimension other than the first sharded.
     TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
       not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad
       through it.

@@ -590,3 +590,108 @@ def test_fp8_input_sharded(axis_type, op):
     with pytest.raises(Exception, match="x_scale of shape .* is uneven"):
       jax.jit(lambda x, s: pallas_norm.rms_norm(x, x_scale=s, group_size=2 * g))(
           put(x[..., :g * HALF], spec), put(s[..., :HALF // 2], P("data", None, None)))
+
+
+FP8_CASES = [
+    # (layout, axis type, op, delayed scaling, transpose, rank)
+    ("dp", "auto", "rms", False, True, 3),
+    ("dp", "explicit", "layer", True, True, 3),
+    ("sp", "auto", "layer", False, False, 3),
+    ("dp_sp", "explicit", "rms", False, False, 4),
+    ("fsdp_2axes_rows", "auto", "rms", True, True, 2),
+    ("unused_axis", "explicit", "rms", False, True, 3),
+]
+
+
+@pytest.mark.parametrize("layout,axis_type,op,delayed,transpose,rank", FP8_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{'delayed' if c[3] else 'current'}"
+                              f"{'-t' if c[4] else ''}-{c[5]}d" for c in FP8_CASES])
+def test_fp8_output_sharded(layout, axis_type, op, delayed, transpose, rank):
+  """rms_norm_fp8 / layer_norm_fp8 with x's rows sharded: the unsharded call's y, y_t
+  (within one FP8 step: the shards' row blocks differ, so rstd may differ by an ulp),
+  y_scale, amax, mean and rstd; the amax is global (a pmax over the row axes: the
+  largest value sits on the last device's rows), so is current scaling's y_scale; y,
+  mean, rstd keep x's row sharding, y_t [N, M] is sharded along M; bitwise the same on
+  a second run; no all-gather in the compiled call; a NaN on one device reaches every
+  device's amax."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, rank, 40)
+  x, scale, bias, _ = _inputs(shape, jnp.bfloat16, seed=31)
+  x = x.at[(-1,) * rank].set(40.0)
+  layer = op == "layer"
+  fn = pallas_norm.layer_norm_fp8 if layer else pallas_norm.rms_norm_fp8
+  params = (scale, bias) if layer else (scale,)
+  kw = dict(transpose=transpose, y_scale=jnp.float32(0.05) if delayed else None)
+  call = jax.jit(lambda x, *p: tuple(fn(x, *p, **kw)))
+  want = call(x, *params)
+  xs = jax.device_put(x, NamedSharding(mesh, spec))
+  got = call(xs, *params)
+  for name, g, w in zip(("y", "y_scale", "amax", "y_t", "mean", "rstd"), got, want):
+    assert (g is None) == (w is None), name
+    if g is None:
+      continue
+    g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+    if name in ("y", "y_t"):  # e4m3: 3 mantissa bits, one step is 2**-3 relative
+      np.testing.assert_allclose(g, w, rtol=2.0**-3, atol=2.0**-9, err_msg=name)
+      assert np.mean(g == w) > 0.99, name
+    else:
+      np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=name)
+  again = call(xs, *params)
+  for g, a in zip(got, again):
+    if g is not None:
+      np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                    np.asarray(a.astype(jnp.float32)))
+  y, _, _, y_t, mean, rstd = got
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), len(shape)), y.sharding
+  assert rstd.sharding.is_equivalent_to(NamedSharding(mesh, P(*tuple(spec)[:-1])),
+                                        len(shape) - 1), rstd.sharding
+  if transpose:
+    assert y_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, tuple(spec)[0])), 2)
+  assert _collectives(call.lower(xs, *params).compile().as_text())["all-gather"] == 0
+  nan = jax.device_put(x.at[(-1,) * rank].set(jnp.nan), NamedSharding(mesh, spec))
+  assert np.isnan(float(call(nan, *params)[2]))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_fp8_output_unserved_layouts_are_errors(axis_type):
+  """The hidden dim sharded, and y_t with a non-leading row dim sharded: a ValueError
+  naming the sharding, not a gather."""
+  at = (AXIS_TYPES[axis_type],)
+  x = _inputs((4, 6, 8 * NDEV), jnp.bfloat16)[0]
+  put = lambda mesh, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  tp = put(jax.make_mesh((NDEV,), ("model",), axis_types=at), P(None, None, "model"))
+  with pytest.raises(Exception, match="hidden .*dimension is sharded"):
+    jax.jit(lambda x: pallas_norm.rms_norm_fp8(x).y)(tp)
+  sp = put(jax.make_mesh((2,), ("seq",), axis_types=at), P(None, "seq", None))
+  with pytest.raises(Exception, match="transposed copy y_t"):
+    jax.jit(lambda x: pallas_norm.rms_norm_fp8(x, transpose=True).y_t)(sp)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_fp8_dense_layer_data_parallel(axis_type):
+  """flax_layers.RMSNormDenseFP8 (delayed scaling) in a jitted value_and_grad with a
+  data-parallel batch: the loss, the gradients and the new amax histories match the
+  unsharded step (the amaxes are global), and the compiled step has no all-gather (the
+  weight gradient y_t @ g is a local FP8 GEMM, then a psum)."""
+  import flax_layers
+  mesh = jax.make_mesh((NDEV,), ("data",), axis_types=(AXIS_TYPES[axis_type],))
+  layer = flax_layers.RMSNormDenseFP8(64, 32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = _inputs((2 * NDEV, 4, 64), jnp.bfloat16, seed=41)[0]
+  diff = nnx.DiffState(0, (nnx.Param, flax_layers.Fp8Meta))
+  loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+  step = nnx.jit(lambda m, x: nnx.value_and_grad(loss, argnums=diff)(m, x))
+  l1, g1 = step(layer, x)
+  xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+  with jax.set_mesh(mesh):
+    l2, g2 = step(layer, xs)
+    graph, state = nnx.split(layer)
+    text = jax.jit(lambda s, x: nnx.value_and_grad(loss, argnums=diff)(
+        nnx.merge(graph, s), x)).lower(state, xs).compile().as_text()
+  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g1)),
+                               jax.tree_util.tree_leaves_with_path(nnx.state(g2))):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max() + 1e-30,
+                               err_msg=jax.tree_util.keystr(path))
+  assert _collectives(text)["all-gather"] == 0
