@@ -384,19 +384,6 @@ def _axis_groups(axis_name, axis_index_groups):
   return names, groups
 
 
-def _check_fp8_backend(op: str, backend: str) -> None:
-  """NotImplementedError for FP8 x on a backend whose launchers take no ``x_scale=``
-  (the plain-Triton one, until kernels/jax_triton.py serves it)."""
-  if backend != "triton":
-    return
-  from pallas_norm.kernels import jax_triton
-  launchers = (jax_triton.norm_forward, jax_triton.norm_forward_stats,
-               jax_triton.norm_forward_apply, jax_triton.norm_backward)
-  if not all("x_scale" in inspect.signature(f).parameters for f in launchers):
-    raise NotImplementedError(f"{op}: FP8 x (x_scale=) is not served by backend='triton' "
-                              f"yet; use backend='pallas' or 'xla'")
-
-
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
           axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch",
           x_scale=None, group_size=16, out_dtype=None):
@@ -405,7 +392,6 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   out_dtype = _check_fp8(op, x, x_scale, group_size, out_dtype, cast, residual)
   if out_dtype is not None:
-    _check_fp8_backend(op, backend)
     x_scale = jnp.asarray(x_scale)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   x = jnp.asarray(x)

@@ -216,19 +216,6 @@ def test_errors():
     pallas_norm.rms_norm(x.astype(jnp.float8_e4m3fnuz), x_scale=s)
 
 
-@pytest.mark.cpu_only
-def test_triton_backend_not_served_yet():
-  """backend='triton' with FP8 x: NotImplementedError before any kernel, until the
-  jax-triton launchers take x_scale=."""
-  from pallas_norm.kernels import jax_triton
-  import inspect
-  if "x_scale" in inspect.signature(jax_triton.norm_forward).parameters:
-    pytest.skip("the Triton backend serves FP8 x")
-  x = jnp.ones((4, 64), jnp.float8_e4m3fn)
-  with pytest.raises(NotImplementedError, match="not served by backend='triton'"):
-    pallas_norm.rms_norm(x, x_scale=jnp.ones((4, 4)), backend="triton")
-
-
 # ------------------------------------------------------- every kernel variant, by config
 
 
@@ -412,3 +399,19 @@ def test_gpu_real_shapes(layer, mode):
     x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
     f = jax.jit(_op(layer, group_size=g, mode=mode, interpret=False))
     _check_vjp(f, x, s, scale, bias if layer else None, dy, layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, *MODES])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_gpu_triton_backend(layer, mode):
+  """backend="triton" (plain Triton through jax-triton) with FP8 x, compiled: against
+  the reference, and y within one bf16 ulp of backend="pallas" (the CPU tests run its
+  kernels in Triton's interpreter: tests/test_triton_kernels.py::test_glue_fp8_input)."""
+  for (m, n), (fp8, g) in [((4096, 4096), ("e4m3", 16)), ((1024, 8192), ("e5m2", 512))]:
+    x, s, scale, bias, dy = _inputs(m, n, g, fp8, layer=layer)
+    b = bias if layer else None
+    y, _ = _check_vjp(jax.jit(_op(layer, group_size=g, mode=mode, backend="triton")),
+                      x, s, scale, b, dy, layer=layer)
+    y_p = jax.jit(_op(layer, group_size=g, mode=mode, interpret=False))(x, s, scale, b)
+    _close(y, y_p, jnp.bfloat16, 1, "y triton vs pallas")

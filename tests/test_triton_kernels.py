@@ -141,7 +141,8 @@ def _bwd_common(dy3, x3, scale, mean, rstd, *, scale_offset, layer, combine_row_
   common = dict(batch=b, m=m, n=n, scale_offset=scale_offset, subtract_mean=layer,
                 has_scale=scale is not None, param_stride=0 if pb == 1 else n,
                 combine_row_sums=combine_row_sums)
-  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
+  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd,
+            x3)  # xs (FP8 x's scales): unused
   return common, inputs
 
 
@@ -443,7 +444,8 @@ def test_plans():
   assert plan.grid == (10, 1) and plan.num_warps == 4 and plan.num_stages == 1
   # Shapes are constexprs: jax-triton gives integer arguments no divisibility hint.
   assert plan.kwargs == dict(M=100, N=1000, PARAM_STRIDE=0, EPS=1e-6, SCALE_OFFSET=1.0, SUBTRACT_MEAN=False, HAS_SCALE=True,
-                             HAS_BIAS=False, STATS=True, HAS_RESIDUAL=False, LLAMA_X=0,
+                             HAS_BIAS=False, STATS=True, HAS_RESIDUAL=False, XGROUP=0,
+                             LLAMA_X=0,
                              LLAMA_Y=0, BLOCK_M=4, BLOCK_N=1024,
                              CHUNKED=False, PERSISTENT=True, USE_INT64=False,
                              EVICT_FIRST=False, STREAM_CG=False, LOOP_STAGES=0)
@@ -688,10 +690,16 @@ def test_triton_backend_import_error_on_cpu():
     jax.grad(lambda x: pallas_norm.layer_norm(x, backend="triton").sum())(x)
 
 
+_FP8_TORCH = {np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn,
+              np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
+
+
 def _to_torch(a):
   a = np.asarray(a)
   if a.dtype == ml_dtypes.bfloat16:
     return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+  if a.dtype in _FP8_TORCH:
+    return torch.from_numpy(a.view(np.uint8).copy()).view(_FP8_TORCH[a.dtype])
   return torch.from_numpy(a.copy())
 
 
@@ -1056,3 +1064,71 @@ def test_glue_shard_fused(fake_jt4, layer, mode):
                         pull((dy, dh))):
     if w is not None:
       _res_close(g, w, ("bfloat16",), m if name in ("dscale", "dbias") else n, name)
+
+
+@pytest.mark.parametrize("mode,layer,fp8_dtype,g", [
+    ("multi_wave_cached", False, "float8_e4m3fn", 16),
+    ("multi_wave_reload", True, "float8_e5m2", 32),
+    ("static_persistent", True, "float8_e4m3fn", 16),
+    ("static_persistent", False, "float8_e4m3fn", 64),
+])
+def test_glue_fp8_input(fake_jt4, mode, layer, fp8_dtype, g):
+  """FP8 x with group scales through the Triton kernels (issue #27 item 1): y and the
+  grads (dx in out_dtype, dscale, dbias) of jit(value_and_grad) against backend="xla"
+  (dequantise, then the float32 norm); x_scale's cotangent is zero. A small block_n
+  forces the chunked paths (multi_wave_reload; the backward's row statistics)."""
+  del fake_jt4
+  k = jax.random.split(jax.random.key(5), 4)
+  m, n = 10, 192
+  x8 = (2 * jax.random.normal(k[0], (m, n))).astype(getattr(jnp, fp8_dtype))
+  xs = jax.random.uniform(k[1], (m, n // g), minval=0.25, maxval=2.0)
+  s = 1 + 0.3 * jax.random.normal(k[2], (n,), jnp.float32)
+  b = jax.random.normal(k[3], (n,), jnp.float32) if layer else None
+
+  def loss(backend):
+    def f(x8, xs, s, b):
+      kw = dict(x_scale=xs, group_size=g, mode=mode, backend=backend)
+      y = (pallas_norm.layer_norm(x8, s, b, **kw) if layer
+           else pallas_norm.rms_norm(x8, s, **kw))
+      assert y.dtype == jnp.bfloat16
+      return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
+    return f
+
+  args = (x8, xs, s, b)
+  got = jax.jit(jax.value_and_grad(loss("triton"), (0, 1, 2, 3)))(*args)
+  want = jax.value_and_grad(loss("xla"), (0, 1, 2, 3))(*args)
+  assert got[1][0].dtype == jnp.bfloat16 and not np.asarray(got[1][1]).any()
+  _assert_tree_close(got[0], want[0], rtol=1e-2, atol=1e-1)  # y in bf16 before the sum
+  _assert_tree_close(got[1][0], want[1][0], rtol=2e-2, atol=2e-2)  # dx in bf16
+  _assert_tree_close(got[1][2:], want[1][2:], rtol=2e-2, atol=2e-2)
+
+
+def test_glue_fp8_input_tensor_parallel_pair(fake_jt4):
+  """The tensor-parallel kernels with FP8 x: statistics and the normalise pass of the
+  Triton backend against the Pallas backend's (interpret mode) on the same shard."""
+  del fake_jt4
+  from pallas_norm.kernels import forward as pallas_fwd
+  k = jax.random.split(jax.random.key(6), 3)
+  m, n, g = 9, 96, 16
+  x8 = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
+  xs = jax.random.uniform(k[1], (m, n // g), minval=0.25, maxval=2.0)
+  s = 1 + 0.3 * jax.random.normal(k[2], (n,), jnp.float32)
+  cfg = pn_config.ForwardConfig("multi_wave_reload", 4, 32, 4)
+  for layer in (False, True):
+    got = glue.norm_forward_stats(x8, subtract_mean=layer, config=cfg, interpret=True,
+                                  x_scale=xs)
+    want = pallas_fwd.norm_forward_stats(x8, subtract_mean=layer, config=cfg,
+                                         interpret=True, x_scale=xs)
+    for a, b_ in zip(got[:2], want[:2]):
+      assert (a is None) == (b_ is None)
+      if a is not None:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-5)
+    mean = jnp.zeros(m) + 0.1 if layer else None
+    rstd = jnp.full((m,), 0.7)
+    y = glue.norm_forward_apply(x8, s, None, mean, rstd, scale_offset=0.0, config=cfg,
+                                interpret=True, x_scale=xs, y_dtype=jnp.bfloat16)
+    y_p = pallas_fwd.norm_forward_apply(x8, s, None, mean, rstd, scale_offset=0.0,
+                                        config=cfg, interpret=True, x_scale=xs,
+                                        y_dtype=jnp.dtype(jnp.bfloat16))
+    assert y.dtype == y_p.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_p, np.float32))

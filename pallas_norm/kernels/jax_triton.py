@@ -95,16 +95,26 @@ class _FwdStatic:
   return_residuals: bool
   residual_dtype: str | None = None  # h's dtype, with the fused residual add
   llama: tuple[str, str] | None = None  # cast="llama": (x's, y's dtype names)
+  x_group: int = 0  # FP8 x: its scales' group size (the scales take r3's place)
+  y_dtype: str | None = None  # FP8 x: y's dtype (out_dtype)
 
 
 def _y_dtype(x, st):
-  """y's dtype: x's, or the promotion of x's and the params' under cast="llama"."""
+  """y's dtype: FP8 x's out_dtype, x's, or the promotion of x's and the params' under
+  cast="llama"."""
+  if st.y_dtype is not None:
+    return jnp.dtype(st.y_dtype)
   return x.dtype if st.llama is None else jnp.dtype(st.llama[1])
 
 
+def _x_group(x, x_scale) -> int:
+  """The group size of FP8 x's scales (x [..., N], x_scale [..., N // G]), 0 without."""
+  return 0 if x_scale is None else x.shape[-1] // x_scale.shape[-1]
+
+
 def _launch_forward(x3, r3, scale, bias, st: _FwdStatic):
-  """x3: [B, M, N]; r3: [B, M, N] (the residual) or None; scale, bias: [PB, N] (PB in
-  {1, B}) or None.
+  """x3: [B, M, N]; r3: [B, M, N] (the residual) or None, or with ``st.x_group`` FP8
+  x3's scales [B, M, N // G]; scale, bias: [PB, N] (PB in {1, B}) or None.
 
   Returns (y [B, M, N],), then h [B, M, N] (h's dtype) with a residual, then with
   ``st.return_residuals`` mean [B, M] f32 (LayerNorm only) and rstd [B, M] f32.
@@ -114,13 +124,13 @@ def _launch_forward(x3, r3, scale, bias, st: _FwdStatic):
   (scale, bias), pb = _param_rows((scale, bias), batch)
   # Shared params: fold the batch into the rows (one row space, better tail blocks).
   kb, km = (1, batch * m) if pb == 1 else (batch, m)
-  has_res = r3 is not None
+  has_res = r3 is not None and not st.x_group
   plan = tk.forward_plan(st.config, batch=kb, m=km, n=n, eps=st.eps,
                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
                          has_scale=scale is not None, has_bias=bias is not None,
                          return_residuals=st.return_residuals,
                          param_stride=0 if pb == 1 else n, has_residual=has_res,
-                         cast=st.llama)
+                         cast=st.llama, x_group=st.x_group)
   # Without residuals the kernel writes no statistics, without a residual no h: 1-element
   # placeholders.
   rows = batch * m if st.return_residuals else 1
@@ -128,7 +138,7 @@ def _launch_forward(x3, r3, scale, bias, st: _FwdStatic):
            else _f32(1))
   y, h, mean, rstd = _triton_call(
       tk.norm_fwd_kernel,
-      x3, r3 if has_res else x3,  # absent: unread
+      x3, x3 if r3 is None else r3,  # absent: unread
       x3 if scale is None else scale, x3 if bias is None else bias,
       out=(jax.ShapeDtypeStruct(x3.shape, _y_dtype(x3, st)), h_out,
            _f32(rows if st.subtract_mean else 1), _f32(rows)),
@@ -233,7 +243,8 @@ def _llama_cast(cast, x, scale, bias):
 
 
 def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, interpret,
-                 return_residuals=True, residual=None, residual_dtype=None, cast="torch"):
+                 return_residuals=True, residual=None, residual_dtype=None, cast="torch",
+                 x_scale=None, y_dtype=None):
   """Forward through jax-triton.
 
   Args:
@@ -247,10 +258,15 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
     residual: None, or [M, N] float: the kernel normalises h = x + residual (summed in
       float32) and also writes h, in ``residual_dtype`` (default: residual's dtype).
     cast: "torch" or "llama", as in ``forward.norm_forward``.
+    x_scale: FP8 x2's group scales [M, N // G] f32 (x2 float8_e4m3fn / e5m2), or None:
+      x is dequantised as the kernels load it (as in ``forward.norm_forward``); not with
+      a residual.
+    y_dtype: y's dtype with FP8 x (out_dtype; default bfloat16).
 
   Returns:
     (y [M, N], mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last with a
-    residual: y in x's dtype (the promotion of x's and the params' under "llama"),
+    residual: y in y_dtype with FP8 x, else in x's dtype (the promotion of x's and the
+    params' under "llama"),
     mean None for RMSNorm, both None without ``return_residuals``.
 
   Raises:
@@ -265,11 +281,15 @@ def norm_forward(x2, scale, bias, *, eps, scale_offset, subtract_mean, config, i
   _jax_triton()
   if residual is not None and residual_dtype is None:
     residual_dtype = residual.dtype
+  if x_scale is not None and residual is not None:
+    raise ValueError("FP8 x (x_scale=) with a residual is not served")
   st = _FwdStatic(float(eps), float(scale_offset), bool(subtract_mean), config,
                   bool(return_residuals),
                   None if residual is None else jnp.dtype(residual_dtype).name,
-                  _llama_cast(cast, x2, scale, bias))
-  out = list(_forward_fn(st)(x2[None], None if residual is None else residual[None],
+                  _llama_cast(cast, x2, scale, bias), _x_group(x2, x_scale),
+                  None if x_scale is None else jnp.dtype(y_dtype or jnp.bfloat16).name)
+  second = residual if x_scale is None else x_scale
+  out = list(_forward_fn(st)(x2[None], None if second is None else second[None],
                              *(None if p is None else p[None] for p in (scale, bias))))
   y = out.pop(0)[0]
   h = None if residual is None else out.pop(0)[0]
@@ -290,6 +310,8 @@ class _ShardStatic:
   scale_offset: float = 0.0  # the apply kernel's
   residual_dtype: str | None = None  # the statistics kernel's h, with a residual
   llama: tuple[str, str] | None = None  # the apply kernel's, as in _FwdStatic
+  x_group: int = 0  # FP8 x, as in _FwdStatic (its scales take r3's place)
+  y_dtype: str | None = None  # the apply kernel's, as in _FwdStatic
 
 
 def _launch_shard_stats(x3, r3, st: _ShardStatic):
@@ -297,12 +319,13 @@ def _launch_shard_stats(x3, r3, st: _ShardStatic):
   [B, M] f32 for LayerNorm, then h [B, M, n] with a residual."""
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
-  has_res = r3 is not None
+  has_res = r3 is not None and not st.x_group
   # No params: the batch always folds into the rows.
   plan = tk.shard_stats_plan(st.config, batch=1, m=batch * m, n=n,
-                             subtract_mean=st.subtract_mean, has_residual=has_res)
+                             subtract_mean=st.subtract_mean, has_residual=has_res,
+                             x_group=st.x_group)
   s1, s2, h = _triton_call(
-      tk.fwd_shard_stats_kernel, x3, r3 if has_res else x3,  # absent: unread
+      tk.fwd_shard_stats_kernel, x3, x3 if r3 is None else r3,  # absent: unread
       out=(_f32(batch * m), _f32(batch * m if st.subtract_mean else 1),
            jax.ShapeDtypeStruct(x3.shape, st.residual_dtype) if has_res else _f32(1)),
       plan=plan, name="pallas_norm_triton_fwd_shard_stats")
@@ -333,7 +356,8 @@ def _launch_shard_apply(x3, r3, scale, bias, mean, rstd, st: _ShardStatic):
   plan = tk.shard_apply_plan(st.config, batch=kb, m=km, n=n, scale_offset=st.scale_offset,
                              subtract_mean=st.subtract_mean, has_scale=scale is not None,
                              has_bias=bias is not None, param_stride=0 if pb == 1 else n,
-                             has_residual=r3 is not None, cast=st.llama)
+                             has_residual=r3 is not None and not st.x_group,
+                             cast=st.llama, x_group=st.x_group)
   return _triton_call(
       tk.fwd_shard_apply_kernel,
       x3, x3 if r3 is None else r3,
@@ -361,7 +385,7 @@ def _shard_apply_fn(st: _ShardStatic):
 
 
 def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
-                       interpret: bool, residual=None, residual_dtype=None):
+                       interpret: bool, residual=None, residual_dtype=None, x_scale=None):
   """Row statistics of a shard of the hidden dim (tensor parallel), pass 1 of 2.
 
   As ``forward.norm_forward_stats`` (Pallas): the row block is walked in
@@ -376,6 +400,7 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
     interpret: ignored (jax-triton runs on GPU only).
     residual, residual_dtype: as in ``norm_forward``: the statistics are those of
       h = x + residual, and h is written.
+    x_scale: FP8 x's group scales [M, n // G], as in ``norm_forward``.
 
   Returns:
     (s1, s2), [M] f32 each: RMSNorm (sum of x^2, None); LayerNorm (mean, M2 =
@@ -390,16 +415,18 @@ def norm_forward_stats(x, *, subtract_mean: bool, config: _config.ForwardConfig,
   if residual is not None and residual_dtype is None:
     residual_dtype = residual.dtype
   st = _ShardStatic(bool(subtract_mean), config,
-                    residual_dtype=None if residual is None else jnp.dtype(residual_dtype).name)
+                    residual_dtype=None if residual is None else jnp.dtype(residual_dtype).name,
+                    x_group=_x_group(x, x_scale))
+  second = residual if x_scale is None else x_scale
   out = [o[0] for o in _shard_stats_fn(st)(x[None],
-                                           None if residual is None else residual[None])]
+                                           None if second is None else second[None])]
   s = (out[0], out[1]) if subtract_mean else (out[0], None)
   return s if residual is None else (*s, out[-1])
 
 
 def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
                        config: _config.ForwardConfig, interpret: bool, residual=None,
-                       cast: str = "torch"):
+                       cast: str = "torch", x_scale=None, y_dtype=None):
   """y of a shard of the hidden dim from the whole rows' statistics, pass 2 of 2.
 
   y = (x - mean) * rstd * (scale_offset + scale) + bias, computed in f32; grid and
@@ -413,9 +440,12 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
     interpret: ignored (jax-triton runs on GPU only).
     residual: the residual given to ``norm_forward_stats``: y is that of x + residual.
     cast: as in ``norm_forward``.
+    x_scale, y_dtype: FP8 x's group scales [M, n // G] and y's dtype, as in
+      ``norm_forward``.
 
   Returns:
-    y: [M, n] in x's dtype (the promotion of x's and the params' under "llama").
+    y: [M, n] in x's dtype (the promotion of x's and the params' under "llama"; y_dtype
+    with FP8 x).
 
   Raises:
     ImportError: jax-triton or a GPU jaxlib is missing.
@@ -423,9 +453,11 @@ def norm_forward_apply(x, scale, bias, mean, rstd, *, scale_offset: float,
   del interpret
   _jax_triton()
   st = _ShardStatic(mean is not None, config, float(scale_offset),
-                    llama=_llama_cast(cast, x, scale, bias))
+                    llama=_llama_cast(cast, x, scale, bias), x_group=_x_group(x, x_scale),
+                    y_dtype=None if x_scale is None else jnp.dtype(y_dtype or jnp.bfloat16).name)
+  second = residual if x_scale is None else x_scale
   (y,) = _shard_apply_fn(st)(x[None], *(None if a is None else a[None]
-                                        for a in (residual, scale, bias, mean, rstd)))
+                                        for a in (second, scale, bias, mean, rstd)))
   return y[0]
 
 
@@ -444,17 +476,19 @@ class _BwdStatic:
   dx_dtype: str | None = None  # default: x's
   dres_dtype: str | None = None  # dresidual's, when it differs from dx's
   llama: tuple[str, str] | None = None  # cast="llama": (x's, y's dtype names)
+  x_group: int = 0  # FP8 x: its scales' group size
 
 
-def _bwd_launch_args(dy3, x3, scale, mean, rstd, st: _BwdStatic):
+def _bwd_launch_args(dy3, x3, scale, mean, rstd, xs3, st: _BwdStatic):
   """(plan keywords, kernel inputs) of the backward kernels; see ``_launch_backward``."""
   batch, m, n = x3.shape
   (scale,), pb = _param_rows((scale,), batch)
   common = dict(batch=batch, m=m, n=n, scale_offset=st.scale_offset,
                 subtract_mean=st.subtract_mean, has_scale=scale is not None,
                 param_stride=0 if pb == 1 else n, combine_row_sums=st.combine_row_sums,
-                cast=st.llama)
-  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd)
+                cast=st.llama, x_group=st.x_group)
+  inputs = (dy3, x3, x3 if scale is None else scale, rstd if mean is None else mean, rstd,
+            x3 if xs3 is None else xs3)  # absent: unread
   return common, inputs
 
 
@@ -466,19 +500,19 @@ def _row_sums_call(inputs, plan, rows, st: _BwdStatic):
                       plan=plan, name="pallas_norm_triton_bwd_row_stats")
 
 
-def _launch_row_sums(dy3, x3, scale, mean, rstd, st: _BwdStatic):
+def _launch_row_sums(dy3, x3, scale, mean, rstd, xs3, st: _BwdStatic):
   """Row sums over x3's n columns (a shard of the hidden dim), arguments as in
   ``_launch_backward``. Returns (c1 [B, M] f32,), then c2 [B, M] f32 for LayerNorm."""
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
-  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, st)
+  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, xs3, st)
   batch, m, _ = x3.shape
   c1, c2 = _row_sums_call(inputs, tk.row_stats_plan(st.config, **common), batch * m, st)
   return tuple(c.reshape(batch, m) for c in ((c1, c2) if st.subtract_mean else (c1,)))
 
 
-def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, dh3, st: _BwdStatic):
+def _launch_backward(dy3, x3, scale, mean, rstd, xs3, c1, c2, dh3, st: _BwdStatic):
   """dy3, x3: [B, M, N]; scale: [PB, N] (PB in {1, B}) or None; mean (LayerNorm only),
-  rstd: [B, M] f32; c1, c2 (LayerNorm only): [B, M] f32, the row sums combined across
+  rstd: [B, M] f32; xs3: FP8 x3's scales [B, M, N // G] (``st.x_group``) or None; c1, c2 (LayerNorm only): [B, M] f32, the row sums combined across
   the shards of the hidden dim with ``st.combine_row_sums``, else None (computed here);
   dh3: [B, M, N], h's cotangent with the fused residual add (x3 is then h), or None.
 
@@ -488,7 +522,7 @@ def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, dh3, st: _BwdStatic):
   """
   from pallas_norm.kernels import triton_kernels as tk  # pylint: disable=import-outside-toplevel
   batch, m, n = x3.shape
-  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, st)
+  common, inputs = _bwd_launch_args(dy3, x3, scale, mean, rstd, xs3, st)
   has_scale = common["has_scale"]
   has_dres = st.dres_dtype is not None
   plan = tk.backward_plan(st.config, has_bias=st.has_bias, has_dh=dh3 is not None,
@@ -523,7 +557,8 @@ def _launch_backward(dy3, x3, scale, mean, rstd, c1, c2, dh3, st: _BwdStatic):
 
 def _bwd_vmap_args(axis_size, in_batched, dy3, x3, scale, *rows):
   """The new vmap axis merged into the batch of the backward's arguments: dy, x and the
-  per-row arrays (mean, rstd, c1, c2 [B, M], dh [B, M, N]; None stays None) all get it
+  per-row arrays (mean, rstd [B, M], FP8 x's scales [B, M, N // G], c1, c2 [B, M],
+  dh [B, M, N]; None stays None) all get it
   (their batch B is shared); scale too unless it is one row shared by every entry."""
   dy_b, x_b, s_b, *rows_b = in_batched
   dy4, x4 = _new_axis(axis_size, dy3, dy_b), _new_axis(axis_size, x3, x_b)
@@ -549,7 +584,7 @@ def _backward_fn(st: _BwdStatic):
 
 def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract_mean,
                   config, interpret, scale_dtype, bias_dtype, combine_row_sums=None,
-                  dh=None, dx_dtype=None, residual_dtype=None, cast=None):
+                  dh=None, dx_dtype=None, residual_dtype=None, cast=None, x_scale=None):
   """Backward through jax-triton (stage 1 dx + partials, stage 2 reduction).
 
   Args:
@@ -573,6 +608,8 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
       given a different ``residual_dtype``, once more in that dtype (dresidual).
     cast: None (``cast="torch"``) or (x's dtype name, y's dtype name) for
       ``cast="llama"``, as in the Pallas ``norm_backward``.
+    x_scale: FP8 x2's group scales [M, N // G] f32, or None: x2 is dequantised as it is
+      loaded (dx in ``dx_dtype``).
 
   Returns:
     (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
@@ -605,9 +642,10 @@ def norm_backward(dy, x2, scale, mean, rstd, *, has_bias, scale_offset, subtract
                   None if scale is None else jnp.dtype(scale_dtype),
                   jnp.dtype(bias_dtype) if has_bias else None,
                   combine_row_sums is not None, dx_name, dres_name,
-                  None if cast is None else tuple(cast))
+                  None if cast is None else tuple(cast), _x_group(x2, x_scale))
   args = (dy[None], x2[None], None if scale is None else scale[None],
-          None if mean is None else mean[None], rstd[None])
+          None if mean is None else mean[None], rstd[None],
+          None if x_scale is None else x_scale[None])
   c1 = c2 = None
   if combine_row_sums is not None:
     c = _row_sums_fn(st)(*args)

@@ -21,6 +21,12 @@ float32 sum. The backward reads the saved h as its x, adds h's cotangent dh to d
 float32 (``HAS_DH``) and writes the sum in x's dtype, and once more in the residual's
 (``HAS_DRES``) when they differ.
 
+FP8 x (``XGROUP`` > 0, issue #27's group-scaled input): x is float8_e4m3fn / e5m2 and
+its float32 scales [..., N // XGROUP] come in the residual's pointer (the forward
+kernels; FP8 x takes no residual) or ``xs_ptr`` (the backward's); every load of x is
+dequantised in registers (``_dequantise``: x * the scale of its group), so the kernels
+see float32 x, and y / dx are stored in their outputs' dtypes.
+
 ``cast="llama"`` (HF LlamaRMSNorm; ``LLAMA_X`` / ``LLAMA_Y``: ``DTYPE_CODES`` of x's and
 y's dtypes, 0 for "torch"): y = round_y(round_x(x_hat) * w) + bias; the backward takes g
 through the roundings' transposes and sums dscale against the rounded x_hat (as the
@@ -239,14 +245,27 @@ def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr,
+def _dequantise(x, s_ptr, offs, mask, XGROUP: tl.constexpr):
+  """FP8 tile ``x`` at flat offsets ``offs`` (row * N + col, N a multiple of XGROUP) as
+  float32 x * s, s [..., N // XGROUP] the dequantisation scales of its groups: element
+  (row, col) takes scale offs // XGROUP = row * (N // XGROUP) + col // XGROUP (the
+  Pallas kernels' ``_dequantise``: the same float32 product)."""
+  s = tl.load(s_ptr + offs // XGROUP, mask=mask, other=0.0)
+  return x.to(tl.float32) * s
+
+
+@triton.jit
+def _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr,
               EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr, EVICT_LAST: tl.constexpr):
   """The tile of x (x's dtype), or of h = x + residual (``HAS_RESIDUAL``: float32, the
-  sum of the two tiles converted to float32); masked lanes read 0."""
+  sum of the two tiles converted to float32), or of FP8 x dequantised (``XGROUP`` > 0:
+  float32 x * its group's scale, the scales at ``r_ptr``); masked lanes read 0."""
   if EVICT_LAST:
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
   else:
     x = _stream_load(x_ptr, offs, mask, EVICT_FIRST, STREAM_CG)
+  if XGROUP > 0:
+    x = _dequantise(x, r_ptr, offs, mask, XGROUP)
   if HAS_RESIDUAL:
     if EVICT_LAST:
       r = tl.load(r_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
@@ -275,6 +294,7 @@ def _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
               b, rb, M, N, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
               SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
               HAS_BIAS: tl.constexpr, STATS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              XGROUP: tl.constexpr,
               LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr, LATE_PARAMS: tl.constexpr):
   """Normalise row block ``rb``, already loaded as one [BLOCK_M, BLOCK_N >= N] tile ``x``
@@ -310,7 +330,8 @@ def _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
 
 @triton.jit
 def _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
                  LOOP_STAGES: tl.constexpr):
   """Statistics pass over one row block in BLOCK_N chunks.
 
@@ -335,7 +356,7 @@ def _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.c
     cols = off + cols0
     mask = row_mask[:, None] & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
     offs = row_offs + cols[None, :]
-    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, False, False, True)
+    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, XGROUP, False, False, True)
     if HAS_RESIDUAL:
       tl.store(h_ptr + offs, x.to(h_ptr.dtype.element_ty), mask=mask)
     x = x.to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
@@ -359,7 +380,7 @@ def _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN: tl.c
 def _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean,
                      rstd, param_off, N, SCALE_OFFSET: tl.constexpr,
                      SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr,
                      LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_N: tl.constexpr,
                      LOOP_STAGES: tl.constexpr):
   """Normalising pass over one row block: reload x chunk by chunk (evict_first: last
@@ -381,7 +402,7 @@ def _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mas
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
     offs = row_offs + cols[None, :]
-    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, True, False,
+    x = _load_sum(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL, XGROUP, True, False,
                   False).to(tl.float32)  # [BLOCK_M, BLOCK_N] f32
     if SUBTRACT_MEAN:
       x = x - mean[:, None]
@@ -396,6 +417,7 @@ def _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd
                  M, N, param_stride, EPS: tl.constexpr, SCALE_OFFSET: tl.constexpr,
                  SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, STATS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 XGROUP: tl.constexpr,
                  LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
                  LOOP_STAGES: tl.constexpr):
@@ -403,7 +425,7 @@ def _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   row_offs = rows[:, None] * N  # [BLOCK_M, 1]
   mean, acc = _chunk_stats(x_ptr, r_ptr, h_ptr, row_offs, row_mask, N, SUBTRACT_MEAN,
-                           HAS_RESIDUAL, BLOCK_M, BLOCK_N, LOOP_STAGES)
+                           HAS_RESIDUAL, XGROUP, BLOCK_M, BLOCK_N, LOOP_STAGES)
   rstd = tl.rsqrt(acc / N + EPS)  # [BLOCK_M] f32
   if STATS:
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -411,7 +433,7 @@ def _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd
       tl.store(mean_ptr + rows, mean, mask=row_mask)
   _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, row_offs, row_mask, mean, rstd,
                    b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE, HAS_BIAS,
-                   HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
+                   HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -424,7 +446,7 @@ def norm_fwd_kernel(
     M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr, EPS: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr,
     PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
     STREAM_CG: tl.constexpr, LOOP_STAGES: tl.constexpr):
@@ -445,12 +467,12 @@ def norm_fwd_kernel(
       for rb in tl.range(pid, n_rb, tl.num_programs(0)):
         _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, b,
                      rb, M, N, PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                     HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                     HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
                      USE_INT64, LOOP_STAGES)
     else:
       _fwd_chunked(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, b,
                    pid, M, N, PARAM_STRIDE, EPS, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                   HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                   HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
                    USE_INT64, LOOP_STAGES)
   else:
     # Single tile. Persistent: scale/bias are loaded once per program, before the
@@ -458,7 +480,7 @@ def norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
-    x = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, EVICT_FIRST, STREAM_CG,
+    x = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, XGROUP, EVICT_FIRST, STREAM_CG,
                   False)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
       w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
@@ -469,17 +491,17 @@ def norm_fwd_kernel(
         # rows are all masked.
         _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
                                               USE_INT64)
-        x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, EVICT_FIRST,
+        x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, XGROUP, EVICT_FIRST,
                            STREAM_CG, False)
         _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
                   b * PARAM_STRIDE, b, rb, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
-                  HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M,
+                  HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M,
                   BLOCK_N, USE_INT64, False)
         x = x_next
     else:
       _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, 0.0, 0.0, scale_ptr, bias_ptr,
                 b * PARAM_STRIDE, b, pid, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
-                HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M,
+                HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M,
                 BLOCK_N, USE_INT64, True)
 
 
@@ -489,13 +511,14 @@ def norm_fwd_kernel(
 @triton.jit
 def _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, rb, M, N,
                        SUBTRACT_MEAN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       XGROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Statistics of row block ``rb`` over its N columns: s1 = sum(x**2) (RMSNorm), or
   s1 = mean and s2 = M2 (LayerNorm); of h = x + residual, stored, with a residual."""
   rows, row_mask = _row_ids(b, rb, M, BLOCK_M, USE_INT64)
   mean, acc = _chunk_stats(x_ptr, r_ptr, h_ptr, rows[:, None] * N, row_mask, N,
-                           SUBTRACT_MEAN, HAS_RESIDUAL, BLOCK_M, BLOCK_N,
+                           SUBTRACT_MEAN, HAS_RESIDUAL, XGROUP, BLOCK_M, BLOCK_N,
                            LOOP_STAGES)  # [BLOCK_M] f32 each
   if SUBTRACT_MEAN:
     tl.store(s1_ptr + rows, mean, mask=row_mask)
@@ -512,7 +535,7 @@ def fwd_shard_stats_kernel(
     s1_ptr, s2_ptr, h_ptr,
     # statics
     M: tl.constexpr, N: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Tensor-parallel forward, pass 1 of 2: row statistics over this shard's N columns.
   Grid (programs, batch).
@@ -529,17 +552,17 @@ def fwd_shard_stats_kernel(
   if PERSISTENT:
     for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
       _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, rb, M, N, SUBTRACT_MEAN,
-                         HAS_RESIDUAL, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+                         HAS_RESIDUAL, XGROUP, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
   else:
     _shard_stats_block(x_ptr, r_ptr, s1_ptr, s2_ptr, h_ptr, b, pid, M, N, SUBTRACT_MEAN,
-                       HAS_RESIDUAL, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
+                       HAS_RESIDUAL, XGROUP, BLOCK_M, BLOCK_N, USE_INT64, LOOP_STAGES)
 
 
 @triton.jit
 def _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb,
                        M, N, param_stride, SCALE_OFFSET: tl.constexpr,
                        SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr,
                        LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr,
                        LOOP_STAGES: tl.constexpr):
@@ -548,7 +571,7 @@ def _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_
   mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
   _chunk_normalise(x_ptr, r_ptr, scale_ptr, bias_ptr, y_ptr, rows[:, None] * N, row_mask,
                    mean, rstd, b * param_stride, N, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                   HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
+                   HAS_BIAS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_N, LOOP_STAGES)
 
 
 @triton.jit
@@ -560,7 +583,7 @@ def fwd_shard_apply_kernel(
     # statics
     M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LLAMA_X: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, XGROUP: tl.constexpr, LLAMA_X: tl.constexpr,
     LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PERSISTENT: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Tensor-parallel forward, pass 2 of 2: y = (x - mean) * rstd * w + bias over this
@@ -579,12 +602,12 @@ def fwd_shard_apply_kernel(
     for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
       _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, rb,
                          M, N, PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                         HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                         HAS_BIAS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
                          USE_INT64, LOOP_STAGES)
   else:
     _shard_apply_block(x_ptr, r_ptr, scale_ptr, bias_ptr, mean_ptr, rstd_ptr, y_ptr, b, pid,
                        M, N, PARAM_STRIDE, SCALE_OFFSET, SUBTRACT_MEAN, HAS_SCALE,
-                       HAS_BIAS, HAS_RESIDUAL, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
+                       HAS_BIAS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M, BLOCK_N,
                        USE_INT64, LOOP_STAGES)
 
 
@@ -629,20 +652,20 @@ def _bwd_dx(x_hat, g, c1, c2, rstd, SUBTRACT_MEAN: tl.constexpr):
 @triton.jit
 def bwd_row_stats_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, xs_ptr,
     # outputs
     c1_ptr, c2_ptr,
     # statics
     M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    XGROUP: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_INT64: tl.constexpr, LOOP_STAGES: tl.constexpr):
   """Chunked backward, first kernel: c1 = sum(x_hat * g) / N and c2 = sum(g) / N per row,
   walking the row in BLOCK_N chunks. Grid (cdiv(M, BLOCK_M), batch).
 
   dy, x: [batch, M, N]; scale: [batch, N] rows at ``PARAM_STRIDE``; mean (LayerNorm
   only), rstd: [batch, M] f32; c1: [batch, M] f32; c2: [batch, M] f32 (LayerNorm only,
-  else unused). ``LLAMA_X`` / ``LLAMA_Y``: as in ``norm_bwd_kernel``.
+  else unused). ``LLAMA_X`` / ``LLAMA_Y``, ``XGROUP`` and xs: as in ``norm_bwd_kernel``.
   """
   rb = tl.program_id(0)
   b = tl.program_id(1)
@@ -661,6 +684,8 @@ def bwd_row_stats_kernel(
     w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if XGROUP > 0:
+      x = _dequantise(x, xs_ptr, offs, mask, XGROUP)
     _, x_hat, g, _ = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE,
                                LLAMA_X, LLAMA_Y)
     c1 += tl.sum(x_hat * g, axis=1)
@@ -673,13 +698,14 @@ def bwd_row_stats_kernel(
 @triton.jit
 def norm_bwd_kernel(
     # inputs
-    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, dh_ptr,
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, xs_ptr, c1_ptr, c2_ptr, dh_ptr,
     # outputs
     dx_ptr, dres_ptr, dscale_part_ptr, dbias_part_ptr,
     # statics
     M: tl.constexpr, N: tl.constexpr, PARAM_STRIDE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr, PREFETCH_DH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, XGROUP: tl.constexpr, HAS_DH: tl.constexpr,
+    PREFETCH_DH: tl.constexpr,
     HAS_DRES: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, USE_INT64: tl.constexpr,
@@ -700,7 +726,9 @@ def norm_bwd_kernel(
   dscale_part, dbias_part: [batch * G, N] f32, row ``b * G + r`` columns of chunk k
   written by program (r, k, b) alone (each only when the param exists). ``LLAMA_X`` /
   ``LLAMA_Y`` (``cast="llama"``; ``DTYPE_CODES`` of x's and y's dtypes, 0 otherwise):
-  the forward's roundings, transposed (``_bwd_math``).
+  the forward's roundings, transposed (``_bwd_math``). ``XGROUP`` > 0: x is FP8 and
+  xs [batch, M, N // XGROUP] f32 its group scales (x dequantised as it is loaded,
+  ``_dequantise``); else xs is unused (any pointer).
   """
   pid = tl.program_id(0)
   k = tl.program_id(1)
@@ -716,6 +744,8 @@ def norm_bwd_kernel(
   _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
   dy = _stream_load(dy_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
   x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+  if XGROUP > 0:
+    x = _dequantise(x, xs_ptr, offs0, mask0, XGROUP)
   if PREFETCH_DH:
     dh = _stream_load(dh_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
   else:
@@ -727,6 +757,8 @@ def norm_bwd_kernel(
                                           USE_INT64)
     dy_next = _stream_load(dy_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    if XGROUP > 0:
+      x_next = _dequantise(x_next, xs_ptr, offs_next, mask_next, XGROUP)
     if PREFETCH_DH:
       dh_next = _stream_load(dh_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     else:
@@ -852,8 +884,11 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
                  scale_offset: float, subtract_mean: bool, has_scale: bool,
                  has_bias: bool, return_residuals: bool = True, param_stride: int = 0,
                  has_residual: bool = False, cast: tuple[str, str] | None = None,
-                 knobs: TritonKnobs | None = None) -> LaunchPlan:
+                 x_group: int = 0, knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_fwd_kernel`` for x: [batch, m, n].
+
+  ``x_group``: FP8 x's group size (its scales passed as the residual pointer; 0: x is
+  not FP8).
 
   ``param_stride``: elements between the scale/bias rows of consecutive batch entries
   (0 when they share one row, else n).
@@ -883,7 +918,7 @@ def forward_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int, e
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride), ("EPS", float(eps)), ("SCALE_OFFSET", float(scale_offset)),
       ("SUBTRACT_MEAN", bool(subtract_mean)), ("HAS_SCALE", bool(has_scale)),
       ("HAS_BIAS", bool(has_bias)), ("STATS", bool(return_residuals)),
-      ("HAS_RESIDUAL", bool(has_residual)), *_llama(cast),
+      ("HAS_RESIDUAL", bool(has_residual)), ("XGROUP", int(x_group)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
@@ -903,7 +938,7 @@ def _shard_programs(config: _config.ForwardConfig, batch: int, m: int) -> tuple[
 
 
 def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
-                     subtract_mean: bool, has_residual: bool = False,
+                     subtract_mean: bool, has_residual: bool = False, x_group: int = 0,
                      knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``fwd_shard_stats_kernel`` for x: [batch, m, n], a shard of the
   hidden dim (s1, s2: [batch * m] f32 each).
@@ -915,7 +950,7 @@ def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
   programs, persistent = _shard_programs(config, batch, m)
   constexprs = (
       ("M", m), ("N", n), ("SUBTRACT_MEAN", bool(subtract_mean)),
-      ("HAS_RESIDUAL", bool(has_residual)),
+      ("HAS_RESIDUAL", bool(has_residual)), ("XGROUP", int(x_group)),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
@@ -926,7 +961,7 @@ def shard_stats_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
 def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: int,
                      scale_offset: float, subtract_mean: bool, has_scale: bool,
                      has_bias: bool, param_stride: int = 0, has_residual: bool = False,
-                     cast: tuple[str, str] | None = None,
+                     cast: tuple[str, str] | None = None, x_group: int = 0,
                      knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``fwd_shard_apply_kernel`` for x: [batch, m, n], a shard of the
   hidden dim; grid and chunks as in ``shard_stats_plan``, ``param_stride``,
@@ -936,7 +971,7 @@ def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
-      ("HAS_RESIDUAL", bool(has_residual)), *_llama(cast),
+      ("HAS_RESIDUAL", bool(has_residual)), ("XGROUP", int(x_group)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
       ("PERSISTENT", persistent),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
@@ -947,7 +982,7 @@ def shard_apply_plan(config: _config.ForwardConfig, *, batch: int, m: int, n: in
 def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                    scale_offset: float, subtract_mean: bool, has_scale: bool,
                    param_stride: int = 0, combine_row_sums: bool = False,
-                   cast: tuple[str, str] | None = None,
+                   cast: tuple[str, str] | None = None, x_group: int = 0,
                    knobs: TritonKnobs | None = None) -> LaunchPlan | None:
   """Launch plan of ``bwd_row_stats_kernel`` (c1, c2: [batch * m] f32 each) for dy, x:
   [batch, m, n]; None when ``config.block_n >= n`` (the single-tile backward needs no
@@ -958,8 +993,8 @@ def row_stats_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int
   constexprs = (
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
-      ("HAS_SCALE", bool(has_scale)), *_llama(cast), ("BLOCK_M", config.block_m),
-      ("BLOCK_N", config.block_n),
+      ("HAS_SCALE", bool(has_scale)), ("XGROUP", int(x_group)), *_llama(cast),
+      ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n),
       ("USE_INT64", _needs_int64(batch * m, n, config.block_m, config.block_n)),
       ("LOOP_STAGES", int((knobs or KNOBS).loop_stages)))
   return LaunchPlan((_config.cdiv(m, config.block_m), batch), config.num_warps,
@@ -970,12 +1005,13 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
                   scale_offset: float, subtract_mean: bool, has_scale: bool,
                   has_bias: bool, param_stride: int = 0, combine_row_sums: bool = False,
                   has_dh: bool = False, has_dres: bool = False,
-                  cast: tuple[str, str] | None = None,
+                  cast: tuple[str, str] | None = None, x_group: int = 0,
                   knobs: TritonKnobs | None = None) -> LaunchPlan:
   """Launch plan of ``norm_bwd_kernel`` for dy, x: [batch, m, n].
 
   ``has_dh`` / ``has_dres``: the fused residual add's dh input and dresidual output
-  (``HAS_DH`` / ``HAS_DRES``); ``cast`` as in ``forward_plan``.
+  (``HAS_DH`` / ``HAS_DRES``); ``cast`` and ``x_group`` (FP8 x, ``XGROUP``) as in
+  ``forward_plan``.
 
   The grid is (G, chunks, batch); the partial buffers are ``[batch * grid[0], n]`` f32.
   With ``CHUNKED`` (``config.block_n < n``, or ``combine_row_sums``: c1 / c2 are given,
@@ -990,7 +1026,7 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
       ("M", m), ("N", n), ("PARAM_STRIDE", param_stride),
       ("SCALE_OFFSET", float(scale_offset)), ("SUBTRACT_MEAN", bool(subtract_mean)),
       ("HAS_SCALE", bool(has_scale)), ("HAS_BIAS", bool(has_bias)),
-      ("HAS_DH", bool(has_dh)),
+      ("XGROUP", int(x_group)), ("HAS_DH", bool(has_dh)),
       ("PREFETCH_DH", bool(has_dh) and bool(subtract_mean)
        and config.block_n <= _PREFETCH_DH_MAX_BLOCK_N),
       ("HAS_DRES", bool(has_dres)), *_llama(cast),

@@ -545,8 +545,11 @@ def test_linen_with_logical_partitioning_under_jit(axis_type):
                                np.asarray(results[1][1]["params"][k]), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("axis_type,op", [("auto", "layer"), ("explicit", "rms")])
-def test_fp8_input_sharded(axis_type, op):
+@pytest.mark.parametrize("axis_type,op,backend", [
+    ("auto", "layer", "pallas"), ("explicit", "rms", "pallas"),
+    pytest.param("auto", "rms", "triton", marks=pytest.mark.gpu),  # jax-triton: GPU only
+    pytest.param("explicit", "layer", "triton", marks=pytest.mark.gpu)])
+def test_fp8_input_sharded(axis_type, op, backend):
   """FP8 x with its group scales (x_scale laid out like x), rows and hidden dim sharded:
   y, dx and dscale against the reference that dequantises first; y and dx keep x's
   sharding, x_scale's cotangent is zero; no all-gather. A hidden shard that would split
@@ -560,8 +563,9 @@ def test_fp8_input_sharded(axis_type, op):
   s = jax.random.uniform(jax.random.key(22), shape[:-1] + (shape[-1] // g,), minval=0.5,
                          maxval=2.0)
   dy = dy.astype(jnp.bfloat16)
-  ours = (lambda x, s, w, b: pallas_norm.layer_norm(x, w, b, x_scale=s)) if layer else (
-      lambda x, s, w, b: pallas_norm.rms_norm(x, w, x_scale=s))
+  ours = (lambda x, s, w, b: pallas_norm.layer_norm(x, w, b, x_scale=s, backend=backend)
+          ) if layer else (
+      lambda x, s, w, b: pallas_norm.rms_norm(x, w, x_scale=s, backend=backend))
   ref = lambda xd, w, b: reference.norm(xd, w, b if layer else None,
                                         eps=1e-5 if layer else _EPS_RMS,
                                         subtract_mean=layer, out_dtype=jnp.bfloat16)[0]
