@@ -40,8 +40,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # the recipe's float32 GEMMs: no TF32 on a
 
 
 def _deq(v, scale, dt):
-  """v quantised with scale (() f32) and dequantised to float32."""
-  return fp8_ops.dequantize(quantise(v.astype(_F32), _F32(1) / scale, dt), _F32, scale)
+  """v quantised with scale (() f32) and dequantised to float32. The FP8 value passes
+  an optimization_barrier: compiled for a GPU, XLA (whose default
+  ``xla_allow_excess_precision`` lets it drop a convert to a narrower float and back)
+  otherwise removes the round trip and the recipe computes with unquantised values
+  (measured on an H100: 0.8% of max median error in its output)."""
+  q = jax.lax.optimization_barrier(quantise(v.astype(_F32), _F32(1) / scale, dt))
+  return fp8_ops.dequantize(q, _F32, scale)
 
 
 def _delayed(scale, hist, dt):
