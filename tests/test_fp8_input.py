@@ -415,3 +415,53 @@ def test_gpu_triton_backend(layer, mode):
                       x, s, scale, b, dy, layer=layer)
     y_p = jax.jit(_op(layer, group_size=g, mode=mode, interpret=False))(x, s, scale, b)
     _close(y, y_p, jnp.bfloat16, 1, "y triton vs pallas")
+
+
+# --------------------------------------------------------------------------- bench op
+
+
+def test_bench_fp8in_plan_and_bytes():
+  """--ops fp8in: rms_fp8in and layer_fp8in, forward and forward+backward, on pallas and
+  triton (every mode) and the jnp chain (xla), no other peer; the bytes model reads x at
+  1 byte plus 4 bytes a group of 16, writes y (and dx) at the run's itemsize."""
+  from pallas_norm import bench
+  from pallas_norm.bench import cli
+  from pallas_norm.bench import plan as bench_plan
+  args = cli.parser().parse_args(["--shapes", "64x256", "--ops", "fp8in"])
+  plan = bench.build_plan(args)
+  assert {c.op for c in plan} == {"rms_fp8in", "layer_fp8in"}
+  assert {c.pass_ for c in plan} == {"fwd", "fwdbwd"}
+  assert {c.impl for c in plan} == {"pallas", "triton", "xla", "pallas:reload",
+                                    "pallas:cached", "pallas:persistent", "triton:reload",
+                                    "triton:cached", "triton:persistent"}
+  m, n = 8, 32
+  fwd = m * n * (1 + 2) + 4 * m * n // 16
+  assert bench.bytes_model(m, n, 2, "fwd", "rms_fp8in") == fwd
+  assert bench.bytes_model(m, n, 2, "fwdbwd", "layer_fp8in") == fwd + fwd + 2 * m * n
+  assert bench_plan.fp8_variant("rms_fp8in") is None
+
+
+def test_bench_fp8in_on_cpu(tmp_path, monkeypatch):
+  """rms_fp8in forward+backward through the bench's run loop (interpret mode): pallas
+  and the jnp chain run, --check passes on y, dx and dscale (no CUPTI on CPU: no time)."""
+  import json
+  from pallas_norm import bench
+  from pallas_norm.bench import cli, report, run, timing
+  from pallas_norm.bench import plan as bench_plan
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
+  # The run's GPU preliminaries (clock ramp, copy, torch, the plot) are not under test.
+  monkeypatch.setattr(timing, "warm_up", lambda: None)
+  monkeypatch.setattr(timing, "measure_copy", lambda dtype, iters: {"copy_gbs": None})
+  monkeypatch.setattr(timing, "torch_status", lambda: (False, "not in this test"))
+  monkeypatch.setattr(report, "plot", lambda doc, png: None)
+  out = tmp_path / "fp8in.json"
+  args = cli.parser().parse_args(["--shapes", "8x256", "--ops", "rms_fp8in", "--passes",
+                                  "fwdbwd", "--impls", "pallas,xla", "--iters", "2",
+                                  "--check", "--out", str(out)])
+  assert run.run_plan(args, bench.build_plan(args)) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["impl"] for r in rows] == ["pallas", "xla"]
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert "dx:rel=" in r["check_detail"] and "dscale:rel=" in r["check_detail"], r
+    assert r["bytes"] == bench.bytes_model(8, 256, 2, "fwdbwd", "rms_fp8in")

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
       description="Side-by-side GPU benchmark of pallas_norm against XLA, flax, tokamax, "
                   "torch and Liger (CUPTI kernel time, rotated inputs, median). "
                   "Bytes model: fwd 2*M*N*itemsize, fwd+bwd 5*M*N*itemsize; FP8 output "
-                  "(itemsize+1)*M*N, +M*N with the transposed copy.",
+                  "(itemsize+1)*M*N, +M*N with the transposed copy; FP8 input fwd "
+                  "(1+itemsize+4/16)*M*N, fwd+bwd +(1+2*itemsize+4/16)*M*N.",
       epilog="--sharded: the sharded benchmark over every local GPU instead "
              "(pallas_norm/bench/sharded.py; its options: --sharded --help). "
              "--e2e: the train-step benchmark (pallas_norm/bench/e2e.py; --e2e --help). "
@@ -46,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
                       "(pallas, xla and flax only); FP8 output, forward only, pallas "
                       "against the jnp chain (xla): rms_fp8,layer_fp8 (current scaling), "
                       "*_fp8_delayed (delayed), suffix _t with the transposed copy "
-                      "(rms_fp8_delayed_t); 'fp8' for all eight")
+                      "(rms_fp8_delayed_t); 'fp8' for all eight; FP8 input (x float8_e4m3fn "
+                      "with float32 scales a group of 16, y in --dtype): rms_fp8in,layer_fp8in "
+                      "('fp8in' for both), pallas and triton against the jnp chain (xla)")
   p.add_argument("--passes", default="fwd,fwdbwd", help="fwd,fwdbwd (default both)")
   p.add_argument("--impls", help="comma list of " + ",".join(i.name for i in IMPLS)
                  + "; 'pallas:*' / 'triton:*' for every mode (default: all)")

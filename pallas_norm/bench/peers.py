@@ -35,13 +35,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_norm import reference
-from pallas_norm.bench.plan import EPS, FP8_DELAYED_SCALE, Impl, fp8_variant
+from pallas_norm.bench.plan import (EPS, FP8_DELAYED_SCALE, FP8_INPUT_GROUP, Impl, fp8_input,
+                                    fp8_variant)
 
 
 def jax_fn(impl: Impl, op: str):
   """f(x, scale, bias) -> y for a JAX implementation (bias is None for RMSNorm); for a
-  "*_res" op, f((x, r), scale, bias) -> (y, h); for an FP8-output op, -> Fp8Norm."""
+  "*_res" op, f((x, r), scale, bias) -> (y, h); for an FP8-output op, -> Fp8Norm; for an
+  FP8-input op, f((x8, x_scale), scale, bias) -> y."""
   eps = EPS[op]
+  if fp8_input(op):
+    return _fp8_input_fn(impl, op, eps)
   if op.endswith("_res"):
     return _residual_fn(impl, op[:-len("_res")], eps)
   if fp8_variant(op) is not None:
@@ -72,8 +76,17 @@ def jax_fn(impl: Impl, op: str):
   raise ValueError(f"{impl.name=} is not a JAX implementation")
 
 
-def fwdbwd(f):
-  """step(x, s, b, dy) -> (y, grads): ``jax.vjp`` of ``f``, pulled back at dy."""
+def fwdbwd(f, op: str = "rms"):
+  """step(x, s, b, dy) -> (y, grads): ``jax.vjp`` of ``f``, pulled back at dy. For an
+  FP8-input op x is (x8, x_scale) and the grads are (dx, dscale, dbias): the scales are
+  constants (their cotangent, zero, is not written)."""
+  if fp8_input(op):
+    def step8(x, s, b, dy):
+      x8, x_scale = x
+      y, pull = jax.vjp(lambda x8, s, b: f((x8, x_scale), s, b), x8, s, b)
+      return y, pull(dy)
+    return step8
+
   def step(x, s, b, dy):
     y, pull = jax.vjp(f, x, s, b)
     return y, pull(dy)
@@ -136,6 +149,27 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
   y_scale = jnp.float32(FP8_DELAYED_SCALE) if delayed else None
   return lambda x, s, b: f(x, s, *extra(b), y_scale=y_scale, transpose=transpose, eps=eps,
                            backend=impl.name)
+
+
+def _fp8_input_fn(impl: Impl, op: str, eps: float):
+  """f((x8, x_scale), scale, bias) -> y in scale's dtype: pallas_norm with FP8 x (groups
+  of FP8_INPUT_GROUP) on its backend and mode, or on "xla" the jnp chain under jit
+  (``reference.dequantise``, then ``reference.norm``: backend="xla", whose custom_vjp
+  returns dx in y's dtype as the kernels do, where JAX's own derivative of
+  ``x8.astype(f32)`` would round dx to FP8)."""
+  import pallas_norm
+  if impl.family != "pallas_norm" and impl.name != "xla":
+    raise NotImplementedError(f"{impl.name} has no FP8 input")
+  layer = op.startswith("layer")
+  norm = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  extra = (lambda b: (b,)) if layer else (lambda b: ())
+  backend = impl.backend or "xla"
+
+  def f(xq, s, b):
+    x8, x_scale = xq
+    return norm(x8, s, *extra(b), x_scale=x_scale, group_size=FP8_INPUT_GROUP,
+                out_dtype=s.dtype, eps=eps, mode=impl.mode, backend=backend)
+  return f
 
 
 def _residual_fn(impl: Impl, op: str, eps: float):

@@ -8,6 +8,9 @@ Bytes model (the fewest bytes through HBM; scale, bias, mean and rstd are neglig
   FP8 output ("*_fp8*" ops, forward only): read x, write y in FP8 (1 byte), and y_t
   (1 more) with "_t": (itemsize + 1 [+ 1]) * M * N. pallas_norm's current scaling
   reads x twice (docs/fp8.md): its own traffic, ``fp8_design_bytes``, is reported too.
+  FP8 input ("*_fp8in" ops): x in float8_e4m3fn (1 byte) with one float32 scale a group
+  of 16 (4/16 bytes an element); y, dy and dx in the run's dtype: forward
+  (1 + 4/16 + itemsize) * M * N, forward+backward that plus (1 + 4/16 + 2 * itemsize) * M * N.
 GB/s = bytes / median time, and "% copy" = GB/s / copy GB/s of the same run.
 """
 
@@ -32,13 +35,17 @@ OPS = ("rms", "layer", "rms_res", "layer_res")
 # copy y_t. "--ops fp8" is all eight.
 FP8_OPS = tuple(f"{norm}_fp8{scaling}{t}" for norm in ("rms", "layer")
                 for scaling in ("", "_delayed") for t in ("", "_t"))
-KERNEL_OPS = OPS + FP8_OPS  # what the kernel bench runs (--sharded takes OPS)
+# FP8 input (rms_norm / layer_norm with x_scale=): x float8_e4m3fn with float32 scales
+# a group of FP8_INPUT_GROUP, y (and dx) in the run's dtype. "--ops fp8in" is both.
+FP8_INPUT_OPS = ("rms_fp8in", "layer_fp8in")
+FP8_INPUT_GROUP = 16  # COAT's QB
+KERNEL_OPS = OPS + FP8_OPS + FP8_INPUT_OPS  # what the kernel bench runs (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 PASSES = ("fwd", "fwdbwd")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
 EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5,
-       **{op: 1e-6 if op.startswith("rms") else 1e-5 for op in FP8_OPS}}
+       **{op: 1e-6 if op.startswith("rms") else 1e-5 for op in FP8_OPS + FP8_INPUT_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
@@ -49,6 +56,9 @@ _RES_IMPLS = ("pallas", "triton", "xla", "flax")
 # FP8 output: ours (Pallas, the heuristic config) and the jnp chain under jit (norm in
 # float32, amax, quantise, transpose: pallas_norm's backend="xla").
 _FP8_IMPLS = ("pallas", "xla")
+# FP8 input: ours (both backends, every mode) and the jnp chain under jit
+# (reference.dequantise, then reference.norm: pallas_norm's backend="xla").
+_FP8_INPUT_IMPLS = ("pallas", "triton", "xla")
 _MODE_SHORT = {"reload": "multi_wave_reload", "cached": "multi_wave_cached",
                "persistent": "static_persistent"}
 ASSUMED_L2 = 64 << 20  # when torch cannot tell (H100: 50 MB, H200: 60 MB)
@@ -104,10 +114,18 @@ def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
   return norm, "_delayed" in rest, rest.endswith("_t")
 
 
+def fp8_input(op: str) -> bool:
+  """Whether ``op`` is an FP8-input op ("rms_fp8in", "layer_fp8in")."""
+  return op in FP8_INPUT_OPS
+
+
 def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> int:
   """Bytes a norm must move: forward 2*M*N*itemsize, forward+backward 5*M*N*itemsize;
   with the fused residual add ("*_res" ops) 4 and 8 (x, r -> y, h; dy, dh, h -> dx);
-  FP8 output ("*_fp8*" ops, forward only) (itemsize + 1) * M * N, + M * N with y_t.
+  FP8 output ("*_fp8*" ops, forward only) (itemsize + 1) * M * N, + M * N with y_t;
+  FP8 input ("*_fp8in" ops; x 1 byte, x_scale 4 bytes a group of FP8_INPUT_GROUP):
+  forward x + x_scale + y (M * N * (1 + itemsize) + 4 * M * N / G), forward+backward
+  that plus x + x_scale + dy + dx.
 
   Raises:
     ValueError: ``pass_`` is not "fwd" or "fwdbwd", or "fwdbwd" of an FP8 op.
@@ -119,6 +137,9 @@ def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> i
     if pass_ != "fwd":
       raise ValueError(f"{op} is forward only (the FP8-output norms are not differentiable)")
     return (itemsize + 1 + int(fp8[2])) * m * n
+  if fp8_input(op):
+    fwd = (1 + itemsize) * m * n + 4 * m * (n // FP8_INPUT_GROUP)
+    return fwd + (fwd + itemsize * m * n if pass_ == "fwdbwd" else 0)
   factor = _BYTES_FACTOR_RES if op.endswith("_res") else _BYTES_FACTOR
   return factor[pass_] * m * n * itemsize
 
@@ -132,9 +153,12 @@ def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
 
 def serves(impl: Impl, op: str) -> bool:
   """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas and Triton,
-  XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA)."""
+  XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA; FP8 input: ours
+  on Pallas and Triton, every mode, and XLA)."""
   if fp8_variant(op) is not None:
     return impl.mode is None and (impl.backend or impl.name) in _FP8_IMPLS
+  if fp8_input(op):
+    return (impl.backend or impl.name) in _FP8_INPUT_IMPLS
   if not op.endswith("_res"):
     return True
   return (impl.backend or impl.name) in _RES_IMPLS
@@ -211,8 +235,9 @@ def build_plan(args: argparse.Namespace) -> list[Case]:
     shapes = QUICK_SHAPES
   else:
     shapes = tuple(dict.fromkeys(BENCH_SHAPES + LLM_SHAPES))
-  ops = parse_list(",".join(",".join(FP8_OPS) if t.strip() == "fp8" else t
-                            for t in args.ops.split(",")), KERNEL_OPS, "--ops")
+  alias = {"fp8": ",".join(FP8_OPS), "fp8in": ",".join(FP8_INPUT_OPS)}
+  ops = parse_list(",".join(alias.get(t.strip(), t) for t in args.ops.split(",")),
+                   KERNEL_OPS, "--ops")
   passes = parse_list(args.passes, PASSES, "--passes")
   return [Case(phase, m, n, op, p, impl.name)
           for phase in (0, 1) for m, n in shapes for op in ops for p in passes

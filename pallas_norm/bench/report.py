@@ -94,10 +94,12 @@ def format_table(rows: list[dict], meta: dict) -> str:
   width = {i.name: max(6, len(i.abbrev)) for i in impls}
   copy = meta.get("copy_gbs")
   fp8 = any(fp8_variant(r["op"]) for r in rows)
+  fp8in = any(r["op"].endswith("_fp8in") for r in rows)
   lines = [f"{meta.get('device', '?')}  {meta.get('dtype', '?')}  {meta.get('date', '?')}  "
            f"GB/s (fwd 2*M*N*s, fwd+bwd 5*M*N*s bytes"
            f"{'; *_res 4 and 8' if any(r['op'].endswith('_res') for r in rows) else ''}"
-           f"{'; *_fp8* (s+1)*M*N, +M*N with y_t' if fp8 else ''}); copy "
+           f"{'; *_fp8* (s+1)*M*N, +M*N with y_t' if fp8 else ''}"
+           f"{'; *_fp8in (1+s+1/4)*M*N, +(1+2s+1/4)*M*N' if fp8in else ''}); copy "
            f"{f'{copy:.0f}' if copy else 'n/a'} GB/s; commit {str(meta.get('git_commit'))[:10]}"]
   for src in meta.get("merged_from", []):  # rows of several runs; % of copy is each run's
     lines.append(f"  merged: {src['file']} ({src['date']}, commit {src['git_commit']}, copy "
@@ -171,6 +173,8 @@ def plot(doc: dict, png: str | os.PathLike) -> None:
 def _title(op: str) -> str:
   """"rms" -> "RMSNorm", "layer_fp8_delayed_t" -> "LayerNorm FP8 delayed +y_t"."""
   name = "LayerNorm" if op.startswith("layer") else "RMSNorm"
+  if op.endswith("_fp8in"):
+    return f"{name} FP8 input"
   if op.endswith("_res"):
     return f"{name} +residual"
   fp8 = fp8_variant(op)

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm.bench import peers, report, timing
-from pallas_norm.bench.plan import (DTYPES, IMPL_BY_NAME, Case, Impl, bytes_model,
-                                    fp8_design_bytes, fp8_variant, groups, rotations)
+from pallas_norm.bench.plan import (DTYPES, FP8_INPUT_GROUP, IMPL_BY_NAME, Case, Impl,
+                                    bytes_model, fp8_design_bytes, fp8_input, fp8_variant,
+                                    groups, rotations)
 
 # Relative error ||out - ref|| / ||ref|| accepted by --check, per dtype.
 _CHECK_TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 1e-4}
@@ -42,10 +43,12 @@ class _Inputs:
   torch: dict | None = None
   rs: list = dataclasses.field(default_factory=list)  # residuals ("*_res" ops)
   dhs: list = dataclasses.field(default_factory=list)  # h's cotangents
+  # FP8 input ("*_fp8in" ops): (x8 float8_e4m3fn [M, N], x_scale f32 [M, N // G]) a copy
+  x8s: list = dataclasses.field(default_factory=list)
 
 
 def _make_inputs(m: int, n: int, dtype, r: int, need_dy: bool, seed: int,
-                 need_residual: bool = False) -> _Inputs:
+                 need_residual: bool = False, need_fp8: bool = False) -> _Inputs:
   keys = jax.random.split(jax.random.key(seed), 4 * r + 2)
   xs = [jax.random.normal(keys[i], (m, n), dtype) for i in range(r)]
   dys = [jax.random.normal(keys[r + i], (m, n), dtype) for i in range(r)] if need_dy else []
@@ -56,15 +59,25 @@ def _make_inputs(m: int, n: int, dtype, r: int, need_dy: bool, seed: int,
       dhs = [jax.random.normal(keys[3 * r + i], (m, n), dtype) for i in range(r)]
   scale = (1.0 + 0.1 * jax.random.normal(keys[-2], (n,), jnp.float32)).astype(dtype)
   bias = (0.1 * jax.random.normal(keys[-1], (n,), jnp.float32)).astype(dtype)
-  jax.block_until_ready((xs, dys, rs, dhs, scale, bias))
-  return _Inputs(xs, dys, scale, bias, rs=rs, dhs=dhs)
+  x8s = [_fp8_input(x, k) for x, k in zip(xs, jax.random.split(keys[-1], r))] if need_fp8 else []
+  jax.block_until_ready((xs, dys, rs, dhs, scale, bias, x8s))
+  return _Inputs(xs, dys, scale, bias, rs=rs, dhs=dhs, x8s=x8s)
+
+
+def _fp8_input(x, key):
+  """(x8, x_scale): x as float8_e4m3fn (values of N(0, 1), no saturation) with scales
+  uniform in [0.5, 2] a group of FP8_INPUT_GROUP."""
+  m, n = x.shape
+  x_scale = jax.random.uniform(key, (m, n // FP8_INPUT_GROUP), jnp.float32, 0.5, 2.0)
+  return x.astype(jnp.float8_e4m3fn), x_scale
 
 
 def _arg_sets(op: str, pass_: str, inp: _Inputs) -> list:
   """The rotated argument tuples of one case: (x, scale, bias[, dy]); for a "*_res" op
   x is (x, r) and dy is (dy, dh)."""
   bias = inp.bias if op.startswith("layer") else None
-  xs = list(zip(inp.xs, inp.rs)) if op.endswith("_res") else inp.xs
+  xs = (list(zip(inp.xs, inp.rs)) if op.endswith("_res")
+        else inp.x8s if fp8_input(op) else inp.xs)
   if pass_ == "fwd":
     return [(x, inp.scale, bias) for x in xs]
   dys = list(zip(inp.dys, inp.dhs)) if op.endswith("_res") else inp.dys
@@ -106,7 +119,7 @@ def _reference_outputs(op: str, pass_: str, inp: _Inputs):
   """Reference y (fwd) or (y, (dx, dscale[, dbias])) (fwdbwd) on copy 0."""
   f = peers.jax_fn(IMPL_BY_NAME["xla"], op)
   args = _arg_sets(op, pass_, inp)[0]
-  return jax.jit(f if pass_ == "fwd" else peers.fwdbwd(f))(*args)
+  return jax.jit(f if pass_ == "fwd" else peers.fwdbwd(f, op))(*args)
 
 
 def compare(out, ref, dtype_name: str, names=None) -> dict:
@@ -132,7 +145,7 @@ def compare(out, ref, dtype_name: str, names=None) -> dict:
 
 def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   f = peers.jax_fn(impl, c.op)
-  step = jax.jit(f if c.pass_ == "fwd" else peers.fwdbwd(f))
+  step = jax.jit(f if c.pass_ == "fwd" else peers.fwdbwd(f, c.op))
   arg_sets = _arg_sets(c.op, c.pass_, inp)
   t0 = time.perf_counter()
   out = jax.block_until_ready(step(*arg_sets[0]))  # compile + warm up
@@ -219,7 +232,8 @@ _METHOD = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure, all
            "of a call summed; torch: CUDA events behind torch.cuda._sleep), median of "
            "{iters} calls after one warm-up, R rotated input copies with R*bytes(x) >= "
            "4*L2, no flush; XLA_FLAGS {flag}; bytes: fwd 2*M*N*itemsize, fwd+bwd "
-           "5*M*N*itemsize, FP8 output (itemsize+1)*M*N (+M*N with y_t); copy = -a on "
+           "5*M*N*itemsize, FP8 output (itemsize+1)*M*N (+M*N with y_t), FP8 input "
+           "(1+itemsize+4/16)*M*N fwd, +(1+2*itemsize+4/16)*M*N bwd; copy = -a on "
            "1 GiB under jit, 2*bytes/time")
 
 
@@ -270,6 +284,9 @@ def run_plan(args, plan: list[Case]) -> int:
       "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize",
                       "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize",
                       "fwd (*_fp8*)": "(itemsize+1)*M*N, +M*N with y_t (*_t)",
+                      "fwd (*_fp8in)": "(1+itemsize)*M*N + 4*M*N/16 (x e4m3, x_scale, y)",
+                      "fwdbwd (*_fp8in)": "fwd + (1+2*itemsize)*M*N + 4*M*N/16 "
+                                          "(x, x_scale, dy, dx)",
                       "bytes_design (*_fp8*, pallas)": "delayed: the model; current: "
                                                        "+itemsize*M*N (x read twice)"},
       "unavailable": unavailable, **copy}
@@ -280,9 +297,10 @@ def run_plan(args, plan: list[Case]) -> int:
     if time.perf_counter() - start > args.budget_s:
       rows += [_not_run(c, args) for c in cases]
       continue
-    r = rotations(m, n, itemsize, dev["l2_bytes"])
+    fp8 = any(fp8_input(c.op) for c in cases)
+    r = rotations(m, n, 1 if fp8 else itemsize, dev["l2_bytes"])  # x8: 1 byte
     inp = _make_inputs(m, n, dtype, r, any(c.pass_ == "fwdbwd" for c in cases), args.seed,
-                       any(c.op.endswith("_res") for c in cases))
+                       any(c.op.endswith("_res") for c in cases), fp8)
     refs: dict = {}
     for c in cases:
       done += 1
