@@ -263,7 +263,8 @@ def print_plan(plan: list[Case], args: argparse.Namespace) -> None:
     ops = ",".join(dict.fromkeys(c.op for c in cases))
     passes = ",".join(dict.fromkeys(c.pass_ for c in cases))
     impls = ",".join(dict.fromkeys(c.impl for c in cases))
-    r = rotations(m, n, itemsize, ASSUMED_L2)
-    mib = m * n * itemsize / 2**20
+    isz = 1 if any(fp8_input(c.op) for c in cases) else itemsize  # FP8 x: 1 byte (run.py)
+    r = rotations(m, n, isz, ASSUMED_L2)
+    mib = m * n * isz / 2**20
     print(f"  phase {phase} {f'{m}x{n}':<12} x={mib:7.1f} MiB R={r:<2} ops={ops} passes={passes} "
           f"impls={impls}")
