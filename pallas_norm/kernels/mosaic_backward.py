@@ -1,0 +1,496 @@
+"""Pallas Mosaic GPU backward kernels (Hopper, sm_90) for RMSNorm and LayerNorm.
+
+Math, per row, as in ``backward.py`` (x_hat = (x - mean) * rstd, w = scale_offset +
+scale, g = dy * w, N the row length; RMSNorm has mean = 0 and c2 = 0):
+
+    c1 = sum(x_hat * g) / N
+    c2 = sum(g) / N
+    dx = (g - (x_hat * c1 + c2)) * rstd
+    dscale = sum over rows of dy * x_hat
+    dbias  = sum over rows of dy
+
+The element-wise formulas and their rounding order are ``backward.py``'s; the row sums
+and the column sums are reductions in another order (one Mosaic GPU warpgroup's), so
+dx agrees with the Pallas (Triton lowering) backend to about 1 ulp, not bitwise.
+
+Stage 1, ``pallas_norm_mgpu_bwd`` (``plgpu.kernel``, grid (G,), one warpgroup a
+program): program r is persistent over row blocks r, r + G, ... (G about the SM
+count). A row block of ``block_m`` rows arrives in shared memory by TMA, as
+``N / block_w`` copies of [block_m, block_w] x and dy chunks (TMA boxes are at most 256
+elements a side) plus a 32-element window of mean and rstd, into one of
+``num_stages`` slots with an mbarrier each: the next ``num_stages - 1`` row blocks are
+in flight while one is computed. scale is copied to shared memory once a program and
+held in registers as float32 w. Pass 1 reads the block from shared memory chunk by
+chunk into registers and reduces c1 (and c2) a row across the warpgroup; pass 2 reads
+it again, writes dx to a shared-memory staging tile (TMA-stored to HBM, in flight while
+the next block is loaded) and adds the chunk's column sums to the float32 dscale
+(dbias) partials, which stay in registers across row blocks and are written once, one
+[N] row a program: [G, N] float32, never [M, N]. The register layout puts one row
+chunk over the warpgroup's 128 threads (``_rows_layout``): column sums of a block are
+sums within a thread, row sums one cross-warp reduction a row block.
+
+Stage 2, ``pallas_norm_mgpu_bwd_reduce``: program j sums column strip j of the [G, N]
+partials over G in a fixed order (one thread a column, rows in order in pieces of
+``_REDUCE_ROWS``) and casts to the parameter's dtype. No atomic accumulates anything,
+so the gradients are bitwise deterministic.
+
+Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (the
+TMA chunks and the register layout; this also gives TMA its 16-byte row strides), the
+shared memory of one program (``_SMEM_BYTES``), the partials' registers (``_ACC_REGS``
+float32 a thread), ``combine_row_sums`` (tensor-parallel hidden dim) not implemented,
+and G <= 256 (one TMA box of partials a strip). M is any size: TMA zero-fills the rows
+past M on load and drops them on store; in interpret mode, where the interpreter
+raises on an out-of-bounds store, dx is allocated with whole row blocks and sliced.
+
+Interpret mode runs the kernels through JAX's Mosaic GPU interpreter
+(``InterpretGPUParams``, jax >= 0.10) with out-of-bounds reads returning zeros, as TMA
+does; the interpreter has no ``layout_cast``, so register layouts are only given to the
+compiled kernel (``_Layouts``). Its import lives in ``_interpret_params`` here, not in
+``_compat.py``.
+
+Not yet here (issue #29): warp specialisation (a producer warpgroup issuing the TMA
+loads, consumer warpgroups computing), several consumer warpgroups a program, cluster
+multicast of scale, and the residual / cast / FP8 variants of ``backward.py`` (``ops``
+refuses them for this backend before they reach this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_norm.config import DeviceInfo, cdiv, device_info
+from pallas_norm.kernels._compat import out_struct
+
+__all__ = ["MosaicBackwardConfig", "backward_config", "norm_backward"]
+
+_F32 = jnp.float32
+_WARPGROUP = 128  # threads of one Mosaic GPU program (one warpgroup)
+_STATS_WINDOW = 32  # f32 elements of mean / rstd a TMA copy: 128 bytes, a warpgroup's
+_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a copy
+# Shared memory one program may use (H100 / H200: 227 KB a block; headroom for the
+# barriers and the reduction scratch Mosaic GPU allocates itself).
+_SMEM_BYTES = 200 * 1024
+# float32 partials a thread may hold across row blocks (N / 128 each, dscale and
+# dbias): beyond this the kernel would spill.
+_ACC_REGS = 128
+# stage 2: partial rows summed a step (a thread holds this many f32 a step)
+_REDUCE_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """Launch config of the Mosaic GPU backward.
+
+  Attributes:
+    block_m: rows a row block (1 <= block_m <= 32).
+    block_w: columns of one TMA chunk (128 or 256; divides N).
+    num_stages: shared-memory slots of the load pipeline (>= 1): row blocks in flight.
+    num_programs: G, the stage-1 grid (<= 256); the partials are [G, N] float32.
+  """
+
+  block_m: int
+  block_w: int
+  num_stages: int
+  num_programs: int
+
+  def __post_init__(self):
+    if not 1 <= self.block_m <= _STATS_WINDOW:
+      raise ValueError(f"{self.block_m=} must be in [1, {_STATS_WINDOW}]")
+    if self.block_w not in (128, 256):
+      raise ValueError(f"{self.block_w=} must be 128 or 256")
+    if self.num_stages < 1:
+      raise ValueError(f"{self.num_stages=} must be >= 1")
+    if not 1 <= self.num_programs <= _MAX_BOX:
+      raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_BOX}]")
+
+
+def _smem_bytes(n: int, block_m: int, num_stages: int, x_bytes: int, dy_bytes: int,
+                dx_bytes: int, scale_bytes: int) -> int:
+  """Shared memory of one stage-1 program: the x and dy slots, mean/rstd windows, the
+  dx staging tile and scale."""
+  slots = num_stages * (block_m * n * (x_bytes + dy_bytes) + 2 * _STATS_WINDOW * 4)
+  return slots + block_m * n * dx_bytes + n * scale_bytes
+
+
+def backward_config(m: int, n: int, dtype, subtract_mean: bool,
+                    device: DeviceInfo | None = None) -> MosaicBackwardConfig:
+  """The default launch config for x [M, N] of ``dtype``.
+
+  block_m: as many rows as keep a block at <= 4096 elements a chunk pass (16 f32 a
+  thread and array) and the program's shared memory under ``_SMEM_BYTES`` with 2
+  stages; stages: 3 when they fit. G: the SM count (4 on CPU), at most the row blocks.
+  Untuned (no GPU measurement yet). ``subtract_mean`` is accepted for the tuning to come.
+  """
+  del subtract_mean
+  device = device or device_info()
+  b = jnp.dtype(dtype).itemsize
+  block_w = 256 if n % 256 == 0 else 128
+  block_m = max(1, min(_STATS_WINDOW, 4096 // max(n, 1)))
+  while block_m > 1 and _smem_bytes(n, block_m, 2, b, b, b, 4) > _SMEM_BYTES:
+    block_m //= 2
+  stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
+  g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), block_m)))
+  return MosaicBackwardConfig(block_m=block_m, block_w=block_w, num_stages=stages,
+                              num_programs=g)
+
+
+# --------------------------------------------------------------------------- shims
+
+
+def _interpret_params():
+  """InterpretGPUParams for JAX's Mosaic GPU interpreter: out-of-bounds reads give
+  zeros (TMA's zero fill), as do uninitialised buffers. Raises NotImplementedError
+  where this JAX has no such interpreter."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError as e:  # pragma: no cover (jax < 0.10)
+    raise NotImplementedError(
+        "backend='mosaic' in interpret mode needs JAX's Mosaic GPU interpreter "
+        "(jax._src.pallas.mosaic_gpu.interpret, jax >= 0.10)") from e
+  return InterpretGPUParams(out_of_bounds_reads="uninitialized",
+                            uninitialized_memory="zero")
+
+
+@functools.cache
+def _kernel_kwargs() -> tuple[str, str]:
+  """plgpu.kernel's names for the output and scratch types (``out_type`` /
+  ``scratch_types``; ``out_shape`` / ``scratch_shapes`` in older JAX)."""
+  params = inspect.signature(plgpu.kernel).parameters
+  if "out_type" in params:
+    return "out_type", "scratch_types"
+  return "out_shape", "scratch_shapes"
+
+
+def _kernel(body, out, scratch, *, grid, interpret, name):
+  out_kw, scratch_kw = _kernel_kwargs()
+  return plgpu.kernel(body, **{out_kw: out, scratch_kw: scratch}, grid=grid,
+                      grid_names=("g",), interpret=_interpret_params() if interpret else None,
+                      kernel_name=name)
+
+
+class _Layouts:
+  """Register layouts of the kernels: [rows, W] tiles with each row over the
+  warpgroup (V contiguous elements a thread, 32 lanes, 4 warps: W a multiple of 128 V),
+  rows in registers; ``row`` is a [rows] vector replicated in every thread, ``col`` a
+  [W] vector split like the tile's columns. Interpret mode has no ``layout_cast``:
+  ``cast`` is then the identity."""
+
+  def __init__(self, vec: int, interpret: bool):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    tile = fa.TiledLayout(fa.Tiling(((1, _WARPGROUP * vec), (1, 32 * vec), (vec,))),
+                          warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1,
+                          _check_canonical=False).canonicalize()
+    self.interpret = interpret
+    self.tile, self.row, self.col = (self._pallas(t) for t in
+                                     (tile, tile.reduce((1,)), tile.reduce((0,))))
+
+  @staticmethod
+  def _pallas(t):
+    return plgpu.Layout.TILED(t.tiling, warp_dims=t.warp_dims, lane_dims=t.lane_dims,
+                              vector_dim=t.vector_dim)
+
+  def cast(self, a, layout):
+    return a if self.interpret else plgpu.layout_cast(a, layout)
+
+  def rows(self, v, width):
+    """[rows] -> [rows, width], each row's value across it, in the tile layout; a
+    scalar (one row) -> [1, width]."""
+    if v.ndim == 0:
+      return self.cast(lax.broadcast_in_dim(v, (1, width), ()), self.tile)
+    return self.cast(lax.broadcast_in_dim(v, (v.shape[0], width), (0,)), self.tile)
+
+  def stats(self, ref, rows):
+    """rows values of a [32] f32 mean / rstd window: [rows] in the row layout, or a
+    scalar for one row (Mosaic GPU cannot load a one-element vector)."""
+    if rows == 1:
+      return ref[0]
+    return self.cast(ref[pl.ds(0, rows)], self.row)
+
+  def cols(self, v, rows):
+    """[W] -> [rows, W], the vector repeated down the rows, in the tile layout."""
+    return self.cast(lax.broadcast_in_dim(v, (rows, v.shape[0]), (1,)), self.tile)
+
+
+def _vec(block_w: int, itemsize: int) -> int:
+  """Elements a thread loads at once: 16 bytes, at most block_w / 128."""
+  return max(1, min(16 // itemsize, block_w // _WARPGROUP))
+
+
+def _sum(terms):
+  return functools.reduce(lambda a, b: a + b, terms)
+
+
+# --------------------------------------------------------------------------- stage 1
+
+
+def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
+                   block_m, block_w, num_stages, num_programs, interpret):
+  """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows."""
+  refs = list(refs)
+  # inputs
+  dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  # outputs
+  dx_ref = refs.pop(0)
+  dw_ref = refs.pop(0) if has_scale else None
+  db_ref = refs.pop(0) if has_bias else None
+  # scratch
+  xs, dys = refs.pop(0), refs.pop(0)  # [S, C, block_m, W] x's / dy's dtype
+  ws = refs.pop(0) if has_scale else None  # [C, W] scale's dtype
+  ms = refs.pop(0) if subtract_mean else None  # [S, 32] f32
+  rs, dxs, bar = refs.pop(0), refs.pop(0), refs.pop(0)  # [S, 32] f32, [C, bm, W], [S]
+  wbar = refs.pop(0) if has_scale else None
+  assert not refs
+
+  num_chunks = n // block_w
+  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
+  r = lax.axis_index("g")
+  num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+
+  def chunk(c):
+    return pl.ds(c * block_w, block_w)
+
+  def fetch(step, slot):  # row block r + step * G into slot
+    row0 = (r + step * num_programs) * block_m
+    rows = pl.ds(row0, block_m)
+    for c in range(num_chunks):
+      plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
+      plgpu.copy_gmem_to_smem(dy_ref.at[rows, chunk(c)], dys.at[slot, c], bar.at[slot])
+    window = pl.ds(row0, _STATS_WINDOW)
+    if subtract_mean:
+      plgpu.copy_gmem_to_smem(mean_ref.at[window], ms.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(rstd_ref.at[window], rs.at[slot], bar.at[slot])
+
+  w = None  # scale_offset + scale: [W] f32 a chunk, in registers for the whole program
+  if has_scale:
+    for c in range(num_chunks):
+      plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], wbar)
+    plgpu.barrier_wait(wbar)
+    w = []
+    for c in range(num_chunks):
+      wc = lay.cast(ws[c], lay.col).astype(_F32)
+      w.append(wc + _F32(scale_offset) if scale_offset else wc)
+
+  for s in range(num_stages):  # prologue: the first num_stages row blocks
+    @pl.when(s < num_steps)
+    def _():
+      fetch(s, s)
+
+  def parts(slot, c, mean, rstd):
+    """(x_hat, dy, g) of chunk c: [block_m, W] f32 each."""
+    x = lay.cast(xs[slot, c], lay.tile).astype(_F32)
+    dy = lay.cast(dys[slot, c], lay.tile).astype(_F32)
+    if mean is not None:
+      x = x - lay.rows(mean, block_w)
+    x_hat = x * lay.rows(rstd, block_w)
+    g = dy if w is None else dy * lay.cols(w[c], block_m)
+    return x_hat, dy, g
+
+  def body(step, accs):
+    slot = lax.rem(step, num_stages)
+    rb = r + step * num_programs
+    plgpu.barrier_wait(bar.at[slot])
+    rstd = lay.stats(rs.at[slot], block_m)  # [block_m] f32 (a scalar for one row)
+    mean = lay.stats(ms.at[slot], block_m) if subtract_mean else None
+    # pass 1: the row sums, chunk by chunk, summed across the warpgroup once
+    s1, s2 = [], []
+    for c in range(num_chunks):
+      x_hat, _, g = parts(slot, c, mean, rstd)
+      s1.append(x_hat * g)
+      s2.append(g)
+    c1 = jnp.sum(_sum(s1), axis=1) / n  # [block_m] f32
+    c2 = jnp.sum(_sum(s2), axis=1) / n if subtract_mean else None
+    # the previous row block's dx has left the staging tile (its TMA stores read it)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    # pass 2: dx and the partials
+    new = []
+    for c in range(num_chunks):
+      x_hat, dy, g = parts(slot, c, mean, rstd)
+      dx = g - x_hat * lay.rows(c1, block_w)
+      if c2 is not None:
+        dx = dx - lay.rows(c2, block_w)
+      dx = dx * lay.rows(rstd, block_w)
+      dxs[c] = dx.astype(dxs.dtype)
+      dw, db = accs[c]
+      new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
+                  None if db is None else db + jnp.sum(dy, axis=0)))
+    plgpu.commit_smem()
+    rows = pl.ds(rb * block_m, block_m)
+    for c in range(num_chunks):
+      plgpu.copy_smem_to_gmem(dxs.at[c], dx_ref.at[rows, chunk(c)])
+    plgpu.commit_smem_to_gmem_group()
+
+    # refill this slot with the row block num_stages ahead (its reads are done: the
+    # copy waits for the warpgroup)
+    @pl.when(step + num_stages < num_steps)
+    def _():
+      fetch(step + num_stages, slot)
+
+    return tuple(new)
+
+  def zeros(has):
+    return lay.cast(jnp.zeros((block_w,), _F32), lay.col) if has else None
+
+  init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(num_chunks))
+  accs = lax.fori_loop(0, num_steps, body, init)
+  plgpu.wait_smem_to_gmem(0)
+  for c, (dw, db) in enumerate(accs):
+    if dw is not None:
+      dw_ref[r, chunk(c)] = dw
+    if db is not None:
+      db_ref[r, chunk(c)] = db
+
+
+# --------------------------------------------------------------------------- stage 2
+
+
+def _reduce_kernel(*refs, num_parts, interpret):
+  """Program j: out[strip j] = sum over the G partial rows in order, for each (part,
+  out) pair (dscale's and dbias's partials in one launch)."""
+  parts, outs = refs[:num_parts], refs[num_parts:2 * num_parts]
+  ps, os_, bar = refs[2 * num_parts:]  # [P, G, 128] f32, [P, 128] out dtype, [P]
+  g_total = parts[0].shape[0]
+  lay = _Layouts(1, interpret)
+  strip = pl.ds(lax.axis_index("g") * _WARPGROUP, _WARPGROUP)
+  for i, part_ref in enumerate(parts):
+    plgpu.copy_gmem_to_smem(part_ref.at[:, strip], ps.at[i], bar.at[i])
+  for i, out_ref in enumerate(outs):
+    plgpu.barrier_wait(bar.at[i])
+    acc = None
+    for g0 in range(0, g_total, _REDUCE_ROWS):
+      rows = pl.ds(g0, min(_REDUCE_ROWS, g_total - g0))
+      piece = jnp.sum(lay.cast(ps[i, rows], lay.tile), axis=0)  # [128] f32
+      acc = piece if acc is None else acc + piece
+    os_[i] = acc.astype(os_.dtype)
+  plgpu.commit_smem()
+  for i, out_ref in enumerate(outs):
+    plgpu.copy_smem_to_gmem(os_.at[i], out_ref.at[strip])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _reduce_partials(parts, dtypes, interpret):
+  """[G, N] f32 each -> [N] each in its dtype (one out dtype for all: ``dtypes[0]``'s
+  width; scale and bias share the parameter dtype in ``ops``)."""
+  g, n = parts[0].shape
+  if len({jnp.dtype(d) for d in dtypes}) != 1:
+    return [_reduce_partials([p], [d], interpret)[0] for p, d in zip(parts, dtypes)]
+  out_dtype = jnp.dtype(dtypes[0])
+  scratch = [plgpu.SMEM((len(parts), g, _WARPGROUP), _F32),
+             plgpu.SMEM((len(parts), _WARPGROUP), out_dtype),
+             plgpu.Barrier(num_arrivals=1, num_barriers=len(parts))]
+  call = _kernel(functools.partial(_reduce_kernel, num_parts=len(parts),
+                                   interpret=interpret),
+                 [out_struct((n,), out_dtype, parts[0]) for _ in parts], scratch,
+                 grid=(n // _WARPGROUP,), interpret=interpret,
+                 name="pallas_norm_mgpu_bwd_reduce")
+  return list(call(*parts))
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _check(m, n, x, dy, cfg: MosaicBackwardConfig, has_scale, has_bias, subtract_mean,
+           combine_row_sums, scale):
+  if combine_row_sums is not None:
+    raise NotImplementedError("backend='mosaic' does not implement combine_row_sums "
+                              "(the hidden dim sharded, tensor parallel) yet")
+  if n % _WARPGROUP:
+    raise NotImplementedError(
+        f"backend='mosaic' backward needs N % 128 == 0 (its TMA chunks and register "
+        f"layout), got N={n}")
+  if n % cfg.block_w:
+    raise ValueError(f"config.block_w={cfg.block_w} must divide N={n}")
+  accs = int(has_scale) + int(has_bias)
+  if accs * n // _WARPGROUP > _ACC_REGS:
+    raise NotImplementedError(
+        f"backend='mosaic' backward holds the dscale/dbias partials in registers: "
+        f"{accs} x N/128 = {accs * n // _WARPGROUP} f32 a thread > {_ACC_REGS} (N={n})")
+  sb = scale.dtype.itemsize if scale is not None else 0
+  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x.dtype.itemsize, dy.dtype.itemsize,
+                     x.dtype.itemsize, sb)
+  if need > _SMEM_BYTES:
+    raise NotImplementedError(
+        f"backend='mosaic' backward: one program needs {need} bytes of shared memory "
+        f"> {_SMEM_BYTES} (N={n}, block_m={cfg.block_m}, num_stages={cfg.num_stages})")
+  del m, subtract_mean
+
+
+def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
+                  subtract_mean: bool, config=None, interpret: bool,
+                  scale_dtype=None, bias_dtype=None, combine_row_sums=None):
+  """Two-stage backward on Pallas Mosaic GPU; ``backward.norm_backward``'s contract.
+
+  Args:
+    dy, x: [M, N], x's dtype (float32, bfloat16 or float16); N % 128 == 0.
+    scale: [N] or None.
+    mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32, saved by the forward.
+    has_bias: whether to produce dbias.
+    scale_offset, subtract_mean: as in the forward.
+    config: a MosaicBackwardConfig; anything else (``ops`` passes the other backends'
+      ``config.BackwardConfig``) is ignored and ``backward_config`` picks one.
+    interpret: run both stages through JAX's Mosaic GPU interpreter.
+    scale_dtype, bias_dtype: dtypes of dscale and dbias.
+    combine_row_sums: must be None (tensor-parallel row sums are not implemented here).
+
+  Returns:
+    (dx [M, N] x's dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
+
+  Raises:
+    NotImplementedError: N % 128 != 0; partials or shared memory beyond one program
+      (N too large; see the module docstring); ``combine_row_sums``.
+    ValueError: a config whose block_w does not divide N.
+  """
+  m, n = x.shape
+  has_scale = scale is not None
+  cfg = config if isinstance(config, MosaicBackwardConfig) else backward_config(
+      m, n, x.dtype, subtract_mean)
+  _check(m, n, x, dy, cfg, has_scale, has_bias, subtract_mean, combine_row_sums, scale)
+  if m == 0:
+    return (jnp.zeros_like(x),
+            jnp.zeros((n,), scale_dtype) if has_scale else None,
+            jnp.zeros((n,), bias_dtype) if has_bias else None)
+  bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
+  num_row_blocks = cdiv(m, bm)
+  g = max(1, min(cfg.num_programs, num_row_blocks))
+  num_chunks = n // bw
+  # the interpreter raises on TMA stores past M: whole row blocks there
+  m_out = num_row_blocks * bm if interpret else m
+  out = [out_struct((m_out, n), x.dtype, x)]
+  out += [out_struct((g, n), _F32, x)] * (int(has_scale) + int(has_bias))
+  scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
+             plgpu.SMEM((stages, num_chunks, bm, bw), dy.dtype)]
+  if has_scale:
+    scratch.append(plgpu.SMEM((num_chunks, bw), scale.dtype))
+  if subtract_mean:
+    scratch.append(plgpu.SMEM((stages, _STATS_WINDOW), _F32))
+  scratch += [plgpu.SMEM((stages, _STATS_WINDOW), _F32),
+              plgpu.SMEM((num_chunks, bm, bw), x.dtype),
+              plgpu.Barrier(num_arrivals=2 * num_chunks + 1 + int(subtract_mean),
+                            num_barriers=stages)]
+  if has_scale:
+    scratch.append(plgpu.Barrier(num_arrivals=num_chunks))
+  body = functools.partial(
+      _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
+      subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias, block_m=bm,
+      block_w=bw, num_stages=stages, num_programs=g, interpret=interpret)
+  inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd)
+            if a is not None]
+  dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,
+                       name="pallas_norm_mgpu_bwd")(*inputs)
+  if m_out != m:
+    dx = dx[:m]
+  dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
+  sums = _reduce_partials(parts, dtypes, interpret) if parts else []
+  dscale = sums.pop(0) if has_scale else None
+  dbias = sums.pop(0) if has_bias else None
+  return dx, dscale, dbias
