@@ -34,13 +34,15 @@ partials over G in a fixed order (one thread a column, rows in order in pieces o
 ``_REDUCE_ROWS``) and casts to the parameter's dtype. No atomic accumulates anything,
 so the gradients are bitwise deterministic.
 
-Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (the
-TMA chunks and the register layout; this also gives TMA its 16-byte row strides), the
-shared memory of one program (``_SMEM_BYTES``), the partials' registers (``_ACC_REGS``
-float32 a thread), ``combine_row_sums`` (tensor-parallel hidden dim) not implemented,
-and G <= 256 (one TMA box of partials a strip). M is any size: TMA zero-fills the rows
-past M on load and drops them on store; in interpret mode, where the interpreter
-raises on an out-of-bounds store, dx is allocated with whole row blocks and sliced.
+Constraints (``NotImplementedError`` before any kernel runs): rows of a multiple of 16
+bytes (TMA's row stride: N % 8 in 2-byte dtypes, N % 4 in float32), the shared memory
+of one program (``_SMEM_BYTES``), the partials' registers (``_ACC_REGS`` float32 a
+thread: N <= 8192 for LayerNorm, 16384 for RMSNorm), ``combine_row_sums``
+(tensor-parallel hidden dim) not implemented. The row is N rounded up to whole
+128-column chunks; M is any size. TMA zero-fills what lies past M or N on load (so
+those elements add nothing to the sums) and drops it on store; in interpret mode, where
+the interpreter raises on an out-of-bounds store, dx and dscale/dbias are allocated
+with whole row blocks and chunks and sliced.
 
 Interpret mode runs the kernels through JAX's Mosaic GPU interpreter
 (``InterpretGPUParams``, jax >= 0.10) with out-of-bounds reads returning zeros, as TMA
@@ -91,7 +93,7 @@ class MosaicBackwardConfig:
 
   Attributes:
     block_m: rows a row block (1 <= block_m <= 32).
-    block_w: columns of one TMA chunk (128 or 256; divides N).
+    block_w: columns of one TMA chunk (128 or 256; divides N rounded up to 128).
     num_stages: shared-memory slots of the load pipeline (>= 1): row blocks in flight.
     num_programs: G, the stage-1 grid (<= 256); the partials are [G, N] float32.
   """
@@ -110,6 +112,11 @@ class MosaicBackwardConfig:
       raise ValueError(f"{self.num_stages=} must be >= 1")
     if not 1 <= self.num_programs <= _MAX_BOX:
       raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_BOX}]")
+
+
+def _padded(n: int) -> int:
+  """N rounded up to whole 128-column chunks (at least one)."""
+  return max(1, cdiv(n, _WARPGROUP)) * _WARPGROUP
 
 
 def _smem_bytes(n: int, block_m: int, num_stages: int, x_bytes: int, dy_bytes: int,
@@ -132,8 +139,9 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
   del subtract_mean
   device = device or device_info()
   b = jnp.dtype(dtype).itemsize
+  n = _padded(n)
   block_w = 256 if n % 256 == 0 else 128
-  block_m = max(1, min(_STATS_WINDOW, 4096 // max(n, 1)))
+  block_m = max(1, min(_STATS_WINDOW, 4096 // n))
   while block_m > 1 and _smem_bytes(n, block_m, 2, b, b, b, 4) > _SMEM_BYTES:
     block_m //= 2
   stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
@@ -252,13 +260,16 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   wbar = refs.pop(0) if has_scale else None
   assert not refs
 
-  num_chunks = n // block_w
+  num_chunks = _padded(n) // block_w
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
   r = lax.axis_index("g")
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
 
-  def chunk(c):
-    return pl.ds(c * block_w, block_w)
+  zero = r * 0  # traced: a column start past N is then not checked at trace time
+
+  def chunk(c):  # columns of chunk c; the last may run past N (TMA: zeros / dropped)
+    start = c * block_w
+    return pl.ds(start + zero if start + block_w > n else start, block_w)
 
   def fetch(step, slot):  # row block r + step * G into slot
     row0 = (r + step * num_programs) * block_m
@@ -345,10 +356,11 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   accs = lax.fori_loop(0, num_steps, body, init)
   plgpu.wait_smem_to_gmem(0)
   for c, (dw, db) in enumerate(accs):
+    cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
     if dw is not None:
-      dw_ref[r, chunk(c)] = dw
+      dw_ref[r, cols] = dw
     if db is not None:
-      db_ref[r, chunk(c)] = db
+      db_ref[r, cols] = db
 
 
 # --------------------------------------------------------------------------- stage 2
@@ -378,51 +390,54 @@ def _reduce_kernel(*refs, num_parts, interpret):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _reduce_partials(parts, dtypes, interpret):
-  """[G, N] f32 each -> [N] each in its dtype (one out dtype for all: ``dtypes[0]``'s
-  width; scale and bias share the parameter dtype in ``ops``)."""
-  g, n = parts[0].shape
+def _reduce_partials(parts, dtypes, n, interpret):
+  """[G, N'] f32 each (N' = N rounded up to 128) -> [N] each in its dtype, one launch
+  for arrays of one dtype (``ops`` gives scale and bias the parameter dtype)."""
+  g, n_pad = parts[0].shape
   if len({jnp.dtype(d) for d in dtypes}) != 1:
-    return [_reduce_partials([p], [d], interpret)[0] for p, d in zip(parts, dtypes)]
+    return [_reduce_partials([p], [d], n, interpret)[0] for p, d in zip(parts, dtypes)]
   out_dtype = jnp.dtype(dtypes[0])
+  n_out = n_pad if interpret else n  # the interpreter raises on stores past N
   scratch = [plgpu.SMEM((len(parts), g, _WARPGROUP), _F32),
              plgpu.SMEM((len(parts), _WARPGROUP), out_dtype),
              plgpu.Barrier(num_arrivals=1, num_barriers=len(parts))]
   call = _kernel(functools.partial(_reduce_kernel, num_parts=len(parts),
                                    interpret=interpret),
-                 [out_struct((n,), out_dtype, parts[0]) for _ in parts], scratch,
-                 grid=(n // _WARPGROUP,), interpret=interpret,
+                 [out_struct((n_out,), out_dtype, parts[0]) for _ in parts], scratch,
+                 grid=(n_pad // _WARPGROUP,), interpret=interpret,
                  name="pallas_norm_mgpu_bwd_reduce")
-  return list(call(*parts))
+  return [a[:n] if n_out != n else a for a in call(*parts)]
 
 
 # --------------------------------------------------------------------------- launcher
 
 
-def _check(m, n, x, dy, cfg: MosaicBackwardConfig, has_scale, has_bias, subtract_mean,
-           combine_row_sums, scale):
+def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
+  """NotImplementedError / ValueError for what this backend cannot run."""
   if combine_row_sums is not None:
     raise NotImplementedError("backend='mosaic' does not implement combine_row_sums "
                               "(the hidden dim sharded, tensor parallel) yet")
-  if n % _WARPGROUP:
-    raise NotImplementedError(
-        f"backend='mosaic' backward needs N % 128 == 0 (its TMA chunks and register "
-        f"layout), got N={n}")
-  if n % cfg.block_w:
-    raise ValueError(f"config.block_w={cfg.block_w} must divide N={n}")
-  accs = int(has_scale) + int(has_bias)
-  if accs * n // _WARPGROUP > _ACC_REGS:
+  for dt in dtypes:
+    if n * jnp.dtype(dt).itemsize % 16:
+      raise NotImplementedError(
+          f"backend='mosaic' backward: TMA needs rows of a multiple of 16 bytes; N={n} "
+          f"of {jnp.dtype(dt).name} is {n * jnp.dtype(dt).itemsize} bytes")
+  n_pad = _padded(n)
+  if n_pad % cfg.block_w:
+    raise ValueError(f"config.block_w={cfg.block_w} must divide N={n} rounded up to "
+                     f"128 ({n_pad})")
+  if num_accs * n_pad // _WARPGROUP > _ACC_REGS:
     raise NotImplementedError(
         f"backend='mosaic' backward holds the dscale/dbias partials in registers: "
-        f"{accs} x N/128 = {accs * n // _WARPGROUP} f32 a thread > {_ACC_REGS} (N={n})")
-  sb = scale.dtype.itemsize if scale is not None else 0
-  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x.dtype.itemsize, dy.dtype.itemsize,
-                     x.dtype.itemsize, sb)
+        f"{num_accs} x N/128 = {num_accs * n_pad // _WARPGROUP} f32 a thread > "
+        f"{_ACC_REGS} (N={n})")
+  x_b, dy_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
+  need = _smem_bytes(n_pad, cfg.block_m, cfg.num_stages, x_b, dy_b, x_b,
+                     rest[0] if rest else 0)
   if need > _SMEM_BYTES:
     raise NotImplementedError(
         f"backend='mosaic' backward: one program needs {need} bytes of shared memory "
         f"> {_SMEM_BYTES} (N={n}, block_m={cfg.block_m}, num_stages={cfg.num_stages})")
-  del m, subtract_mean
 
 
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
@@ -431,7 +446,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   """Two-stage backward on Pallas Mosaic GPU; ``backward.norm_backward``'s contract.
 
   Args:
-    dy, x: [M, N], x's dtype (float32, bfloat16 or float16); N % 128 == 0.
+    dy, x: [M, N], x's dtype (float32, bfloat16 or float16); rows of a multiple of 16
+      bytes.
     scale: [N] or None.
     mean: [M] f32 (LayerNorm) or None (RMSNorm); rstd: [M] f32, saved by the forward.
     has_bias: whether to produce dbias.
@@ -446,27 +462,30 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     (dx [M, N] x's dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
 
   Raises:
-    NotImplementedError: N % 128 != 0; partials or shared memory beyond one program
-      (N too large; see the module docstring); ``combine_row_sums``.
+    NotImplementedError: rows not a multiple of 16 bytes; partials or shared memory
+      beyond one program (N too large; see the module docstring); ``combine_row_sums``.
     ValueError: a config whose block_w does not divide N.
   """
   m, n = x.shape
   has_scale = scale is not None
   cfg = config if isinstance(config, MosaicBackwardConfig) else backward_config(
       m, n, x.dtype, subtract_mean)
-  _check(m, n, x, dy, cfg, has_scale, has_bias, subtract_mean, combine_row_sums, scale)
-  if m == 0:
+  _check(n, [x.dtype, dy.dtype] + ([scale.dtype] if has_scale else []), cfg,
+         int(has_scale) + int(has_bias), combine_row_sums)
+  if m == 0 or n == 0:
     return (jnp.zeros_like(x),
             jnp.zeros((n,), scale_dtype) if has_scale else None,
             jnp.zeros((n,), bias_dtype) if has_bias else None)
   bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
   num_row_blocks = cdiv(m, bm)
   g = max(1, min(cfg.num_programs, num_row_blocks))
-  num_chunks = n // bw
-  # the interpreter raises on TMA stores past M: whole row blocks there
-  m_out = num_row_blocks * bm if interpret else m
-  out = [out_struct((m_out, n), x.dtype, x)]
-  out += [out_struct((g, n), _F32, x)] * (int(has_scale) + int(has_bias))
+  n_pad = _padded(n)
+  num_chunks = n_pad // bw
+  # The interpreter raises on TMA stores past M or N (the GPU drops them): dx has whole
+  # row blocks and chunks there, sliced after.
+  m_out, n_out = (num_row_blocks * bm, n_pad) if interpret else (m, n)
+  out = [out_struct((m_out, n_out), x.dtype, x)]
+  out += [out_struct((g, n_pad), _F32, x)] * (int(has_scale) + int(has_bias))
   scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
              plgpu.SMEM((stages, num_chunks, bm, bw), dy.dtype)]
   if has_scale:
@@ -487,10 +506,10 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
             if a is not None]
   dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,
                        name="pallas_norm_mgpu_bwd")(*inputs)
-  if m_out != m:
-    dx = dx[:m]
+  if (m_out, n_out) != (m, n):
+    dx = dx[:m, :n]
   dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
-  sums = _reduce_partials(parts, dtypes, interpret) if parts else []
+  sums = _reduce_partials(parts, dtypes, n, interpret) if parts else []
   dscale = sums.pop(0) if has_scale else None
   dbias = sums.pop(0) if has_bias else None
   return dx, dscale, dbias

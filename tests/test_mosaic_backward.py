@@ -1,0 +1,212 @@
+"""The Mosaic GPU backward (``kernels/mosaic_backward.py``) against the Pallas backend's
+(``kernels/backward.py``) and the reference's vjp.
+
+On CPU both run in their interpreters (Mosaic GPU's: ``InterpretGPUParams``); with
+``--gpu`` both are compiled. dx within 1 ulp of the Pallas backend's (its dtype), dscale
+and dbias within sqrt(M) float32 ulps of their magnitude plus one rounding to their
+dtype; both backends within float32 tolerances of the reference's vjp; two runs bitwise
+equal. ``test_lowers_for_cuda`` lowers the compiled kernels for CUDA on any machine
+(Mosaic GPU lowers in Python), which is what catches a register layout Mosaic GPU
+cannot lower without a GPU.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_norm import config as pn_config
+from pallas_norm import reference
+from pallas_norm.kernels import backward, mosaic_backward
+
+_INTERPRET = jax.default_backend() != "gpu"
+
+
+def _inputs(m, n, dtype, *, layer, has_scale=True, has_bias=None, scale_offset=0.0,
+            seed=0):
+  """(dy, x, scale, mean, rstd, kwargs of norm_backward, reference kwargs, bias)."""
+  k = jax.random.split(jax.random.key(seed), 4)
+  x = (jax.random.normal(k[0], (m, n), jnp.float32) + (2.0 if layer else 0.0)).astype(dtype)
+  dy = jax.random.normal(k[1], (m, n), jnp.float32).astype(dtype)
+  scale = (1.0 + 0.2 * jax.random.normal(k[2], (n,), jnp.float32)).astype(dtype)
+  bias = (0.1 * jax.random.normal(k[3], (n,), jnp.float32)).astype(dtype)
+  scale = scale if has_scale else None
+  bias = bias if (layer if has_bias is None else has_bias) else None
+  ref_kw = dict(eps=1e-5, scale_offset=scale_offset, subtract_mean=layer)
+  _, mean, rstd = reference.norm(x, scale, bias, **ref_kw)
+  kw = dict(has_bias=bias is not None, scale_offset=scale_offset, subtract_mean=layer,
+            interpret=_INTERPRET, scale_dtype=jnp.dtype(dtype), bias_dtype=jnp.dtype(dtype))
+  return dy, x, scale, mean if layer else None, rstd, kw, ref_kw, bias
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _ulp(a, dtype):
+  """One ulp of ``dtype`` at |a| (float64 array; the smallest normal's below it)."""
+  fi = jnp.finfo(dtype)
+  expo = np.floor(np.log2(np.maximum(np.abs(a), float(fi.tiny))))
+  return 2.0 ** (expo - fi.nmant)
+
+
+def _check_dx(got, want, dtype):
+  """1 ulp of dx's dtype, plus the float32 rounding of the row sums carried through the
+  cancellation in g - (x_hat c1 + c2) (8 float32 ulps of the row's largest dx; below a
+  bf16/f16 ulp, visible in float32 where dx is near 0)."""
+  g, w = _f64(got), _f64(want)
+  err = np.abs(g - w)
+  tol = (_ulp(np.maximum(np.abs(g), np.abs(w)), dtype)
+         + 8 * 2.0 ** -24 * np.abs(w).max(axis=1, keepdims=True))
+  assert np.all(err <= tol), f"{np.sum(err > tol)} of {err.size} dx values apart"
+
+
+def _check_sum(got, want, m, dtype):
+  """A column sum of M float32 terms, cast to ``dtype``: another order of the same sum
+  (sqrt(M) float32 ulps of the largest sum, plus one rounding to ``dtype``)."""
+  g, w = _f64(got), _f64(want)
+  tol = math.sqrt(m) * 2.0 ** -23 * (np.abs(w).max() + 1.0) + _ulp(w, dtype)
+  assert np.all(np.abs(g - w) <= tol), np.abs(g - w).max()
+
+
+# (m, n, dtype, layer, has_scale, has_bias, scale_offset, config or None)
+_CASES = [
+    (37, 384, "bfloat16", True, True, True, 0.0, None),  # ragged M, 128-column chunks
+    (24, 256, "float32", False, True, False, 0.0, None),
+    (13, 1000, "float16", False, True, False, 1.0, None),  # ragged N: a partial chunk
+    (5, 128, "float32", True, False, False, 0.0, None),  # no scale, no bias
+    (7, 200, "bfloat16", True, False, True, 0.0, None),  # bias only, N < one chunk
+    # one row a block, one stage, more programs than the CPU's 4: 3 row blocks each
+    (9, 512, "bfloat16", True, True, True, 0.0,
+     mosaic_backward.MosaicBackwardConfig(block_m=1, block_w=256, num_stages=1,
+                                          num_programs=3)),
+    # 3 stages, 128-column chunks of a 256-column row, 2 programs
+    (21, 256, "float32", True, True, True, 0.0,
+     mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=3,
+                                          num_programs=2)),
+]
+
+
+@pytest.mark.parametrize("m,n,dtype,layer,has_scale,has_bias,scale_offset,cfg", _CASES)
+def test_matches_pallas_and_reference(m, n, dtype, layer, has_scale, has_bias, scale_offset,
+                                      cfg):
+  dy, x, scale, mean, rstd, kw, ref_kw, bias = _inputs(
+      m, n, dtype, layer=layer, has_scale=has_scale, has_bias=has_bias,
+      scale_offset=scale_offset)
+  got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)
+  pallas = backward.norm_backward(
+      dy, x, scale, mean, rstd,
+      config=pn_config.backward_config(m, n, x.dtype, subtract_mean=layer), **kw)
+  assert got[0].shape == x.shape and got[0].dtype == x.dtype
+  assert (got[1] is None) == (scale is None) and (got[2] is None) == (bias is None)
+  _check_dx(got[0], pallas[0], dtype)
+  for g, p in zip(got[1:], pallas[1:]):
+    if p is not None:
+      assert g.shape == (n,) and g.dtype == jnp.dtype(dtype)
+      _check_sum(g, p, m, dtype)
+  # both against the reference's vjp (float32 math, so only rounding apart)
+  _, pull = jax.vjp(lambda x, s, b: reference.norm(x, s, b, **ref_kw)[0], x, scale, bias)
+  want = pull(dy)
+  for g, w in zip(got, want):
+    if w is not None:
+      w = _f64(w)
+      tol = 4 * float(jnp.finfo(dtype).eps) * max(1.0, np.abs(w).max()) * (
+          1 if g.ndim == 2 else math.sqrt(m))
+      np.testing.assert_allclose(_f64(g), w, rtol=0, atol=tol)
+
+
+def test_deterministic():
+  """Two runs of the same inputs are bitwise equal (no atomics; fixed sum orders)."""
+  dy, x, scale, mean, rstd, kw, _, _ = _inputs(29, 256, "bfloat16", layer=True)
+  a = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+  b = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+  for u, v in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(u.view(jnp.uint16)), np.asarray(v.view(jnp.uint16)))
+
+
+def test_other_backends_config_ignored():
+  """ops passes a config.BackwardConfig: the module's own default is used instead."""
+  dy, x, scale, mean, rstd, kw, _, _ = _inputs(6, 128, "float32", layer=False)
+  other = pn_config.backward_config(6, 128, x.dtype)
+  a = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=other, **kw)
+  b = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+  for u, v in zip(a, b):
+    if u is not None:
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_default_config():
+  cfg = mosaic_backward.backward_config(8192, 4096, jnp.bfloat16, True)
+  assert cfg.num_programs <= 256 and cfg.block_w == 256 and cfg.num_stages >= 2
+  small = mosaic_backward.backward_config(3, 760, jnp.bfloat16, False)
+  assert small.num_programs == 1 and small.block_w == 256  # one row block; 768 / 256
+
+
+def test_lowers_for_cuda():
+  """Both stages lower for CUDA (Mosaic GPU lowers in Python, no GPU needed): the
+  bench's LayerNorm 8192 x 4096 bf16 and a ragged f32 RMSNorm."""
+  for m, n, dtype, layer in ((8192, 4096, jnp.bfloat16, True), (40, 760, jnp.float32, False)):
+    dy, x, scale, mean, rstd, kw, _, _ = _inputs(8, n, dtype, layer=layer)
+    kw = dict(kw, interpret=False)
+    specs = [jax.ShapeDtypeStruct((m, n), dtype)] * 2 + [
+        jax.ShapeDtypeStruct((n,), dtype), jax.ShapeDtypeStruct((m,), jnp.float32)]
+
+    def f(dy, x, s, r, kw=kw, layer=layer):
+      return mosaic_backward.norm_backward(dy, x, s, r if layer else None, r, **kw)
+
+    text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("n,dtype,match", [
+    (100, "bfloat16", "16 bytes"),  # 200-byte rows: no TMA
+    (65536, "bfloat16", "registers"),  # LayerNorm's two partials of 512 f32 a thread
+])
+def test_not_implemented(n, dtype, match):
+  dy, x, scale, mean, rstd, kw, _, _ = _inputs(2, n, dtype, layer=True)
+  with pytest.raises(NotImplementedError, match=match):
+    mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+
+
+def test_errors():
+  dy, x, scale, mean, rstd, kw, _, _ = _inputs(4, 128, "float32", layer=True)
+  with pytest.raises(NotImplementedError, match="combine_row_sums"):
+    mosaic_backward.norm_backward(dy, x, scale, mean, rstd,
+                                  combine_row_sums=lambda c1, c2: (c1, c2), **kw)
+  with pytest.raises(ValueError, match="block_w"):
+    mosaic_backward.norm_backward(
+        dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
+            block_m=1, block_w=256, num_stages=1, num_programs=1), **kw)
+  with pytest.raises(ValueError, match="block_m"):
+    mosaic_backward.MosaicBackwardConfig(block_m=0, block_w=128, num_stages=1,
+                                         num_programs=1)
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    mosaic_backward.norm_backward(
+        dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
+            block_m=32, block_w=128, num_stages=64, num_programs=1), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,dtype,layer", [
+    (8192, 4096, "bfloat16", True), (8192, 4096, "bfloat16", False),
+    (1000, 760, "bfloat16", True), (333, 8192, "float16", False), (4097, 1024, "float32", True),
+])
+def test_gpu_matches_pallas(m, n, dtype, layer):
+  """Compiled, on the bench's shape and ragged ones, against the compiled Pallas
+  backend; and deterministic."""
+  dy, x, scale, mean, rstd, kw, _, _ = _inputs(m, n, dtype, layer=layer)
+  got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+  again = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
+  pallas = backward.norm_backward(
+      dy, x, scale, mean, rstd,
+      config=pn_config.backward_config(m, n, x.dtype, subtract_mean=layer), **kw)
+  _check_dx(got[0], pallas[0], dtype)
+  for g, p in zip(got[1:], pallas[1:]):
+    if p is not None:
+      _check_sum(g, p, m, dtype)
+  for u, v in zip(got, again):
+    if u is not None:
+      np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)),
+                                    np.asarray(v.astype(jnp.float32)))
