@@ -1,5 +1,11 @@
 """Pallas Mosaic GPU backward kernels (Hopper, sm_90) for RMSNorm and LayerNorm.
 
+Status (2026-11-23, issue #29): runs through JAX's Mosaic GPU interpreter (the CPU
+tests); not wired into ``ops`` (no ``backend="mosaic"`` yet). Compiled on an H200 with
+jax 0.11.2 it does not run yet: the GPU tests hit CUDA_ERROR_ILLEGAL_INSTRUCTION and the
+timing script's every cell failed in Mosaic's layout inference
+(benchmarks/results/h200_2026-11-23_gpu-check_mosaic_bwd_252e7da.log).
+
 Math, per row, as in ``backward.py`` (x_hat = (x - mean) * rstd, w = scale_offset +
 scale, g = dy * w, N the row length; RMSNorm has mean = 0 and c2 = 0):
 
