@@ -196,10 +196,12 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
 
 
-def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=()) -> Fp8Norm:
-  """The kernels on x [..., N] (one device's rows). ``rows``: the mesh axes that shard
-  x's rows, over which the tensor amax is a ``pmax`` (of the amax's int32 bits, so that
-  a NaN on any device wins, as in ``reduce_amax``) before current scaling uses it."""
+def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8Norm:
+  """The kernels on x [..., n] (one device's shard). ``rows``: the mesh axes that shard
+  x's rows; ``hidden``: those that shard its last dim (tensor parallel: x, scale and
+  bias hold the shard's n columns). The tensor amax is a ``pmax`` over both (of the
+  amax's int32 bits, so that a NaN on any device wins, as in ``reduce_amax``) before
+  current scaling uses it."""
   from pallas_norm.kernels import fp8 as _kernels
   n, lead = x.shape[-1], x.shape[:-1]
   dt = jnp.dtype(st.fp8_dtype)
@@ -207,12 +209,24 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=()) -> Fp8Norm:
   kw = dict(scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
             interpret=st.interpret)
   q = dict(fp8_dtype=dt, transpose=st.transpose)
+  axes = tuple(rows) + tuple(hidden)
 
   def amax_of(bits):
     bits = jnp.max(bits)
-    return _kernels.reduce_amax(jax.lax.pmax(bits, rows) if rows else bits)
+    return _kernels.reduce_amax(jax.lax.pmax(bits, axes) if axes else bits)
 
-  if y_scale is None:  # pass 1: statistics and row amax; pass 2: quantise
+  if hidden:  # whole-row statistics from the shards' partial sums, then apply passes
+    mean, rstd = _tp_stats(x2, st, hidden)
+    if y_scale is None:  # the amax pass (reads x again), then the quantise pass
+      amax = amax_of(_kernels.fp8_tile_amax(x2, scale, bias, mean, rstd, **kw))
+      y_scale = current_scale(amax, dt)
+      y, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale,
+                                     **kw, **q)
+    else:  # one apply pass: quantise and the amax
+      y, y_t, bits = _kernels.fp8_quantise(x2, scale, bias, mean, rstd,
+                                           _F32(1.0) / y_scale, **kw, **q, return_amax=True)
+      amax = amax_of(bits)
+  elif y_scale is None:  # pass 1: statistics and row amax; pass 2: quantise
     mean, rstd, row_amax = _kernels.fp8_stats(x2, scale, bias, eps=st.eps, **kw)
     amax = amax_of(row_amax)
     y_scale = current_scale(amax, dt)
@@ -226,24 +240,35 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=()) -> Fp8Norm:
                  rstd.reshape(lead))
 
 
+def _tp_stats(x2, st: _Fp8Static, hidden):
+  """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32) of the whole rows of which x2
+  [M, n] holds n columns: the forward's shard-statistics kernel (RMSNorm: sum of
+  squares; LayerNorm: the shard's mean and M2), then spmd's all-reduce over ``hidden``
+  (Chan et al.'s combination for LayerNorm), as ``pallas_norm.layer_norm`` does."""
+  from pallas_norm.kernels import forward as _forward
+  m, n = x2.shape
+  cfg = _config.forward_config(m, n, x2.dtype, None, subtract_mean=st.subtract_mean)
+  s1, s2 = _forward.norm_forward_stats(x2, subtract_mean=st.subtract_mean, config=cfg,
+                                       interpret=st.interpret)
+  mean, rstd = spmd._combine_stats(s1, s2, n=n, eps=st.eps, axes=hidden, groups=None)
+  return (jnp.zeros((m,), _F32) if mean is None else mean), rstd
+
+
 # ------------------------------------------------------------ sharded x (spmd.py's way)
-# Rows sharded (data / sequence parallel): each device quantises its own rows; the amax
-# (and so current scaling's y_scale) is global, a pmax over the row axes. A sharded
-# hidden dim is not served yet (ValueError). Explicit meshes: shard_map with the specs of
-# x's type; Auto meshes: custom_partitioning, whose rule picks the same specs.
+# Rows sharded (data / sequence parallel): each device quantises its own rows. Hidden
+# dim sharded (tensor parallel; scale and bias laid out like it): the shard-statistics
+# kernel, an all-reduce of [M_local] floats, then the apply passes (delayed: quantise
+# and amax in one; current: an amax pass, then quantise). The amax (and so current
+# scaling's y_scale) is global: a pmax over every axis that shards x. Explicit meshes:
+# shard_map with the specs of x's type; Auto meshes: custom_partitioning, whose rule
+# picks the same specs.
 
 
 def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
-  """(x spec, row spec, y_t spec or None, row axes) of x sharded by ``x_sharding``;
-  ValueError for the layouts the FP8 ops do not serve."""
+  """(x spec, row spec, param spec, y_t spec or None, row axes, hidden axes) of x
+  sharded by ``x_sharding``; ValueError for the layouts the FP8 ops do not serve."""
   op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
-  spec, row_spec, _, rows, hidden = spmd._plan(mesh, x_shape, x_sharding)
-  if hidden:
-    raise ValueError(
-        f"{op}: x of shape {tuple(x_shape)} is sharded {spec}: its hidden (last) "
-        f"dimension is sharded over {hidden} (tensor parallel), which the FP8 ops do not "
-        f"serve yet (they never gather x). Shard only the leading dimensions, or use "
-        f"pallas_norm.rms_norm / layer_norm, which serve it")
+  spec, row_spec, p_spec, rows, hidden = spmd._plan(mesh, x_shape, x_sharding)
   yt_spec = None
   if st.transpose:
     sharded = [d for d, e in enumerate(tuple(spec)[:-1]) if spmd._axes(e)]
@@ -253,8 +278,8 @@ def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
           f"transposed copy y_t [N, M] is served when at most the first dimension of x "
           f"is sharded (data parallel): then each device's rows are one contiguous "
           f"block of M. Shard the first dimension only, or pass transpose=False")
-    yt_spec = P(None, tuple(spec)[0]) if sharded else P(None, None)
-  return spec, row_spec, yt_spec, rows
+    yt_spec = P(tuple(spec)[-1], tuple(spec)[0] if sharded else None)
+  return spec, row_spec, p_spec, yt_spec, rows, hidden
 
 
 def _fp8_out_specs(spec, row_spec, yt_spec):
@@ -268,21 +293,22 @@ def _fp8_cp_impl(x, scale, bias, y_scale, st):
 def _fp8_cp_partition(st, mesh, arg_shapes, result_shape):
   del result_shape
   x_shape, scale, bias, y_scale = arg_shapes
-  spec, row_spec, yt_spec, rows = _fp8_plan(mesh, x_shape.shape, x_shape.sharding, st)
+  spec, row_spec, p_spec, yt_spec, rows, hidden = _fp8_plan(mesh, x_shape.shape,
+                                                            x_shape.sharding, st)
   named = lambda s: None if s is None else NamedSharding(mesh, s)
 
   def lower(x, scale, bias, y_scale):
-    return tuple(_pallas(x, scale, bias, y_scale, st, rows))
+    return tuple(_pallas(x, scale, bias, y_scale, st, rows, hidden))
 
-  args = (named(spec), named(None if scale is None else P(None)),
-          named(None if bias is None else P(None)), named(None if y_scale is None else P()))
+  args = (named(spec), named(None if scale is None else p_spec),
+          named(None if bias is None else p_spec), named(None if y_scale is None else P()))
   return mesh, lower, tuple(map(named, _fp8_out_specs(spec, row_spec, yt_spec))), args
 
 
 def _fp8_cp_infer(st, mesh, arg_shapes, result_shape):
   del result_shape
-  spec, row_spec, yt_spec, _ = _fp8_plan(mesh, arg_shapes[0].shape,
-                                         arg_shapes[0].sharding, st)
+  spec, row_spec, _, yt_spec, _, _ = _fp8_plan(mesh, arg_shapes[0].shape,
+                                               arg_shapes[0].sharding, st)
   return tuple(None if s is None else NamedSharding(mesh, s)
                for s in _fp8_out_specs(spec, row_spec, yt_spec))
 
@@ -308,12 +334,12 @@ def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   explicit = spmd._explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
-    spec, row_spec, yt_spec, rows = _fp8_plan(mesh, x.shape, sharding, st)
-    scale, bias = (spmd._reshard(p, mesh, P(None)) for p in (scale, bias))
+    spec, row_spec, p_spec, yt_spec, rows, hidden = _fp8_plan(mesh, x.shape, sharding, st)
+    scale, bias = (spmd._reshard(p, mesh, p_spec) for p in (scale, bias))
     y_scale = spmd._reshard(y_scale, mesh, P())
-    out = spmd._shard_map(lambda *a: tuple(_pallas(*a, st, rows)), mesh,
+    out = spmd._shard_map(lambda *a: tuple(_pallas(*a, st, rows, hidden)), mesh,
                           (x, scale, bias, y_scale),
-                          (spec, P(None), P(None), P()),
+                          (spec, p_spec, p_spec, P()),
                           _fp8_out_specs(spec, row_spec, yt_spec))
     return Fp8Norm(*out)
   if jax.device_count() > 1:
@@ -412,8 +438,8 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
       not () or (concrete) not finite and > 0, an unknown mode or backend; under a
-      multi-device jit, x's hidden dim sharded (only rows are served, with the amax a
-      pmax over their mesh axes; docs/fp8.md "Multi-device"), a dimension sharded
+      multi-device jit (rows and the hidden dim may be sharded; the amax is a pmax over
+      every axis that shards x; docs/fp8.md "Multi-device"), a dimension sharded
       unevenly, or transpose=True with a row dimension other than the first sharded.
     TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
       not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad

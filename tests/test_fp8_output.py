@@ -195,6 +195,36 @@ def test_chunked_kernels(op, cfg):
   np.testing.assert_array_equal(np.asarray(amax2), np.asarray(amax))
 
 
+@pytest.mark.parametrize("op,y_scale", [("rms", None), ("layer", 0.01)],
+                         ids=["rms-current", "layer-delayed"])
+def test_apply_passes(op, y_scale):
+  """The tensor-parallel apply kernels on given statistics (spmd's whole-row mean/rstd):
+  fp8_tile_amax and fp8_quantise(return_amax=True) against the jnp chain on the same
+  statistics: amax, y, y_t bitwise (interpret mode); ragged tiles (37 x 200)."""
+  layer = op == "layer"
+  x, s, b = _data((37, 200), layer=layer, seed=5)
+  x = x.at[36, 199].set(9.0)  # the amax in the last, ragged tile
+  eps = 1e-5 if layer else float(jnp.finfo(F32).eps)
+  _, mean, rstd = reference.norm(x.astype(F32), eps=eps, subtract_mean=layer)
+  mean = jnp.zeros_like(rstd) if mean is None else mean
+  kw = dict(scale_offset=0.0, subtract_mean=layer, interpret=not _on_gpu())
+  _, amax, ys, y = _chain(x, s, b, mean, rstd, layer=layer, scale_offset=0.0,
+                          y_scale=y_scale, fp8_dtype=E4M3)
+  cfg = kfp8.Fp8Config(8, 64, 4)  # 5 x 4 tiles
+  bits = kfp8.fp8_tile_amax(x, s, b, mean, rstd, config=cfg, **kw)
+  assert bits.shape == (20,)
+  got_y, got_t, bits2 = kfp8.fp8_quantise(x, s, b, mean, rstd, F32(1) / ys, fp8_dtype=E4M3,
+                                          transpose=True, config=cfg, return_amax=True, **kw)
+  np.testing.assert_array_equal(np.asarray(bits2), np.asarray(bits))
+  if _on_gpu():
+    np.testing.assert_allclose(_f32(kfp8.reduce_amax(bits)), _f32(amax), rtol=_rtol())
+    _ulp_ok(got_y, y, E4M3)
+  else:
+    np.testing.assert_array_equal(_f32(kfp8.reduce_amax(bits)), _f32(amax))
+    np.testing.assert_array_equal(_bits(got_y), _bits(y))
+  np.testing.assert_array_equal(_bits(got_t), _bits(got_y.T))
+
+
 # The row-block kernels' variants against the default one-block-a-program kernel:
 # persistent programs (Fp8Config.num_programs > 0) over whole rows with the prefetch (M =
 # 37: 19 ragged row blocks over 3 programs; scale/bias loaded a row block, hoisted in
@@ -419,6 +449,15 @@ def test_row_variants_lower_for_cuda():
       args = (sds((m, n), jnp.bfloat16), sds((n,), F32), sds((n,), F32) if layer else None)
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("__gpu$xla.gpu.triton") == 1
+  # the tensor-parallel apply kernels: the amax-only pass, quantise with the tile amax
+  row = sds((8192,), F32)
+  kw = dict(scale_offset=0.0, subtract_mean=True, interpret=False)
+  for fn in (functools.partial(kfp8.fp8_tile_amax, **kw),
+             functools.partial(kfp8.fp8_quantise, inv=F32(2), fp8_dtype=E4M3, transpose=True,
+                               return_amax=True, **kw)):
+    args = (sds((8192, 2048), jnp.bfloat16), sds((2048,), F32), sds((2048,), F32), row, row)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------- backward

@@ -29,6 +29,12 @@ passes over HBM:
       quantises the float32 y); writing y in float32 instead would be 11 (12). Reading
       x twice is the cheapest exact design.
 
+  tensor parallel (x's hidden dim sharded; ``pallas_norm.fp8._pallas``): the forward's
+      shard-statistics kernel and an all-reduce give the whole rows' mean and rstd; then
+      ``pallas_norm_fp8_quantise`` with ``return_amax`` (delayed: quantise and the tiles'
+      amax in one pass), or ``pallas_norm_fp8_amax`` (``fp8_tile_amax``: the tiles' amax
+      only) and then the quantise pass (current scaling).
+
 The quantisation is ``pallas_norm.fp8.quantise`` (the jnp chain's own function),
 y_f32 = forward._affine(x_hat, w, b) with x_hat = (x - mean) * rstd, as the reference
 orders it. Row amaxes are kept as the int32 bits of |y_f32|: for non-negative floats
@@ -58,7 +64,7 @@ from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_par
                                          _load_row_block, _load_tile, _tile_index, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
-           "reduce_amax"]
+           "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
 KERNELS = ("delayed", "stats", "quantise")
@@ -389,24 +395,34 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                     fp8_dtype, transpose, block_m, block_n):
-  """Tile (program_id(0), program_id(1)) of y: y_f32 from the saved mean/rstd,
-  quantised with inv (pass 2 of current scaling)."""
+                     fp8_dtype, transpose, with_amax, block_m, block_n):
+  """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
+  quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
+  the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
+  only the amax (no inv, no y): the tensor-parallel amax pass."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref, inv_ref, y_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  y_t_ref = refs.pop(0) if transpose else None
-  t = _tile_index(pl.program_id(0), pl.program_id(1), x_ref.shape[0], n, block_m=block_m,
-                  block_n=block_n, rows_in_bounds=True)
+  rstd_ref = refs.pop(0)
+  q = None
+  if fp8_dtype is not None:
+    inv_ref, y_ref = refs.pop(0), refs.pop(0)
+    y_t_ref = refs.pop(0) if transpose else None
+    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref)
+  amax_ref = refs.pop(0) if with_amax else None
+  i, j = pl.program_id(0), pl.program_id(1)
+  t = _tile_index(i, j, x_ref.shape[0], n, block_m=block_m, block_n=block_n,
+                  rows_in_bounds=True)
   rows, cols, row_mask, _, mask = t
   x = _load_tile(x_ref, rows, cols, mask)  # [block_m, block_n] f32
   mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)  # [block_m]
   rstd = _load(rstd_ref.at[rows], row_mask)
   params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
-  _emit(x, t, mean, rstd, params, (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref))
+  bits = _emit(x, t, mean, rstd, params, q)
+  if amax_ref is not None:
+    amax_ref[i * pl.num_programs(1) + j] = jnp.max(jnp.max(bits, axis=1), axis=0)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -514,32 +530,67 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   return _row_results(list(outs), m, subtract_mean)
 
 
+def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_mean,
+                   fp8_dtype, transpose, with_amax, interpret, config, name):
+  m, n = x.shape
+  cfg = config or fp8_config(m, n, x.dtype, kernel="quantise", transpose=transpose,
+                             interpret=interpret)
+  grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))
+  outs = [] if fp8_dtype is None else _y_outs(x, fp8_dtype, transpose)
+  if with_amax:
+    outs.append(out_struct((grid[0] * grid[1],), jnp.int32, x))
+  outs = _call(_quantise_kernel,
+               [x, scale, bias, mean if subtract_mean else None, rstd,
+                None if fp8_dtype is None else _inv(inv)],
+               outs, grid, cfg, interpret, name, n=n, scale_offset=float(scale_offset),
+               subtract_mean=subtract_mean, has_scale=scale is not None,
+               has_bias=bias is not None,
+               fp8_dtype=None if fp8_dtype is None else jnp.dtype(fp8_dtype).name,
+               transpose=transpose, with_amax=with_amax)
+  return list(outs)
+
+
 def fp8_quantise(x, scale, bias, mean, rstd, inv, *, scale_offset: float,
                  subtract_mean: bool, fp8_dtype, transpose: bool, interpret: bool,
-                 config: Fp8Config | None = None):
-  """Current scaling, pass 2: y (and y_t) from x and the saved statistics.
+                 config: Fp8Config | None = None, return_amax: bool = False):
+  """Current scaling, pass 2: y (and y_t) from x and the saved statistics; also the
+  tensor-parallel apply pass (statistics of whole rows from an all-reduce).
 
   Args:
     x, scale, bias, scale_offset, subtract_mean, fp8_dtype, transpose, interpret,
       config: as in ``fp8_norm_delayed``.
     mean: [M] f32 (read for LayerNorm only); rstd: [M] f32 (``fp8_stats``'s).
     inv: () float32, 1 / y_scale.
+    return_amax: also return the tiles' max |y_f32| bits (delayed scaling's amax).
 
   Returns:
-    (y [M, N] fp8, y_t [N, M] fp8 or None).
+    (y [M, N] fp8, y_t [N, M] fp8 or None), and with ``return_amax`` the amax bits
+    [tiles] int32 (``reduce_amax``'s input).
   """
-  m, n = x.shape
-  cfg = config or fp8_config(m, n, x.dtype, kernel="quantise", transpose=transpose,
-                             interpret=interpret)
-  outs = _call(_quantise_kernel,
-               [x, scale, bias, mean if subtract_mean else None, rstd, _inv(inv)],
-               _y_outs(x, fp8_dtype, transpose),
-               (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)), cfg, interpret,
-               "pallas_norm_fp8_quantise", n=n, scale_offset=float(scale_offset),
-               subtract_mean=subtract_mean, has_scale=scale is not None,
-               has_bias=bias is not None, fp8_dtype=jnp.dtype(fp8_dtype).name,
-               transpose=transpose)
-  return outs[0], (outs[1] if transpose else None)
+  outs = _quantise_call(x, scale, bias, mean, rstd, inv, scale_offset=scale_offset,
+                        subtract_mean=subtract_mean, fp8_dtype=fp8_dtype,
+                        transpose=transpose, with_amax=return_amax, interpret=interpret,
+                        config=config, name="pallas_norm_fp8_quantise")
+  y, y_t = outs[0], (outs[1] if transpose else None)
+  return (y, y_t, outs[-1]) if return_amax else (y, y_t)
+
+
+def fp8_tile_amax(x, scale, bias, mean, rstd, *, scale_offset: float, subtract_mean: bool,
+                  interpret: bool, config: Fp8Config | None = None):
+  """The amax bits of y_f32 from x and given statistics, nothing stored but them: the
+  tensor-parallel current scaling's pass between the statistics all-reduce and the
+  quantise pass (a shard's rows cannot give their amax before the whole rows' rstd is
+  known).
+
+  Args: as in ``fp8_quantise``.
+
+  Returns:
+    amax bits [tiles] int32 (``reduce_amax``'s input).
+  """
+  return _quantise_call(x, scale, bias, mean, rstd, None, scale_offset=scale_offset,
+                        subtract_mean=subtract_mean, fp8_dtype=None, transpose=False,
+                        with_amax=True, interpret=interpret, config=config,
+                        name="pallas_norm_fp8_amax")[0]
 
 
 def reduce_amax(amax_bits):
