@@ -250,8 +250,16 @@ def _dequantise(x, s_ptr, offs, mask, XGROUP: tl.constexpr):
   float32 x * s, s [..., N // XGROUP] the dequantisation scales of its groups: element
   (row, col) takes scale offs // XGROUP = row * (N // XGROUP) + col // XGROUP (the
   Pallas kernels' ``_dequantise``: the same float32 product)."""
-  s = tl.load(s_ptr + offs // XGROUP, mask=mask, other=0.0)
-  return x.to(tl.float32) * s
+  return x.to(tl.float32) * _group_scales(s_ptr, offs, mask, XGROUP)
+
+
+@triton.jit
+def _group_scales(s_ptr, offs, mask, XGROUP: tl.constexpr):
+  """The [BLOCK_M, BLOCK_N] f32 tile of each element's group scale (``_dequantise``'s
+  gather): loaded next to a prefetched FP8 tile, so that the persistent loops multiply
+  it in only when the tile is used (a product right after the prefetch's loads would
+  wait for them before the current block's math, serialising the pipeline)."""
+  return tl.load(s_ptr + offs // XGROUP, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -480,25 +488,42 @@ def norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
-    x = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, XGROUP, EVICT_FIRST, STREAM_CG,
-                  False)  # [BLOCK_M, BLOCK_N]
     if PERSISTENT:
       w = _load_param(scale_ptr, b * PARAM_STRIDE + cols, col_mask, SCALE_OFFSET, HAS_SCALE)
       bias = _load_param(bias_ptr, b * PARAM_STRIDE + cols, col_mask, 0.0, HAS_BIAS)
       step = tl.num_programs(0)
+      # FP8 x: the prefetched tile stays FP8 with its scales beside it, dequantised when
+      # used (_group_scales)
+      if XGROUP > 0:
+        x_raw = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+        xs = _group_scales(r_ptr, offs0, mask0, XGROUP)
+      else:
+        x_raw = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, XGROUP, EVICT_FIRST,
+                          STREAM_CG, False)  # [BLOCK_M, BLOCK_N]
+        xs = 0.0
       for rb in tl.range(pid, n_rb, step):
         # Prefetch the next row block before this one's math; past the last block the
         # rows are all masked.
         _, _, offs_next, mask_next = _tile_at(b, rb + step, cols, col_mask, M, N, BLOCK_M,
                                               USE_INT64)
-        x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, XGROUP, EVICT_FIRST,
-                           STREAM_CG, False)
+        if XGROUP > 0:
+          x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+          xs_next = _group_scales(r_ptr, offs_next, mask_next, XGROUP)
+          x = x_raw.to(tl.float32) * xs
+        else:
+          x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, XGROUP,
+                             EVICT_FIRST, STREAM_CG, False)
+          xs_next = 0.0
+          x = x_raw
         _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, w, bias, scale_ptr, bias_ptr,
                   b * PARAM_STRIDE, b, rb, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
                   HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M,
                   BLOCK_N, USE_INT64, False)
-        x = x_next
+        x_raw = x_next
+        xs = xs_next
     else:
+      x = _load_sum(x_ptr, r_ptr, offs0, mask0, HAS_RESIDUAL, XGROUP, EVICT_FIRST, STREAM_CG,
+                    False)  # [BLOCK_M, BLOCK_N]
       _fwd_tile(x, y_ptr, h_ptr, mean_ptr, rstd_ptr, 0.0, 0.0, scale_ptr, bias_ptr,
                 b * PARAM_STRIDE, b, pid, M, N, EPS, SCALE_OFFSET, SUBTRACT_MEAN,
                 HAS_SCALE, HAS_BIAS, STATS, HAS_RESIDUAL, XGROUP, LLAMA_X, LLAMA_Y, BLOCK_M,
@@ -743,9 +768,8 @@ def norm_bwd_kernel(
   dbias = tl.zeros([BLOCK_N], tl.float32)
   _, _, offs0, mask0 = _tile_at(b, pid, cols, col_mask, M, N, BLOCK_M, USE_INT64)
   dy = _stream_load(dy_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)  # [BLOCK_M, BLOCK_N]
-  x = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
-  if XGROUP > 0:
-    x = _dequantise(x, xs_ptr, offs0, mask0, XGROUP)
+  x_raw = _stream_load(x_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
+  xs = _group_scales(xs_ptr, offs0, mask0, XGROUP) if XGROUP > 0 else 0.0
   if PREFETCH_DH:
     dh = _stream_load(dh_ptr, offs0, mask0, EVICT_FIRST, STREAM_CG)
   else:
@@ -757,8 +781,13 @@ def norm_bwd_kernel(
                                           USE_INT64)
     dy_next = _stream_load(dy_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
+    # FP8 x: prefetched as FP8 with its scales, dequantised here, for this block
     if XGROUP > 0:
-      x_next = _dequantise(x_next, xs_ptr, offs_next, mask_next, XGROUP)
+      xs_next = _group_scales(xs_ptr, offs_next, mask_next, XGROUP)
+      x = x_raw.to(tl.float32) * xs
+    else:
+      xs_next = 0.0
+      x = x_raw
     if PREFETCH_DH:
       dh_next = _stream_load(dh_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     else:
@@ -787,7 +816,8 @@ def norm_bwd_kernel(
     dscale += tl.sum(dyf * x_hat_w, axis=0)
     dbias += tl.sum(dyf, axis=0)
     dy = dy_next
-    x = x_next
+    x_raw = x_next
+    xs = xs_next
     dh = dh_next
   part_row = b * step + pid
   if USE_INT64:
