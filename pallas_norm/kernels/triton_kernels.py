@@ -246,20 +246,42 @@ def _affine(x_hat, w, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 
 @triton.jit
 def _dequantise(x, s_ptr, offs, mask, XGROUP: tl.constexpr):
-  """FP8 tile ``x`` at flat offsets ``offs`` (row * N + col, N a multiple of XGROUP) as
-  float32 x * s, s [..., N // XGROUP] the dequantisation scales of its groups: element
-  (row, col) takes scale offs // XGROUP = row * (N // XGROUP) + col // XGROUP (the
-  Pallas kernels' ``_dequantise``: the same float32 product)."""
-  return x.to(tl.float32) * _group_scales(s_ptr, offs, mask, XGROUP)
+  """FP8 tile ``x`` [BLOCK_M, BLOCK_N] at flat offsets ``offs`` (row * N + col, N a
+  multiple of XGROUP) as float32 x * s, s [..., N // XGROUP] the dequantisation scales
+  of its groups: element (row, col) takes scale offs // XGROUP = row * (N // XGROUP) +
+  col // XGROUP (the Pallas kernels' ``_dequantise``: the same float32 product)."""
+  return _apply_scales(x, _group_scales(s_ptr, offs, mask, XGROUP), XGROUP)
 
 
 @triton.jit
 def _group_scales(s_ptr, offs, mask, XGROUP: tl.constexpr):
-  """The [BLOCK_M, BLOCK_N] f32 tile of each element's group scale (``_dequantise``'s
-  gather): loaded next to a prefetched FP8 tile, so that the persistent loops multiply
-  it in only when the tile is used (a product right after the prefetch's loads would
-  wait for them before the current block's math, serialising the pipeline)."""
-  return tl.load(s_ptr + offs // XGROUP, mask=mask, other=0.0)
+  """The scales of the groups of a [BLOCK_M, BLOCK_N] tile: [BLOCK_M, BLOCK_N // XGROUP]
+  f32, one load a group, when XGROUP divides BLOCK_N (the tile, viewed as [BLOCK_M,
+  BLOCK_N // XGROUP, XGROUP], starts at a multiple of XGROUP: its columns are k *
+  BLOCK_N + j); else each element's scale, [BLOCK_M, BLOCK_N] (a gather: one 4-byte load
+  an element, which made the backward twice as slow as with one a group). Loaded next to
+  a prefetched FP8 tile, multiplied in by ``_apply_scales`` when the tile is used."""
+  BM: tl.constexpr = offs.shape[0]
+  BN: tl.constexpr = offs.shape[1]
+  if BN % XGROUP == 0:
+    go = tl.min(tl.reshape(offs, (BM, BN // XGROUP, XGROUP)), axis=2) // XGROUP
+    gm = tl.max(tl.reshape(mask.to(tl.int32), (BM, BN // XGROUP, XGROUP)), axis=2) > 0
+    return tl.load(s_ptr + go, mask=gm, other=0.0)
+  else:
+    return tl.load(s_ptr + offs // XGROUP, mask=mask, other=0.0)
+
+
+@triton.jit
+def _apply_scales(x, s, XGROUP: tl.constexpr):
+  """float32 x * s for ``_group_scales``' s: broadcast over each group (x viewed as
+  [BLOCK_M, BLOCK_N // XGROUP, XGROUP]), or elementwise."""
+  BM: tl.constexpr = x.shape[0]
+  BN: tl.constexpr = x.shape[1]
+  if BN % XGROUP == 0:
+    xg = tl.reshape(x.to(tl.float32), (BM, BN // XGROUP, XGROUP)) * s[:, :, None]
+    return tl.reshape(xg, (BM, BN))
+  else:
+    return x.to(tl.float32) * s
 
 
 @triton.jit
@@ -509,7 +531,7 @@ def norm_fwd_kernel(
         if XGROUP > 0:
           x_next = _stream_load(x_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
           xs_next = _group_scales(r_ptr, offs_next, mask_next, XGROUP)
-          x = x_raw.to(tl.float32) * xs
+          x = _apply_scales(x_raw, xs, XGROUP)
         else:
           x_next = _load_sum(x_ptr, r_ptr, offs_next, mask_next, HAS_RESIDUAL, XGROUP,
                              EVICT_FIRST, STREAM_CG, False)
@@ -784,7 +806,7 @@ def norm_bwd_kernel(
     # FP8 x: prefetched as FP8 with its scales, dequantised here, for this block
     if XGROUP > 0:
       xs_next = _group_scales(xs_ptr, offs_next, mask_next, XGROUP)
-      x = x_raw.to(tl.float32) * xs
+      x = _apply_scales(x_raw, xs, XGROUP)
     else:
       xs_next = 0.0
       x = x_raw
