@@ -68,6 +68,9 @@ __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quan
 
 _F32 = jnp.float32
 KERNELS = ("delayed", "stats", "quantise")
+# Compiled kernels cast to FP8 with the hardware's saturating conversion (``_emit``);
+# False keeps quantise's explicit clip there too (the A/B of docs/fp8.md#fp8-tuning).
+HW_SATURATE = True
 
 
 # --------------------------------------------------------------------------- configs
@@ -231,20 +234,29 @@ def _load_params_2d(scale_ref, bias_ref, cols, col_mask, scale_offset):
 def _emit(x, tile, mean, rstd, params, q):
   """y_f32 of the f32 x ``tile`` ((rows, cols, row_mask, col_mask, mask)) from the rows'
   ``mean`` (None: RMSNorm) and ``rstd``; quantised and stored when ``q`` is
-  (inv, fp8_dtype, y_ref, y_t_ref or None). Returns the tile's |y| bits (_amax_bits,
-  [block_m, block_n] int32)."""
+  (inv, fp8_dtype, y_ref, y_t_ref or None, hw_sat). Returns the tile's |y| bits
+  (_amax_bits, [block_m, block_n] int32).
+
+  ``hw_sat`` (compiled for the GPU): the cast to FP8 is the hardware's saturating one,
+  ``cvt.rn.satfinite.e4m3x2.f32`` / ``.e5m2x2.f32`` (Triton's float32 -> FP8
+  conversion on sm_89+), which clips finite values and +-Inf to +-fp8_max and keeps
+  NaN: ``pallas_norm.fp8.quantise``'s semantics without its two selects (four
+  instructions an element of a kernel that issues ~19). Interpret mode keeps them: XLA's
+  CPU cast does not saturate. tests/test_fp8_output.py's saturation and NaN/Inf tests
+  check both."""
   rows, cols, _, col_mask, mask = tile
   if mean is not None:
     x = x - mean[:, None]
   w, b = params(cols, col_mask)
   y = _affine(x * rstd[:, None], w, b)  # [block_m, block_n] f32
   if q is not None:
-    inv, fp8_dtype, y_ref, y_t_ref = q
-    yq = quantise(y, inv, fp8_dtype)
+    inv, fp8_dtype, y_ref, y_t_ref, hw_sat = q
+    yq = (y * inv).astype(fp8_dtype) if hw_sat else quantise(y, inv, fp8_dtype)
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], yq, mask=mask)
     if y_t_ref is not None:  # y_t[c, r] = y[r, c]: the same tile through transposed indices
       plgpu.store(y_t_ref.at[cols[None, :], rows[:, None]], yq, mask=mask)
-  return _amax_bits(y, mask)
+  # Masked elements were loaded as 0: their y is 0 unless a mean or a bias moves it.
+  return _amax_bits(y, mask if mean is not None or b is not None else None)
 
 
 def _walk(num_chunks, body, init):
@@ -258,7 +270,7 @@ def _walk(num_chunks, body, init):
   return lax.fori_loop(0, num_chunks, lambda j, c: body(num_chunks - 1 - j, c), init)
 
 
-def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean):
+def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat):
   """(x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref) of a row-block kernel;
   q as in _emit (None for the statistics kernel), the absent refs None."""
   refs = list(refs)
@@ -269,7 +281,7 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean):
   if fp8_dtype is not None:
     inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
-    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref)
+    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref, amax_ref = refs
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
@@ -310,12 +322,12 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, tile_params, block_m, block_n):
+                 fp8_dtype, transpose, hw_sat, tile_params, block_m, block_n):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling)."""
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
   m = x_ref.shape[0]
   rb = pl.program_id(0)
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
@@ -338,8 +350,8 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       fp8_dtype, transpose, tile_params, hoist_params, block_m, block_n,
-                       num_programs):
+                       fp8_dtype, transpose, hw_sat, tile_params, hoist_params, block_m,
+                       block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -352,7 +364,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
   """
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
   m = x_ref.shape[0]
   pid = pl.program_id(0)
   num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
@@ -395,7 +407,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                     fp8_dtype, transpose, with_amax, block_m, block_n):
+                     fp8_dtype, transpose, with_amax, hw_sat, block_m, block_n):
   """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
   quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
   the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
@@ -410,7 +422,7 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
   if fp8_dtype is not None:
     inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
-    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref)
+    q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   amax_ref = refs.pop(0) if with_amax else None
   i, j = pl.program_id(0), pl.program_id(1)
   t = _tile_index(i, j, x_ref.shape[0], n, block_m=block_m, block_n=block_n,
@@ -461,7 +473,8 @@ def _y_outs(x, fp8_dtype, transpose):
 
 def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
   return pl.pallas_call(
-      functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n, **statics),
+      functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n,
+                        hw_sat=HW_SATURATE and not interpret, **statics),
       out_shape=outs,
       grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
