@@ -71,12 +71,6 @@ KERNELS = ("delayed", "stats", "quantise")
 # Compiled kernels cast to FP8 with the hardware's saturating conversion (``_emit``);
 # False keeps quantise's explicit clip there too (the A/B of docs/fp8.md#fp8-tuning).
 HW_SATURATE = True
-# The persistent whole-row kernel folds its running amax a run of _AMAX_VEC columns at a
-# time (a 16-byte vector of bf16 x: one thread's run in the tile's layout, so the max
-# stays in its registers): a [block_m, block_n / 8] int32 carry instead of [block_m,
-# block_n]. ptxas (sm_90a, [1, 4096] x 16 warps): 40 -> 32 registers, 60 -> 39 with
-# scale/bias hoisted.
-_AMAX_VEC = 8
 
 
 # --------------------------------------------------------------------------- configs
@@ -391,9 +385,6 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       params = lambda c, cm: (w, b)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
 
-    vec = _AMAX_VEC if block_n % _AMAX_VEC == 0 else 1
-    zeros = jnp.zeros((block_m, block_n // vec), jnp.int32)
-
     def body(i, carry):
       amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
       rb = pid + i * num_programs
@@ -401,10 +392,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       t = tile(rb, 0)
       x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
-      bits = _emit(x, t, mean, rstd, params, q)
-      if vec > 1:  # each thread's run of vec columns, folded in its registers
-        bits = jnp.max(bits.reshape(block_m, block_n // vec, vec), axis=2)
-      amax = jnp.maximum(amax, bits)
+      amax = jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax, x_next
 
