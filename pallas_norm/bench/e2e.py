@@ -83,6 +83,7 @@ class Config:
   batch: int
   vocab: int = 32000
   eps: float = 1e-6
+  packed_qkv: int = 0  # 1: one q|k|v projection, q and k sliced from it (the QK-norm's input)
 
 
 CONFIGS = {
@@ -175,8 +176,12 @@ def _modules():
       d, hd = cfg.d, cfg.head_dim
       self.cfg, self.fused = cfg, variant == "fused"
       self.attn_norm, self.mlp_norm = make(d, rngs), make(d, rngs)
-      self.wq, self.wk = lin(d, cfg.heads * hd), lin(d, cfg.kv_heads * hd)
-      self.wv, self.wo = lin(d, cfg.kv_heads * hd), lin(cfg.heads * hd, d)
+      if cfg.packed_qkv:
+        self.wqkv = lin(d, (cfg.heads + 2 * cfg.kv_heads) * hd)
+      else:
+        self.wq, self.wk = lin(d, cfg.heads * hd), lin(d, cfg.kv_heads * hd)
+        self.wv = lin(d, cfg.kv_heads * hd)
+      self.wo = lin(cfg.heads * hd, d)
       self.q_norm = make(hd, rngs) if cfg.style == "qwen3" else None
       self.k_norm = make(hd, rngs) if cfg.style == "qwen3" else None
       self.w_gate, self.w_up, self.w_down = lin(d, cfg.ffn), lin(d, cfg.ffn), lin(cfg.ffn, d)
@@ -184,9 +189,16 @@ def _modules():
     def attention(self, y):
       c = self.cfg
       b, s, _ = y.shape
-      q = self.wq(y).reshape(b, s, c.heads, c.head_dim)
-      k = self.wk(y).reshape(b, s, c.kv_heads, c.head_dim)
-      v = self.wv(y).reshape(b, s, c.kv_heads, c.head_dim)
+      if c.packed_qkv:  # q and k are slices of one projection: inside the norms' scope,
+        #                 so that a copy XLA makes of them for a custom call counts there
+        qkv = self.wqkv(y).reshape(b, s, c.heads + 2 * c.kv_heads, c.head_dim)
+        v = qkv[:, :, c.heads + c.kv_heads:]
+        with jax.named_scope("pn_norm"):
+          q, k = qkv[:, :, :c.heads], qkv[:, :, c.heads:c.heads + c.kv_heads]
+      else:
+        q = self.wq(y).reshape(b, s, c.heads, c.head_dim)
+        k = self.wk(y).reshape(b, s, c.kv_heads, c.head_dim)
+        v = self.wv(y).reshape(b, s, c.kv_heads, c.head_dim)
       if self.q_norm is not None:
         with jax.named_scope("pn_norm"):
           q, k = self.q_norm(q), self.k_norm(k)
