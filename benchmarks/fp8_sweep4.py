@@ -1,6 +1,6 @@
-"""FP8-output delayed kernel (no y_t), sweep 4: the persistent whole-row configs once the
-amax carry is folded a thread's 8-column run at a time (kernels/fp8.py ``_AMAX_VEC``:
-fewer registers, so more programs a SM or scale/bias hoisted), at 8192x4096,
+"""FP8-output delayed kernel (no y_t), sweep 4: the persistent whole-row configs. Run at
+327ea5c, where the amax carry was folded a thread's 8-column run at a time (fewer
+registers; reverted after this sweep: one-row tiles ran 2x slower, docs/fp8.md), at 8192x4096,
 16384x4096, 32768x2048 and 8192x8192, RMSNorm and LayerNorm. CUPTI kernel time, median
 of 10 calls over inputs rotated over >= 256 MiB, rounds interleaved (3); bf16 x, f32
 scale/bias, e4m3fn. Usage: python benchmarks/fp8_sweep4.py OUT.json BUDGET_S (GPU)."""
