@@ -179,6 +179,13 @@ def test_errors():
     mosaic_backward.norm_backward(
         dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
             block_m=1, block_w=256, num_stages=1, num_programs=1), **kw)
+  for bad in (2, 3, 6):  # a row block's statistics would start misaligned for TMA
+    with pytest.raises(ValueError, match="multiple of 4"):
+      mosaic_backward.MosaicBackwardConfig(block_m=bad, block_w=128, num_stages=1,
+                                           num_programs=1)
+  for n in (256, 1024, 1280, 1536, 2048, 4096, 8192):  # the defaults never pick them
+    assert mosaic_backward.backward_config(8192, n, jnp.bfloat16, False).block_m in (
+        1, 4, 8, 16, 32)
   with pytest.raises(ValueError, match="block_m"):
     mosaic_backward.MosaicBackwardConfig(block_m=0, block_w=128, num_stages=1,
                                          num_programs=1)

@@ -82,6 +82,7 @@ __all__ = ["MosaicBackwardConfig", "backward_config", "norm_backward"]
 _F32 = jnp.float32
 _WARPGROUP = 128  # threads of one Mosaic GPU program (one warpgroup)
 _STATS_WINDOW = 32  # f32 elements of mean / rstd a TMA copy: 128 bytes, a warpgroup's
+_STATS_ALIGN = 4  # f32 elements in 16 bytes: a TMA source's alignment
 _MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a copy
 # Shared memory one program may use (H100 / H200: 227 KB a block; headroom for the
 # barriers and the reduction scratch Mosaic GPU allocates itself).
@@ -98,7 +99,9 @@ class MosaicBackwardConfig:
   """Launch config of the Mosaic GPU backward.
 
   Attributes:
-    block_m: rows a row block (1 <= block_m <= 32).
+    block_m: rows a row block: 1, or a multiple of 4 up to 32 (a row block's mean/rstd
+      then start on a 16-byte boundary, which a TMA source must; one row reads its
+      value at an offset into an aligned window).
     block_w: columns of one TMA chunk (128 or 256; divides N rounded up to 128).
     num_stages: shared-memory slots of the load pipeline (>= 1): row blocks in flight.
     num_programs: G, the stage-1 grid (<= 256); the partials are [G, N] float32.
@@ -110,8 +113,10 @@ class MosaicBackwardConfig:
   num_programs: int
 
   def __post_init__(self):
-    if not 1 <= self.block_m <= _STATS_WINDOW:
-      raise ValueError(f"{self.block_m=} must be in [1, {_STATS_WINDOW}]")
+    if not (self.block_m == 1 or (self.block_m % _STATS_ALIGN == 0
+                                  and _STATS_ALIGN <= self.block_m <= _STATS_WINDOW)):
+      raise ValueError(f"{self.block_m=} must be 1 or a multiple of {_STATS_ALIGN} up to "
+                       f"{_STATS_WINDOW}")
     if self.block_w not in (128, 256):
       raise ValueError(f"{self.block_w=} must be 128 or 256")
     if self.num_stages < 1:
@@ -139,7 +144,7 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
 
   block_m: as many rows as keep a block at <= 4096 elements a chunk pass (16 f32 a
   thread and array) and the program's shared memory under ``_SMEM_BYTES`` with 2
-  stages; stages: 3 when they fit. G: the SM count (4 on CPU), at most the row blocks.
+  stages, 1 or a multiple of 4; stages: 3 when they fit. G: the SM count (4 on CPU), at most the row blocks.
   Untuned (no GPU measurement yet). ``subtract_mean`` is accepted for the tuning to come.
   """
   del subtract_mean
@@ -147,9 +152,10 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
   b = jnp.dtype(dtype).itemsize
   n = _padded(n)
   block_w = 256 if n % 256 == 0 else 128
-  block_m = max(1, min(_STATS_WINDOW, 4096 // n))
-  while block_m > 1 and _smem_bytes(n, block_m, 2, b, b, b, 4) > _SMEM_BYTES:
-    block_m //= 2
+  # 1, or a multiple of 4 (MosaicBackwardConfig.block_m), the largest that fits
+  fits = [bm for bm in range(_STATS_WINDOW, 0, -_STATS_ALIGN) if bm <= 4096 // n
+          and _smem_bytes(n, bm, 2, b, b, b, 4) <= _SMEM_BYTES]
+  block_m = fits[0] if fits else 1
   stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
   g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), block_m)))
   return MosaicBackwardConfig(block_m=block_m, block_w=block_w, num_stages=stages,
@@ -187,7 +193,17 @@ def _kernel(body, out, scratch, *, grid, interpret, name):
   out_kw, scratch_kw = _kernel_kwargs()
   return plgpu.kernel(body, **{out_kw: out, scratch_kw: scratch}, grid=grid,
                       grid_names=("g",), interpret=_interpret_params() if interpret else None,
-                      kernel_name=name)
+                      kernel_name=name, compiler_params=_lane_semantics())
+
+
+def _lane_semantics():
+  """CompilerParams with Lane lowering semantics: jax 0.11 made Warpgroup the default,
+  whose layout inference fails on these kernels ("A satisfiable system should not have
+  remaining unsatisfied constraints", H200, jax 0.11.2, even at 100x1024); 0.10's
+  default was Lane (git diff jax-v0.10.2 jax-v0.11.0 --
+  jax/_src/pallas/mosaic_gpu/core.py). The kernels give their register layouts
+  themselves (``_Layouts``)."""
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 class _Layouts:
@@ -221,11 +237,13 @@ class _Layouts:
       return self.cast(lax.broadcast_in_dim(v, (1, width), ()), self.tile)
     return self.cast(lax.broadcast_in_dim(v, (v.shape[0], width), (0,)), self.tile)
 
-  def stats(self, ref, rows):
-    """rows values of a [32] f32 mean / rstd window: [rows] in the row layout, or a
-    scalar for one row (Mosaic GPU cannot load a one-element vector)."""
+  def stats(self, ref, rows, off):
+    """rows values of a [32] f32 mean / rstd window: [rows] in the row layout (from
+    its start: a block of a multiple of 4 rows starts aligned), or a scalar for one row
+    (Mosaic GPU cannot load a one-element vector), at ``off`` (traced, 0 to 3) into the
+    window, which starts on the 16-byte boundary at or before the row."""
     if rows == 1:
-      return ref[0]
+      return ref[off]
     return self.cast(ref[pl.ds(0, rows)], self.row)
 
   def cols(self, v, rows):
@@ -283,7 +301,9 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     for c in range(num_chunks):
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
       plgpu.copy_gmem_to_smem(dy_ref.at[rows, chunk(c)], dys.at[slot, c], bar.at[slot])
-    window = pl.ds(row0, _STATS_WINDOW)
+    # a TMA source must be 16-byte aligned: the window starts at the boundary at or
+    # before row0 (one row: row0 % 4 elements before it; a multiple of 4 rows: at it)
+    window = pl.ds(row0 - lax.rem(row0, _STATS_ALIGN), _STATS_WINDOW)
     if subtract_mean:
       plgpu.copy_gmem_to_smem(mean_ref.at[window], ms.at[slot], bar.at[slot])
     plgpu.copy_gmem_to_smem(rstd_ref.at[window], rs.at[slot], bar.at[slot])
@@ -317,8 +337,9 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     slot = lax.rem(step, num_stages)
     rb = r + step * num_programs
     plgpu.barrier_wait(bar.at[slot])
-    rstd = lay.stats(rs.at[slot], block_m)  # [block_m] f32 (a scalar for one row)
-    mean = lay.stats(ms.at[slot], block_m) if subtract_mean else None
+    off = lax.rem(rb * block_m, _STATS_ALIGN)  # 0 unless one row a block
+    rstd = lay.stats(rs.at[slot], block_m, off)  # [block_m] f32 (a scalar for one row)
+    mean = lay.stats(ms.at[slot], block_m, off) if subtract_mean else None
     # pass 1: the row sums, chunk by chunk, summed across the warpgroup once
     s1, s2 = [], []
     for c in range(num_chunks):
