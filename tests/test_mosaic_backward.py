@@ -196,10 +196,6 @@ def test_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skip(reason="compiled on an H200 with jax 0.11.2 the kernels hit "
-                  "CUDA_ERROR_ILLEGAL_INSTRUCTION, which poisons the process's CUDA context for "
-                  "the rest of make gpu-check (benchmarks/results/"
-                  "h200_2026-11-23_gpu-check_mosaic_bwd_252e7da.log); issue #29")
 @pytest.mark.parametrize("m,n,dtype,layer", [
     (8192, 4096, "bfloat16", True), (8192, 4096, "bfloat16", False),
     (1000, 760, "bfloat16", True), (333, 8192, "float16", False), (4097, 1024, "float32", True),
