@@ -1,13 +1,14 @@
 """Probe (lead): does mosaic_backward compile and run on jax 0.11 once plgpu.kernel gets
 Lane lowering semantics (0.11 changed the default to Warpgroup, which runs layout
-inference)? Each case in its own subprocess. Usage (GPU machine): python benchmarks/mosaic_bwd_probe.py (its cases), or ... OP M N LANE BM STAGES BW NOSCALE (one case)."""
+inference)? Each case in its own subprocess. Usage (GPU machine): python benchmarks/mosaic_bwd_probe.py (its cases), or ... OP M N LANE
+BM STAGES BW NOSCALE G (one case; 0 = the default config's value)."""
 import json, os, subprocess, sys, time, traceback
-CASES = [("rms", 8192, 4096, 0, 0, 0, 0, 0), ("layer", 8192, 4096, 0, 0, 0, 0, 0),
-         ("rms", 16384, 4096, 0, 0, 0, 0, 0), ("layer", 16384, 4096, 0, 0, 0, 0, 0),
-         ("rms", 8192, 2048, 0, 0, 0, 0, 0), ("layer", 8192, 1024, 0, 0, 0, 0, 0),
-         ("rms", 4096, 8192, 0, 0, 0, 0, 0), ("layer", 1000, 1280, 0, 0, 0, 0, 0)]
+CASES = [("rms", 8192, 4096, 0, 0, 0, 0, 0, 256), ("rms", 8192, 4096, 0, 0, 2, 0, 0, 256),
+         ("rms", 8192, 4096, 0, 4, 2, 0, 0, 0), ("layer", 8192, 4096, 0, 0, 0, 0, 0, 256),
+         ("rms", 8192, 4096, 0, 0, 4, 0, 0, 0), ("rms", 8192, 2048, 0, 4, 3, 0, 0, 0),
+         ("rms", 8192, 4096, 0, 0, 0, 128, 0, 256)]
 
-def run_case(op, m, n, lane, bm=0, stages=0, bw=0, noscale=0):
+def run_case(op, m, n, lane, bm=0, stages=0, bw=0, noscale=0, g=0):
   import jax, jax.numpy as jnp, numpy as np
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if lane:
@@ -44,6 +45,8 @@ def run_case(op, m, n, lane, bm=0, stages=0, bw=0, noscale=0):
     cfg = dataclasses.replace(cfg, block_w=bw)
   if noscale:
     s = None
+  if g:
+    cfg = dataclasses.replace(cfg, num_programs=g)
   out["config"] = str(cfg)
   f = jax.jit(lambda dy, x, s, mu, r: MB.norm_backward(dy, x, s, mu, r, config=cfg, **kw))
   got = jax.block_until_ready(f(dy, x, s, mean, rstd))
@@ -61,12 +64,12 @@ def run_case(op, m, n, lane, bm=0, stages=0, bw=0, noscale=0):
 
 if __name__ == "__main__":
   if len(sys.argv) > 1:
-    op, m, n, lane, bm, st, bw, ns = sys.argv[1], *map(int, sys.argv[2:9])
+    op, m, n, lane, bm, st, bw, ns, g = sys.argv[1], *map(int, sys.argv[2:10])
     try:
-      r = dict(ok=True, **run_case(op, m, n, lane, bm, st, bw, ns))
+      r = dict(ok=True, **run_case(op, m, n, lane, bm, st, bw, ns, g))
     except Exception as e:
       r = dict(ok=False, error=traceback.format_exc()[-1800:])
-    print("RESULT " + json.dumps(dict(op=op, m=m, n=n, lane=lane, bm=bm, stages=st, bw=bw, noscale=ns, **r)), flush=True)
+    print("RESULT " + json.dumps(dict(op=op, m=m, n=n, lane=lane, bm=bm, stages=st, bw=bw, noscale=ns, g=g, **r)), flush=True)
   else:
     for c in CASES:
       p = subprocess.run([sys.executable, __file__, *map(str, c)], capture_output=True, text=True, timeout=150)
