@@ -146,18 +146,24 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
                     device: DeviceInfo | None = None) -> MosaicBackwardConfig:
   """The default launch config for x [M, N] of ``dtype``.
 
-  block_m: as many rows as keep a block at <= 4096 elements a chunk pass (16 f32 a
-  thread and array) and the program's shared memory under ``_SMEM_BYTES`` with 2
-  stages, 1 or a multiple of 4; stages: 3 when they fit. G: the SM count (4 on CPU), at most the row blocks.
-  Untuned (no GPU measurement yet). ``subtract_mean`` is accepted for the tuning to come.
+  block_m: as many rows as keep a block at <= 4096 elements up to N = 1024, 4 rows up
+  to N = 4096, 1 beyond, within the program's shared memory (``_SMEM_BYTES``) with 2
+  stages; 1 or a multiple of 4; stages: 3 when they fit. G: the SM count (4 on CPU), at
+  most the row blocks. Measured at a few shapes only (the comment at the rule).
+  ``subtract_mean`` is accepted for the tuning to come.
   """
   del subtract_mean
   device = device or device_info()
   b = jnp.dtype(dtype).itemsize
   n = _padded(n)
   block_w = 256 if n % 256 == 0 else 128
-  # 1, or a multiple of 4 (MosaicBackwardConfig.block_m), the largest that fits
-  fits = [bm for bm in range(_STATS_WINDOW, 0, -_STATS_ALIGN) if bm <= 4096 // n
+  # 1, or a multiple of 4 (MosaicBackwardConfig.block_m), the largest that fits; rows
+  # up to 4096 wide take 4-row blocks rather than 1 (H200, 2026-11-24, RMSNorm,
+  # benchmarks/results/h200_2026-11-24_mosaic_bwd_probe_*.txt: 8192x2048 34.5 us against
+  # 71.3 at one row, the Pallas backend's 34.4; 8192x4096 80.6 at 4 rows x 2 stages
+  # against 126.4 at 1 row x 3 stages, the Pallas backend's 57)
+  cap = 4096 // n if n <= 1024 else (_STATS_ALIGN if n <= 4096 else 1)
+  fits = [bm for bm in range(_STATS_WINDOW, 0, -_STATS_ALIGN) if bm <= cap
           and _smem_bytes(n, bm, 2, b, b, b, 4) <= _SMEM_BYTES]
   block_m = fits[0] if fits else 1
   stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
