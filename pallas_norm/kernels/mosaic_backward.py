@@ -1,14 +1,13 @@
 """Pallas Mosaic GPU backward kernels (Hopper, sm_90) for RMSNorm and LayerNorm.
 
-Status (2026-11-24, issue #29): runs through JAX's Mosaic GPU interpreter (the CPU
-tests) and compiled on an H200 with jax 0.11.2 (``pytest --gpu
+Status (2026-11-24, issue #29; docs/mosaic.md): runs through JAX's Mosaic GPU
+interpreter (the CPU tests) and compiled on an H200 with jax 0.11.2 (``pytest --gpu
 tests/test_mosaic_backward.py``: 19 passed, against the compiled Pallas backend at
-8192x4096 and ragged shapes; benchmarks/results/h200_2026-11-24_gpu-check_mosaic_bwd_0b42e36.log).
-Two fixes got it there: Lane lowering semantics (``_lane_semantics``) and 16-byte
-aligned mean/rstd TMA windows (``_STATS_ALIGN``). Not tuned: 126 us against the Pallas
-backend's 57 at 8192x4096 RMSNorm (2.2x slower; block_m=1 row blocks), 24.4 against 19.9
-at 8192x1024 LayerNorm (h200_2026-11-24_mosaic_bwd_probe_0b42e36.txt). Not wired into
-``ops`` (no ``backend="mosaic"`` yet).
+8192x4096 and ragged shapes). Two fixes got it there: Lane lowering semantics
+(``_lane_semantics``) and 16-byte aligned mean/rstd TMA windows (``_STATS_ALIGN``).
+Tuned at a few shapes only: 0.69-0.99x the Pallas backend's speed (RMSNorm 8192x2048
+34.4 against 34.1 us, 8192x4096 80.0 against 57.0). Not wired into ``ops`` (no
+``backend="mosaic"`` yet; no Mosaic GPU forward).
 
 Math, per row, as in ``backward.py`` (x_hat = (x - mean) * rstd, w = scale_offset +
 scale, g = dy * w, N the row length; RMSNorm has mean = 0 and c2 = 0):
