@@ -1,0 +1,293 @@
+"""Pallas Mosaic GPU forward kernel (Hopper, sm_90) for RMSNorm and LayerNorm.
+
+Status (2026-11-24, issue #29; docs/mosaic.md): runs through JAX's Mosaic GPU
+interpreter (tests/test_mosaic_forward.py) and is the forward of ``backend="mosaic"``
+in ``ops``, with ``kernels/mosaic_backward.py`` as its backward.
+
+Math, per row (N the row length), as ``forward.py`` computes it (cast="torch"):
+
+    LayerNorm: mean = sum(x) / N;  var = sum((x - mean)**2) / N   (two passes over the
+               row, from shared memory: never E[x^2] - E[x]^2)
+    RMSNorm:   mean = 0;           var = sum(x**2) / N
+    rstd = rsqrt(var + eps);  y = (x - mean) * rstd * (scale_offset + scale) + bias
+
+The row sums are one warpgroup's reductions, in another order than the Triton lowering's,
+so y agrees with the Pallas backend to about 1 ulp, not bitwise.
+
+``pallas_norm_mgpu_fwd`` (``plgpu.kernel``, grid (G,), one warpgroup a program): program
+r is persistent over row blocks r, r + G, ... (G about the SM count), TileGym's
+static_persistent. A row block of ``block_m`` rows (a multiple of 4: its mean/rstd, 16
+bytes, leave by one aligned TMA store) arrives in shared memory by TMA as ``N / block_w``
+[block_m, block_w] chunks into one of ``num_stages`` slots, each with an mbarrier: the
+next ``num_stages - 1`` row blocks are in flight while one is computed. scale and bias
+are copied to shared memory once a program. The statistics are computed from the slot
+(LayerNorm: two passes), then y chunk by chunk into a shared-memory staging tile that TMA
+stores to HBM (in flight while the next block is computed), and mean/rstd through a
+[block_m] staging vector each. TMA zero-fills rows past M on load and drops them on store.
+
+Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
+chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
+program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage);
+``cast="llama"``, the fused residual add, FP8 x and the tensor-parallel statistics pass
+are not implemented for this backend (``ops`` refuses them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_norm.config import DeviceInfo, cdiv, device_info
+from pallas_norm.kernels._compat import out_struct
+from pallas_norm.kernels.mosaic_backward import (_MAX_BOX, _SMEM_BYTES, _STATS_ALIGN,
+                                                 _WARPGROUP, _Layouts, _kernel, _sum,
+                                                 _vec)
+
+__all__ = ["MosaicForwardConfig", "forward_config", "norm_forward"]
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicForwardConfig:
+  """Launch config of the Mosaic GPU forward.
+
+  Attributes:
+    block_m: rows a row block, a multiple of 4 up to 32.
+    block_w: columns of one TMA chunk (128 or 256; divides N).
+    num_stages: shared-memory slots of the load pipeline (>= 1).
+    num_programs: G, the persistent grid (1 to 256).
+  """
+
+  block_m: int
+  block_w: int
+  num_stages: int
+  num_programs: int
+
+  def __post_init__(self):
+    if self.block_m % _STATS_ALIGN or not _STATS_ALIGN <= self.block_m <= 32:
+      raise ValueError(f"{self.block_m=} must be a multiple of {_STATS_ALIGN} up to 32")
+    if self.block_w not in (128, 256):
+      raise ValueError(f"{self.block_w=} must be 128 or 256")
+    if self.num_stages < 1:
+      raise ValueError(f"{self.num_stages=} must be >= 1")
+    if not 1 <= self.num_programs <= _MAX_BOX:
+      raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_BOX}]")
+
+
+def _smem_bytes(n, block_m, num_stages, x_bytes, y_bytes, param_bytes) -> int:
+  """x slots, the y staging tile, scale and bias, the mean/rstd staging vectors."""
+  return (num_stages * block_m * n * x_bytes + block_m * n * y_bytes + n * param_bytes
+          + 2 * 4 * block_m)
+
+
+def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
+                   device: DeviceInfo | None = None) -> MosaicForwardConfig:
+  """The default launch config for x [M, N] of ``dtype`` (unmeasured on the GPU: 4-row
+  blocks as the backward's measured picks, as many stages as fit, up to 3; G the SM
+  count, at most the row blocks). ``subtract_mean`` is accepted for tuning to come."""
+  del subtract_mean
+  device = device or device_info()
+  b = jnp.dtype(dtype).itemsize
+  block_w = 256 if n % 256 == 0 else 128
+  stages = 1
+  for s in (3, 2):
+    if _smem_bytes(n, _STATS_ALIGN, s, b, b, 8) <= _SMEM_BYTES:
+      stages = s
+      break
+  g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), _STATS_ALIGN)))
+  return MosaicForwardConfig(block_m=_STATS_ALIGN, block_w=block_w, num_stages=stages,
+                             num_programs=g)
+
+
+def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
+                block_m, block_w, num_stages, num_programs, interpret):
+  """Program r: row blocks r, r + G, ... of y (and mean/rstd)."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  bias_ref = refs.pop(0) if has_bias else None
+  y_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if stats and subtract_mean else None
+  rstd_ref = refs.pop(0) if stats else None
+  xs, ys = refs.pop(0), refs.pop(0)  # [S, C, block_m, W] x's dtype, [C, block_m, W] y's
+  ws = refs.pop(0) if has_scale else None  # [C, W] scale's dtype
+  bs = refs.pop(0) if has_bias else None  # [C, W] bias's dtype
+  ms = refs.pop(0) if mean_ref is not None else None  # [block_m] f32 staging
+  rs = refs.pop(0) if rstd_ref is not None else None
+  bar = refs.pop(0)  # [S]
+  pbar = refs.pop(0) if has_scale or has_bias else None
+  assert not refs
+
+  num_chunks = n // block_w
+  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
+  r = lax.axis_index("g")
+  num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+
+  def chunk(c):
+    return pl.ds(c * block_w, block_w)
+
+  def fetch(step, slot):  # row block r + step * G into slot
+    rows = pl.ds((r + step * num_programs) * block_m, block_m)
+    for c in range(num_chunks):
+      plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
+
+  if pbar is not None:  # scale and bias, once a program
+    for c in range(num_chunks):
+      if has_scale:
+        plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], pbar)
+      if has_bias:
+        plgpu.copy_gmem_to_smem(bias_ref.at[chunk(c)], bs.at[c], pbar)
+    plgpu.barrier_wait(pbar)
+
+  for s in range(num_stages):  # prologue: the first num_stages row blocks
+    @pl.when(s < num_steps)
+    def _():
+      fetch(s, s)
+
+  def x_of(slot, c):
+    return lay.cast(xs[slot, c], lay.tile).astype(_F32)  # [block_m, W] f32
+
+  def body(step, carry):
+    slot = lax.rem(step, num_stages)
+    rb = r + step * num_programs
+    plgpu.barrier_wait(bar.at[slot])
+    mean = None
+    if subtract_mean:
+      mean = jnp.sum(_sum([x_of(slot, c) for c in range(num_chunks)]), axis=1) / n
+      d2 = []
+      for c in range(num_chunks):
+        d = x_of(slot, c) - lay.rows(mean, block_w)
+        d2.append(d * d)
+      var = jnp.sum(_sum(d2), axis=1) / n  # [block_m] f32
+    else:
+      sq = []
+      for c in range(num_chunks):
+        x = x_of(slot, c)
+        sq.append(x * x)
+      var = jnp.sum(_sum(sq), axis=1) / n
+    rstd = lax.rsqrt(var + _F32(eps))  # [block_m] f32
+    # the previous row block's y and statistics have left the staging buffers
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for c in range(num_chunks):
+      x = x_of(slot, c)
+      if mean is not None:
+        x = x - lay.rows(mean, block_w)
+      y = x * lay.rows(rstd, block_w)
+      if has_scale:
+        w = lay.cast(ws[c], lay.col).astype(_F32)
+        y = y * lay.cols(w + _F32(scale_offset) if scale_offset else w, block_m)
+      if has_bias:
+        y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
+      ys[c] = y.astype(ys.dtype)
+    if rs is not None:
+      rs[...] = rstd
+    if ms is not None:
+      ms[...] = mean
+    plgpu.commit_smem()
+    rows = pl.ds(rb * block_m, block_m)
+    for c in range(num_chunks):
+      plgpu.copy_smem_to_gmem(ys.at[c], y_ref.at[rows, chunk(c)])
+    if rs is not None:
+      plgpu.copy_smem_to_gmem(rs, rstd_ref.at[rows])
+    if ms is not None:
+      plgpu.copy_smem_to_gmem(ms, mean_ref.at[rows])
+    plgpu.commit_smem_to_gmem_group()
+
+    # refill this slot with the row block num_stages ahead (its reads are done: the
+    # copy waits for the warpgroup)
+    @pl.when(step + num_stages < num_steps)
+    def _():
+      fetch(step + num_stages, slot)
+
+    return carry
+
+  lax.fori_loop(0, num_steps, body, 0)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _check(m, n, dtypes, cfg: MosaicForwardConfig):
+  """NotImplementedError / ValueError for what this backend cannot run."""
+  if n % _WARPGROUP:
+    raise NotImplementedError(
+        f"backend='mosaic' forward: N={n} must be a multiple of {_WARPGROUP} (whole "
+        f"TMA chunks); use backend='pallas'")
+  if n % cfg.block_w:
+    raise ValueError(f"config.block_w={cfg.block_w} must divide N={n}")
+  x_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
+  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest))
+  if need > _SMEM_BYTES:
+    raise NotImplementedError(
+        f"backend='mosaic' forward: one program needs {need} bytes of shared memory > "
+        f"{_SMEM_BYTES} (N={n}, block_m={cfg.block_m}, num_stages={cfg.num_stages}); "
+        f"use backend='pallas'")
+
+
+def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
+                 config=None, interpret: bool, return_residuals: bool = True):
+  """RMSNorm / LayerNorm forward on Pallas Mosaic GPU; ``forward.norm_forward``'s
+  contract for cast="torch" without a residual or FP8 x.
+
+  Args:
+    x: [M, N] float32, bfloat16 or float16, N a multiple of 128.
+    scale, bias: [N] or None.
+    eps, scale_offset, subtract_mean: as in ``forward.norm_forward``.
+    config: a MosaicForwardConfig; anything else (``ops`` passes the other backends'
+      configs) is ignored and ``forward_config`` picks one.
+    interpret: run through JAX's Mosaic GPU interpreter.
+    return_residuals: also return mean (LayerNorm) and rstd.
+
+  Returns:
+    (y [M, N] x's dtype, mean [M] f32 or None, rstd [M] f32 or None).
+
+  Raises:
+    NotImplementedError: N not a multiple of 128; shared memory beyond one program.
+    ValueError: a config whose block_w does not divide N.
+  """
+  m, n = x.shape
+  cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
+      m, n, x.dtype, subtract_mean)
+  _check(m, n, [x.dtype] + [p.dtype for p in (scale, bias) if p is not None], cfg)
+  want_mean = return_residuals and subtract_mean
+  if m == 0:
+    return (jnp.zeros_like(x), jnp.zeros((0,), _F32) if want_mean else None,
+            jnp.zeros((0,), _F32) if return_residuals else None)
+  bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
+  num_row_blocks = cdiv(m, bm)
+  g = max(1, min(cfg.num_programs, num_row_blocks))
+  num_chunks = n // bw
+  # The interpreter raises on TMA stores past M (the GPU drops them): the outputs have
+  # whole row blocks there, sliced after.
+  m_out = num_row_blocks * bm if interpret else m
+  out = [out_struct((m_out, n), x.dtype, x)]
+  if want_mean:
+    out.append(out_struct((m_out,), _F32, x))
+  if return_residuals:
+    out.append(out_struct((m_out,), _F32, x))
+  scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
+             plgpu.SMEM((num_chunks, bm, bw), x.dtype)]
+  scratch += [plgpu.SMEM((num_chunks, bw), p.dtype) for p in (scale, bias) if p is not None]
+  scratch += [plgpu.SMEM((bm,), _F32)] * (int(want_mean) + int(return_residuals))
+  scratch.append(plgpu.Barrier(num_arrivals=num_chunks, num_barriers=stages))
+  num_params = int(scale is not None) + int(bias is not None)
+  if num_params:
+    scratch.append(plgpu.Barrier(num_arrivals=num_params * num_chunks))
+  body = functools.partial(
+      _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
+      subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
+      stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
+      interpret=interpret)
+  inputs = [a for a in (x, scale, bias) if a is not None]
+  outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
+                      name="pallas_norm_mgpu_fwd")(*inputs))
+  if m_out != m:
+    outs = [o[:m] for o in outs]
+  y = outs.pop(0)
+  mean = outs.pop(0) if want_mean else None
+  rstd = outs.pop(0) if return_residuals else None
+  return y, mean, rstd

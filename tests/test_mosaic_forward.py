@@ -1,0 +1,113 @@
+"""The Pallas Mosaic GPU forward (kernels/mosaic_forward.py, issue #29): against the
+reference norm and the Pallas (Triton lowering) backend, through JAX's Mosaic GPU
+interpreter on CPU; CUDA lowering on CPU; compiled on the GPU (``--gpu``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_norm import config as pn_config
+from pallas_norm import reference
+from pallas_norm.kernels import forward, mosaic_forward
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _inputs(m, n, dtype, *, layer, has_scale=True, has_bias=True, seed=0):
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = (jax.random.normal(k[0], (m, n)) * 2 + (1.5 if layer else 0.0)).astype(dtype)
+  s = (1 + 0.1 * jax.random.normal(k[1], (n,))) if has_scale else None
+  b = 0.1 * jax.random.normal(k[2], (n,)) if layer and has_bias else None
+  return x, s, b
+
+
+def _ulp_close(got, want, dtype, what):
+  """Within 2 ulps of ``dtype`` at each value's magnitude: the row sums are taken in
+  another order, so rstd may differ by an ulp of float32 and y by one more rounding."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  eps = 2 * float(jnp.finfo(dtype).eps)
+  np.testing.assert_allclose(got, want, rtol=eps, atol=eps, err_msg=what)
+
+
+_CASES = [  # m, n, dtype, layer, has_scale, has_bias, scale_offset, config
+    (10, 256, jnp.bfloat16, True, True, True, 0.0, None),  # a ragged last row block
+    (9, 384, jnp.float32, False, True, False, 0.0, None),  # 3 chunks of 128
+    (37, 512, jnp.float16, True, False, True, 0.0, None),  # bias only
+    (21, 256, jnp.bfloat16, False, True, False, 1.0,  # one stage, 2 programs
+     mosaic_forward.MosaicForwardConfig(block_m=8, block_w=128, num_stages=1,
+                                        num_programs=2)),
+]
+
+
+@pytest.mark.parametrize("m,n,dtype,layer,has_scale,has_bias,scale_offset,cfg", _CASES)
+def test_matches_reference_and_pallas(m, n, dtype, layer, has_scale, has_bias,
+                                      scale_offset, cfg):
+  x, s, b = _inputs(m, n, dtype, layer=layer, has_scale=has_scale, has_bias=has_bias)
+  eps = 1e-5
+  kw = dict(eps=eps, scale_offset=scale_offset, subtract_mean=layer, interpret=not ON_GPU)
+  y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  assert (mean is None) == (not layer) and rstd.shape == (m,)
+  yr, mr, rr = reference.norm(x, s, b, eps=eps, scale_offset=scale_offset,
+                              subtract_mean=layer)
+  _ulp_close(y, yr, dtype, "y vs reference")
+  _ulp_close(rstd, rr, jnp.float32, "rstd")
+  if layer:
+    _ulp_close(mean, mr, jnp.float32, "mean")
+  yp, _, _ = forward.norm_forward(
+      x, s, b, config=pn_config.forward_config(m, n, dtype, subtract_mean=layer), **kw)
+  _ulp_close(y, yp, dtype, "y vs the Pallas backend")
+  y2, mean2, rstd2 = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
+  np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y, np.float32))
+  y3, mean3, rstd3 = mosaic_forward.norm_forward(x, s, b, config=cfg,
+                                                 return_residuals=False, **kw)
+  assert mean3 is None and rstd3 is None
+  np.testing.assert_array_equal(np.asarray(y3, np.float32), np.asarray(y, np.float32))
+
+
+def test_errors():
+  x, s, b = _inputs(4, 200, jnp.bfloat16, layer=True)
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=True, interpret=True)
+  with pytest.raises(NotImplementedError, match="multiple of 128"):
+    mosaic_forward.norm_forward(x, s, b, **kw)
+  x, s, b = _inputs(4, 32768, jnp.bfloat16, layer=True)
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    mosaic_forward.norm_forward(x, s, b, **kw)
+  for bad in (2, 6, 0, 64):
+    with pytest.raises(ValueError, match="block_m"):
+      mosaic_forward.MosaicForwardConfig(block_m=bad, block_w=128, num_stages=1,
+                                         num_programs=1)
+  with pytest.raises(ValueError, match="block_w"):
+    mosaic_forward.MosaicForwardConfig(block_m=4, block_w=64, num_stages=1, num_programs=1)
+
+
+@pytest.mark.cpu_only
+def test_lowers_for_cuda():
+  """Lowers for CUDA on CPU (Mosaic GPU lowers in Python): the bench's LayerNorm
+  8192 x 4096 bf16 and an f32 RMSNorm."""
+  for m, n, dtype, layer in ((8192, 4096, jnp.bfloat16, True), (40, 768, jnp.float32, False)):
+    specs = [jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((n,), jnp.float32)]
+
+    def f(x, s, layer=layer):
+      return mosaic_forward.norm_forward(x, s, s if layer else None, eps=1e-5,
+                                         scale_offset=0.0, subtract_mean=layer,
+                                         interpret=False)
+
+    text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,dtype,layer", [
+    (8192, 4096, jnp.bfloat16, True), (8192, 4096, jnp.bfloat16, False),
+    (1000, 768, jnp.bfloat16, True), (333, 8192, jnp.float16, False),
+    (4097, 1024, jnp.float32, True)])
+def test_gpu_matches_pallas(m, n, dtype, layer):
+  x, s, b = _inputs(m, n, dtype, layer=layer)
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False)
+  y, mean, rstd = mosaic_forward.norm_forward(x, s, b, **kw)
+  yp, mp, rp = forward.norm_forward(
+      x, s, b, config=pn_config.forward_config(m, n, dtype, subtract_mean=layer), **kw)
+  _ulp_close(y, yp, dtype, "y")
+  _ulp_close(rstd, rp, jnp.float32, "rstd")
