@@ -30,7 +30,11 @@ from pallas_norm.kernels._compat import to_varying, varying_axes
 
 __all__ = ["rms_norm", "layer_norm", "BACKENDS", "GROUP_SIZES"]
 
-BACKENDS = ("pallas", "triton", "xla")
+BACKENDS = ("pallas", "triton", "xla", "mosaic")
+# backend="mosaic" (Pallas Mosaic GPU, issue #29; docs/mosaic.md): its one forward
+# structure is TileGym's static_persistent (a persistent grid over row blocks, TMA
+# pipelined), so the modes it serves are these:
+MOSAIC_MODES = (None, "static_persistent")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # FP8 x (issue #27, COAT's group-scaled input): its dtypes, and the group sizes the
 # kernels serve (powers of 2 up to the narrowest column tile config.py picks, 512).
@@ -184,6 +188,25 @@ def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
   return float(scale_offset)
 
 
+def _check_mosaic(op: str, mode, residual, cast: str, out_dtype) -> None:
+  """NotImplementedError for what backend="mosaic" does not serve yet (before any
+  kernel runs). Its kernels' own limits (N a multiple of 128, shared memory) are
+  checked by the launchers at trace time."""
+  what = None
+  if mode not in MOSAIC_MODES:
+    what = (f"{mode=}: its forward is static_persistent (a persistent grid over row "
+            f"blocks); valid modes for it: {MOSAIC_MODES}")
+  elif residual is not None:
+    what = "residual= (the fused residual add)"
+  elif cast == "llama":
+    what = 'cast="llama"'
+  elif out_dtype is not None:
+    what = "FP8 x (x_scale=)"
+  if what:
+    raise NotImplementedError(f"{op}: backend='mosaic' does not serve {what} yet "
+                              f"(issue #29, docs/mosaic.md); use backend='pallas'")
+
+
 def _resolve_interpret(interpret: bool | None) -> bool:
   if interpret is None:
     return _config.device_info().platform != "gpu"
@@ -197,6 +220,9 @@ def _backend_module(backend: str):
   if backend == "pallas":
     from pallas_norm.kernels import backward, forward
     return forward, backward
+  if backend == "mosaic":
+    from pallas_norm.kernels import mosaic_backward, mosaic_forward
+    return mosaic_forward, mosaic_backward
   from pallas_norm.kernels import jax_triton
   return jax_triton, jax_triton
 
@@ -216,6 +242,10 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
                                backend=st.backend, residual=residual is not None)
   fwd, _ = _backend_module(st.backend)
+  if st.backend == "mosaic" and combine_stats is not None:
+    raise NotImplementedError(
+        "backend='mosaic' does not serve a sharded hidden dim (tensor parallel, or "
+        "axis_name) yet: it has no statistics-only pass; use backend='pallas'")
   res = {} if residual is None else dict(residual=residual,
                                          residual_dtype=jnp.dtype(st.residual_dtype))
   fp8 = {} if x_scale is None else dict(x_scale=x_scale)
@@ -394,6 +424,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   if out_dtype is not None:
     x_scale = jnp.asarray(x_scale)
   names, groups = _axis_groups(axis_name, axis_index_groups)
+  if backend == "mosaic":
+    _check_mosaic(op, mode, residual, cast, out_dtype)
   x = jnp.asarray(x)
   if residual is not None:
     residual = jnp.asarray(residual)
@@ -505,8 +537,10 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       a scale). Every backend.
     mode: None (the heuristic picks), "multi_wave_reload", "multi_wave_cached" or
       "static_persistent".
-    backend: "pallas" (default), "triton" (plain Triton through jax-triton) or "xla"
-      (the jnp reference).
+    backend: "pallas" (default), "triton" (plain Triton through jax-triton), "xla"
+      (the jnp reference) or "mosaic" (Pallas Mosaic GPU, in progress: N a multiple of
+      128; mode None or "static_persistent"; no residual, cast="llama", FP8 x or
+      sharded hidden dim yet; docs/mosaic.md).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
     axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over
       which x's last axis is split, as flax's ``axis_name``: the statistics are those
@@ -542,7 +576,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
-      FP8 x with backend="triton" (not served yet).
+      FP8 x with backend="triton" (not served yet). backend="mosaic" with what it
+      does not serve (above), N not a multiple of 128, or a row beyond one program's
+      shared memory.
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:

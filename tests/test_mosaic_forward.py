@@ -111,3 +111,59 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
       x, s, b, config=pn_config.forward_config(m, n, dtype, subtract_mean=layer), **kw)
   _ulp_close(y, yp, dtype, "y")
   _ulp_close(rstd, rp, jnp.float32, "rstd")
+
+
+# --------------------------------------------------------------------------- ops
+
+
+@pytest.mark.parametrize("op,shape,dtype,mode", [
+    ("layer", (2, 5, 256), jnp.bfloat16, None),
+    ("rms", (9, 384), jnp.float32, "static_persistent"),
+])
+def test_ops_backend_mosaic(op, shape, dtype, mode):
+  """pallas_norm.rms_norm / layer_norm(backend="mosaic"): y and the grads (dx, dscale,
+  dbias) of a jitted value_and_grad against backend="pallas" (Mosaic GPU interpreter
+  on CPU, compiled with --gpu); rank 3 included."""
+  import pallas_norm
+  layer = op == "layer"
+  n = shape[-1]
+  k = jax.random.split(jax.random.key(3), 4)
+  x = (jax.random.normal(k[0], shape) * 2 + 0.5).astype(dtype)
+  s = 1 + 0.1 * jax.random.normal(k[1], (n,))
+  b = 0.1 * jax.random.normal(k[2], (n,))
+  w = jax.random.normal(k[3], shape)
+
+  def loss(backend):
+    def f(x, s, b):
+      y = (pallas_norm.layer_norm(x, s, b, backend=backend, mode=mode) if layer
+           else pallas_norm.rms_norm(x, s, backend=backend, mode=mode))
+      return jnp.sum(y.astype(jnp.float32) * w), y
+    return f
+
+  (l1, y1), g1 = jax.jit(jax.value_and_grad(loss("mosaic"), (0, 1, 2), has_aux=True))(x, s, b)
+  (l2, y2), g2 = jax.jit(jax.value_and_grad(loss("pallas"), (0, 1, 2), has_aux=True))(x, s, b)
+  _ulp_close(y1, y2, dtype, "y")
+  eps = 2 * float(jnp.finfo(dtype).eps)
+  np.testing.assert_allclose(np.asarray(g1[0], np.float64), np.asarray(g2[0], np.float64),
+                             rtol=eps, atol=eps * float(jnp.abs(g2[0]).max()), err_msg="dx")
+  for name, a, c in (("dscale", g1[1], g2[1]), ("dbias", g1[2], g2[2])):
+    if layer or name == "dscale":
+      np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5,
+                                 atol=1e-5 * float(jnp.abs(c).max()), err_msg=name)
+
+
+def test_ops_backend_mosaic_refuses():
+  """What backend="mosaic" does not serve yet: NotImplementedError before any kernel."""
+  import pallas_norm
+  x = jnp.ones((4, 256), jnp.bfloat16)
+  s = jnp.ones((256,))
+  for kw, match in ((dict(mode="multi_wave_cached"), "static_persistent"),
+                    (dict(residual=x), "residual"),
+                    (dict(cast="llama"), "llama")):
+    with pytest.raises(NotImplementedError, match=match):
+      pallas_norm.rms_norm(x, s, backend="mosaic", **kw)
+  with pytest.raises(NotImplementedError, match="FP8"):
+    pallas_norm.rms_norm(x.astype(jnp.float8_e4m3fn), s, backend="mosaic",
+                         x_scale=jnp.ones((4, 16)))
+  with pytest.raises(NotImplementedError, match="multiple of 128"):
+    pallas_norm.rms_norm(jnp.ones((4, 200), jnp.bfloat16), backend="mosaic")
