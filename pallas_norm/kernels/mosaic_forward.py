@@ -261,14 +261,18 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   num_row_blocks = cdiv(m, bm)
   g = max(1, min(cfg.num_programs, num_row_blocks))
   num_chunks = n // bw
-  # The interpreter raises on TMA stores past M (the GPU drops them): the outputs have
-  # whole row blocks there, sliced after.
+  # The interpreter raises on TMA stores past M (the GPU drops them): y has whole row
+  # blocks there, sliced after. mean/rstd always do: on the H200 a [block_m] TMA store
+  # that runs past a ragged M wrote nothing or garbage into its in-bounds elements
+  # (M = 9, 10, 21, 37, 333; 2026-11-24, benchmarks/results/
+  # h200_2026-11-24_gpu-check_mosaic_c869e50.log), unlike the 2-D stores of y.
   m_out = num_row_blocks * bm if interpret else m
+  m_stats = num_row_blocks * bm
   out = [out_struct((m_out, n), x.dtype, x)]
   if want_mean:
-    out.append(out_struct((m_out,), _F32, x))
+    out.append(out_struct((m_stats,), _F32, x))
   if return_residuals:
-    out.append(out_struct((m_out,), _F32, x))
+    out.append(out_struct((m_stats,), _F32, x))
   scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
              plgpu.SMEM((num_chunks, bm, bw), x.dtype)]
   scratch += [plgpu.SMEM((num_chunks, bw), p.dtype) for p in (scale, bias) if p is not None]
@@ -285,8 +289,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
                       name="pallas_norm_mgpu_fwd")(*inputs))
-  if m_out != m:
-    outs = [o[:m] for o in outs]
+  outs = [o[:m] if o.shape[0] != m else o for o in outs]
   y = outs.pop(0)
   mean = outs.pop(0) if want_mean else None
   rstd = outs.pop(0) if return_residuals else None
