@@ -69,7 +69,7 @@ def test_default_plan():
   assert {(8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192)} <= set(shapes)
   assert len(shapes) == len(set(shapes)) == 11
   impls = {c.impl for c in plan}
-  assert {"pallas", "triton", "xla", "flax", "tokamax", "torch", "liger"} <= impls
+  assert {"pallas", "triton", "mosaic", "xla", "flax", "tokamax", "torch", "liger"} <= impls
   assert {f"{b}:{m}" for b in ("pallas", "triton")
           for m in ("reload", "cached", "persistent")} <= impls
   assert {c.op for c in plan} == {"rms", "layer"} and {c.pass_ for c in plan} == {"fwd", "fwdbwd"}
