@@ -470,6 +470,13 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
         f"check_vma=True: JAX's interpret-mode lowering rejects operands typed as varying "
         f"over mesh axes {sorted(axes)}. Pass check_vma=False to that shard_map, or run on "
         f"a GPU (interpret=False), where check_vma=True is supported.")
+  if backend == "mosaic" and interpret and jax.device_count() > 1:
+    raise NotImplementedError(
+        f"{op}(backend='mosaic') in interpret mode (CPU) with {jax.device_count()} "
+        f"devices: JAX's Mosaic GPU interpreter (jax 0.10) cannot run these kernels on "
+        f"several devices (under custom_partitioning it cannot lower its callbacks; "
+        f"under shard_map the backward's barriers collide across devices). Run it on "
+        f"one device, on a GPU (interpret=False), or use backend='pallas'")
   x, x_scale, residual, scale, bias = (to_varying(a, axes)
                                        for a in (x, x_scale, residual, scale, bias))
   if residual is None:
@@ -577,8 +584,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
       FP8 x with backend="triton" (not served yet). backend="mosaic" with what it
-      does not serve (above), N not a multiple of 128, or a row beyond one program's
-      shared memory.
+      does not serve (above), N not a multiple of 128, a row beyond one program's
+      shared memory, or in interpret mode with several devices (JAX's Mosaic GPU
+      interpreter runs on one).
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:
