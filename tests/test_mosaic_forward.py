@@ -39,6 +39,14 @@ _CASES = [  # m, n, dtype, layer, has_scale, has_bias, scale_offset, config
     (21, 256, jnp.bfloat16, False, True, False, 1.0,  # one stage, 2 programs
      mosaic_forward.MosaicForwardConfig(block_m=8, block_w=128, num_stages=1,
                                         num_programs=2)),
+    # y staged in its x slot: 2 stages (refill one step behind), 3 programs over 6 row
+    # blocks, and 3 stages with one program over 5 blocks (every slot refilled)
+    (41, 256, jnp.bfloat16, True, True, True, 0.0,
+     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=2,
+                                        num_programs=3, y_in_place=True)),
+    (20, 384, jnp.float32, False, True, False, 0.0,
+     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=3,
+                                        num_programs=1, y_in_place=True)),
 ]
 
 
@@ -82,6 +90,9 @@ def test_errors():
                                          num_programs=1)
   with pytest.raises(ValueError, match="block_w"):
     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=64, num_stages=1, num_programs=1)
+  with pytest.raises(ValueError, match="num_stages"):  # in place: a slot refilled behind
+    mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
+                                       num_programs=1, y_in_place=True)
 
 
 @pytest.mark.cpu_only
@@ -108,11 +119,18 @@ def test_lowers_for_cuda():
 def test_gpu_matches_pallas(m, n, dtype, layer):
   x, s, b = _inputs(m, n, dtype, layer=layer)
   kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False)
-  y, mean, rstd = mosaic_forward.norm_forward(x, s, b, **kw)
   yp, mp, rp = forward.norm_forward(
       x, s, b, config=pn_config.forward_config(m, n, dtype, subtract_mean=layer), **kw)
-  _ulp_close(y, yp, dtype, "y")
-  _ulp_close(rstd, rp, jnp.float32, "rstd")
+  dflt = mosaic_forward.forward_config(m, n, dtype, layer)
+  sms = pn_config.device_info().num_sms
+  for cfg in (None,  # the default, then y in place with two and three programs a SM
+              mosaic_forward.MosaicForwardConfig(dflt.block_m, dflt.block_w, 2, 2 * sms,
+                                                 y_in_place=True),
+              mosaic_forward.MosaicForwardConfig(4, dflt.block_w, 2, 3 * sms,
+                                                 y_in_place=True)):
+    y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
+    _ulp_close(y, yp, dtype, f"y {cfg}")
+    _ulp_close(rstd, rp, jnp.float32, f"rstd {cfg}")
 
 
 # --------------------------------------------------------------------------- ops

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import out_struct
-from pallas_norm.kernels.mosaic_backward import (_MAX_BOX, _SMEM_BYTES, _STATS_ALIGN,
+from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
                                                  _WARPGROUP, _Layouts, _kernel, _sum,
                                                  _vec)
 
@@ -60,53 +60,78 @@ class MosaicForwardConfig:
   Attributes:
     block_m: rows a row block, a multiple of 4 up to 32.
     block_w: columns of one TMA chunk (128 or 256; divides N).
-    num_stages: shared-memory slots of the load pipeline (>= 1).
-    num_programs: G, the persistent grid (1 to 256).
+    num_stages: shared-memory slots of the load pipeline (>= 1; >= 2 with y_in_place).
+    num_programs: G, the persistent grid (1 to 1024: several programs a SM where their
+      shared memory fits).
+    y_in_place: y is staged for its TMA store in the x slot it was computed from, not
+      in a tile of its own (a row block less of shared memory a program, so that two
+      programs fit a SM); a slot is then refilled one step later, once its store has
+      read it: num_stages - 1 row blocks ahead.
   """
 
   block_m: int
   block_w: int
   num_stages: int
   num_programs: int
+  y_in_place: bool = False
 
   def __post_init__(self):
     if self.block_m % _STATS_ALIGN or not _STATS_ALIGN <= self.block_m <= 32:
       raise ValueError(f"{self.block_m=} must be a multiple of {_STATS_ALIGN} up to 32")
     if self.block_w not in (128, 256):
       raise ValueError(f"{self.block_w=} must be 128 or 256")
-    if self.num_stages < 1:
-      raise ValueError(f"{self.num_stages=} must be >= 1")
-    if not 1 <= self.num_programs <= _MAX_BOX:
-      raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_BOX}]")
+    if self.num_stages < 1 + int(self.y_in_place):
+      raise ValueError(f"{self.num_stages=} must be >= {1 + int(self.y_in_place)} "
+                       f"({self.y_in_place=})")
+    if not 1 <= self.num_programs <= _MAX_PROGRAMS:
+      raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_PROGRAMS}]")
 
 
-def _smem_bytes(n, block_m, num_stages, x_bytes, y_bytes, param_bytes) -> int:
-  """x slots, the y staging tile, scale and bias, the mean/rstd staging vectors."""
-  return (num_stages * block_m * n * x_bytes + block_m * n * y_bytes + n * param_bytes
-          + 2 * 4 * block_m)
+_MAX_PROGRAMS = 1024
+
+
+def _smem_bytes(n, block_m, num_stages, x_bytes, y_bytes, param_bytes,
+                y_in_place=False) -> int:
+  """x slots, the y staging tile (none in place), scale and bias, the mean/rstd
+  staging vectors."""
+  return (num_stages * block_m * n * x_bytes + (0 if y_in_place else block_m * n * y_bytes)
+          + n * param_bytes + 2 * 4 * block_m)
+
+
+# Shared memory one program may take for two to fit a SM (H100 / H200: 228 KB a SM, 1 KB
+# reserved a block, and headroom for the barriers and the reduction scratch Mosaic GPU
+# allocates itself).
+_SMEM_TWO_A_SM = 108 * 1024
 
 
 def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
-                   device: DeviceInfo | None = None) -> MosaicForwardConfig:
-  """The default launch config for x [M, N] of ``dtype`` (unmeasured on the GPU: 4-row
-  blocks as the backward's measured picks, as many stages as fit, up to 3; G the SM
-  count, at most the row blocks). ``subtract_mean`` is accepted for tuning to come."""
+                   device: DeviceInfo | None = None, param_bytes: int = 8
+                   ) -> MosaicForwardConfig:
+  """The default launch config for x [M, N] of ``dtype`` (``param_bytes``: scale's and
+  bias's bytes an element together; float32 both by default).
+
+  4-row blocks, y staged in place, G = 2 x the SM count (at most the row blocks), and
+  the most stages (3 or 2) with which two programs fit a SM, else 2 stages at one a
+  SM, else one stage with a y tile of its own. Measured (H100, 2026-11-25, bf16,
+  benchmarks/results/h100_2026-11-25_mosaic_sweep.txt): against the earlier default
+  (one program a SM, 3 stages, a y tile), RMSNorm 8192x4096 55.8 -> 53.2 us, LayerNorm
+  8192x4096 60.6 -> 55.8, LayerNorm 8192x2048 32.0 -> 27.1, LayerNorm 4096x8192 75.6
+  -> 64.3. ``subtract_mean`` is accepted for tuning to come."""
   del subtract_mean
   device = device or device_info()
   b = jnp.dtype(dtype).itemsize
   block_w = 256 if n % 256 == 0 else 128
-  stages = 1
-  for s in (3, 2):
-    if _smem_bytes(n, _STATS_ALIGN, s, b, b, 8) <= _SMEM_BYTES:
-      stages = s
-      break
-  g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), _STATS_ALIGN)))
-  return MosaicForwardConfig(block_m=_STATS_ALIGN, block_w=block_w, num_stages=stages,
-                             num_programs=g)
+  g = max(1, min(2 * device.num_sms, cdiv(max(m, 1), _STATS_ALIGN)))
+  for stages in (3, 2):
+    if _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True) <= _SMEM_TWO_A_SM:
+      return MosaicForwardConfig(_STATS_ALIGN, block_w, stages, g, y_in_place=True)
+  if _smem_bytes(n, _STATS_ALIGN, 2, b, b, param_bytes, True) <= _SMEM_BYTES:
+    return MosaicForwardConfig(_STATS_ALIGN, block_w, 2, g, y_in_place=True)
+  return MosaicForwardConfig(_STATS_ALIGN, block_w, 1, g)
 
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
-                block_m, block_w, num_stages, num_programs, interpret):
+                block_m, block_w, num_stages, num_programs, y_in_place, interpret):
   """Program r: row blocks r, r + G, ... of y (and mean/rstd)."""
   refs = list(refs)
   x_ref = refs.pop(0)
@@ -115,7 +140,8 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   y_ref = refs.pop(0)
   mean_ref = refs.pop(0) if stats and subtract_mean else None
   rstd_ref = refs.pop(0) if stats else None
-  xs, ys = refs.pop(0), refs.pop(0)  # [S, C, block_m, W] x's dtype, [C, block_m, W] y's
+  xs = refs.pop(0)  # [S, C, block_m, W] x's dtype
+  ys = None if y_in_place else refs.pop(0)  # [C, block_m, W] y's dtype
   ws = refs.pop(0) if has_scale else None  # [C, W] scale's dtype
   bs = refs.pop(0) if has_bias else None  # [C, W] bias's dtype
   ms = refs.pop(0) if mean_ref is not None else None  # [block_m] f32 staging
@@ -174,6 +200,11 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     rstd = lax.rsqrt(var + _F32(eps))  # [block_m] f32
     # the previous row block's y and statistics have left the staging buffers
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if y_in_place:  # its slot is free: refill it, num_stages - 1 row blocks ahead
+      @pl.when(jnp.logical_and(step >= 1, step - 1 + num_stages < num_steps))
+      def _():
+        fetch(step - 1 + num_stages, lax.rem(step - 1 + num_stages, num_stages))
+    out_tile = xs.at[slot] if y_in_place else ys
     for c in range(num_chunks):
       x = x_of(slot, c)
       if mean is not None:
@@ -184,7 +215,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
         y = y * lay.cols(w + _F32(scale_offset) if scale_offset else w, block_m)
       if has_bias:
         y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
-      ys[c] = y.astype(ys.dtype)
+      out_tile[c] = y.astype(out_tile.dtype)
     if rs is not None:
       rs[...] = rstd
     if ms is not None:
@@ -192,18 +223,19 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     plgpu.commit_smem()
     rows = pl.ds(rb * block_m, block_m)
     for c in range(num_chunks):
-      plgpu.copy_smem_to_gmem(ys.at[c], y_ref.at[rows, chunk(c)])
+      plgpu.copy_smem_to_gmem(out_tile.at[c], y_ref.at[rows, chunk(c)])
     if rs is not None:
       plgpu.copy_smem_to_gmem(rs, rstd_ref.at[rows])
     if ms is not None:
       plgpu.copy_smem_to_gmem(ms, mean_ref.at[rows])
     plgpu.commit_smem_to_gmem_group()
 
-    # refill this slot with the row block num_stages ahead (its reads are done: the
-    # copy waits for the warpgroup)
-    @pl.when(step + num_stages < num_steps)
-    def _():
-      fetch(step + num_stages, slot)
+    if not y_in_place:
+      # refill this slot with the row block num_stages ahead (its reads are done: the
+      # copy waits for the warpgroup)
+      @pl.when(step + num_stages < num_steps)
+      def _():
+        fetch(step + num_stages, slot)
 
     return carry
 
@@ -220,7 +252,7 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig):
   if n % cfg.block_w:
     raise ValueError(f"config.block_w={cfg.block_w} must divide N={n}")
   x_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
-  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest))
+  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest), cfg.y_in_place)
   if need > _SMEM_BYTES:
     raise NotImplementedError(
         f"backend='mosaic' forward: one program needs {need} bytes of shared memory > "
@@ -251,7 +283,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   """
   m, n = x.shape
   cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
-      m, n, x.dtype, subtract_mean)
+      m, n, x.dtype, subtract_mean, param_bytes=sum(
+          jnp.dtype(p.dtype).itemsize for p in (scale, bias) if p is not None))
   _check(m, n, [x.dtype] + [p.dtype for p in (scale, bias) if p is not None], cfg)
   want_mean = return_residuals and subtract_mean
   if m == 0:
@@ -273,8 +306,9 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     out.append(out_struct((m_stats,), _F32, x))
   if return_residuals:
     out.append(out_struct((m_stats,), _F32, x))
-  scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
-             plgpu.SMEM((num_chunks, bm, bw), x.dtype)]
+  scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype)]
+  if not cfg.y_in_place:
+    scratch.append(plgpu.SMEM((num_chunks, bm, bw), x.dtype))
   scratch += [plgpu.SMEM((num_chunks, bw), p.dtype) for p in (scale, bias) if p is not None]
   scratch += [plgpu.SMEM((bm,), _F32)] * (int(want_mean) + int(return_residuals))
   scratch.append(plgpu.Barrier(num_arrivals=num_chunks, num_barriers=stages))
@@ -285,7 +319,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
       stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
-      interpret=interpret)
+      y_in_place=cfg.y_in_place, interpret=interpret)
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
                       name="pallas_norm_mgpu_fwd")(*inputs))
