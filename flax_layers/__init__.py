@@ -64,7 +64,7 @@ class _Norm(nnx.Module):
       scale_init: nnx.Initializer = nnx.initializers.ones,
       scale_offset: float = 0.0,
       mode: str | None = None,
-      backend: str = "pallas",
+      backend: str | None = "pallas",
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
       residual_dtype: tp.Any | None = None,
@@ -133,8 +133,8 @@ class RMSNorm(_Norm):
       ``scale_init=nnx.initializers.zeros`` for Gemma's zero-centred gamma.
     mode: the kernel mode, passed to ``pallas_norm.rms_norm`` (default: None, the
       heuristic picks).
-    backend: "pallas" (default), "triton" or "xla", passed to
-      ``pallas_norm.rms_norm``.
+    backend: "pallas" (default), "triton", "mosaic", "xla" or None (per kernel, the
+      backend measured faster on this GPU), passed to ``pallas_norm.rms_norm``.
     axis_name: inside ``jax.shard_map``, the mesh axis (or axes) over which the
       features are split: the statistics are those of the whole feature vector, as in
       flax (default: None). Sharded arrays under ``jax.jit`` do not need it.
@@ -207,8 +207,8 @@ class LayerNorm(_Norm):
     scale_offset: y = x_hat * (scale_offset + scale) + bias (default: 0.0).
     mode: the kernel mode, passed to ``pallas_norm.layer_norm`` (default: None, the
       heuristic picks).
-    backend: "pallas" (default), "triton" or "xla", passed to
-      ``pallas_norm.layer_norm``.
+    backend: "pallas" (default), "triton", "mosaic", "xla" or None (per kernel, the
+      backend measured faster on this GPU), passed to ``pallas_norm.layer_norm``.
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
     residual_dtype, cast: as in ``RMSNorm``.
     rngs: rng key.
@@ -227,7 +227,7 @@ class LayerNorm(_Norm):
       scale_init: nnx.Initializer = nnx.initializers.ones_init(),
       scale_offset: float = 0.0,
       mode: str | None = None,
-      backend: str = "pallas",
+      backend: str | None = "pallas",
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
       residual_dtype: tp.Any | None = None,

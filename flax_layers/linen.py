@@ -81,7 +81,7 @@ class RMSNorm(nn.Module):
     scale_offset: y = x_hat * (scale_offset + scale) (default: 0.0).
     mode: the kernel mode, passed to ``pallas_norm.rms_norm`` (default: None, the
       heuristic picks).
-    backend: "pallas" (default), "triton" or "xla".
+    backend: "pallas" (default), "triton", "mosaic", "xla" or None (as in ``pallas_norm.rms_norm``).
     axis_name: inside ``jax.shard_map``, the mesh axis (or axes) over which the
       features are split; the statistics are the whole vector's, as in flax.
     axis_index_groups: groups of axis indices reduced separately, as in flax.
@@ -98,7 +98,7 @@ class RMSNorm(nn.Module):
   scale_init: initializers.Initializer = initializers.ones
   scale_offset: float = 0.0
   mode: str | None = None
-  backend: str = "pallas"
+  backend: str | None = "pallas"
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None
@@ -146,7 +146,7 @@ class LayerNorm(nn.Module):
     scale_offset: y = x_hat * (scale_offset + scale) + bias (default: 0.0).
     mode: the kernel mode, passed to ``pallas_norm.layer_norm`` (default: None, the
       heuristic picks).
-    backend: "pallas" (default), "triton" or "xla".
+    backend: "pallas" (default), "triton", "mosaic", "xla" or None (as in ``pallas_norm.rms_norm``).
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
     residual_dtype, cast: as in ``RMSNorm``.
   """
@@ -160,7 +160,7 @@ class LayerNorm(nn.Module):
   scale_init: initializers.Initializer = initializers.ones
   scale_offset: float = 0.0
   mode: str | None = None
-  backend: str = "pallas"
+  backend: str | None = "pallas"
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None

@@ -46,6 +46,7 @@ __all__ = [
     "BackwardConfig",
     "device_info",
     "choose_mode",
+    "choose_backend",
     "forward_config",
     "backward_config",
     "cached_max_block_n",
@@ -381,11 +382,39 @@ _RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
 _RES_LN_8192_BWD_WARPS = 32
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
 
+# ---- backend=None: the backend of each kernel (forward, backward), where one measured
+# faster than the Pallas backend side by side; everywhere else "pallas". Entries:
+# (device name substring, pass "fwd"/"bwd", N low, N high, backend), 2-byte dtypes, the
+# plain norms (ops checks that the backend serves the call, else "pallas"). [T#backend]
+# H100, 2026-11-25: the Mosaic GPU backward at N = 2048, bf16, 8192 rows: RMSNorm 40.4
+# against 42.2 us, LayerNorm 41.3 against 42.4 (benchmarks/results/
+# h100_2026-11-25_mosaic_sweep.txt).
+_BACKEND_RULES = (
+    ("H100", "bwd", 1537, 2048, "mosaic"),
+)
+_BACKEND_MAX_ITEMSIZE = 2
+
 # ---- Interpret mode (CPU): fewer, fatter programs run faster. [T#cpu]
 _CPU_MIN_BLOCK_M = 64
 
 
 # ==================================================================== Selectors
+
+
+def choose_backend(pass_: str, n: int, dtype, device: DeviceInfo | None = None) -> str:
+  """The backend ``backend=None`` gives one kernel: "pallas", or the backend of the
+  first ``_BACKEND_RULES`` entry that matches (``device``'s name, ``pass_`` "fwd" or
+  "bwd", N, a dtype of at most 2 bytes). On CPU (interpret mode) always "pallas".
+  Whether that backend serves the call (a residual, a cast, FP8 x, a mode, jax-triton
+  installed, shared memory) is ``ops``' check; where it does not, ``ops`` takes
+  "pallas". [T#backend]"""
+  device = device or device_info()
+  if device.platform != "gpu" or np.dtype(dtype).itemsize > _BACKEND_MAX_ITEMSIZE:
+    return "pallas"
+  for name, p, lo, hi, backend in _BACKEND_RULES:
+    if name in device.name and p == pass_ and lo <= n <= hi:
+      return backend
+  return "pallas"
 
 
 def cached_max_block_n(dtype) -> int:

@@ -75,7 +75,7 @@ def _check_float(name: str, a) -> None:
 
 
 def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
-  if backend not in BACKENDS:
+  if backend is not None and backend not in BACKENDS:
     raise ValueError(f"{backend=} is not a valid backend; valid backends: {BACKENDS}")
   if mode is not None and mode not in _config.MODES:
     raise ValueError(f"{mode=} is not a valid mode; valid modes: {_config.MODES} or None")
@@ -216,6 +216,39 @@ def _resolve_interpret(interpret: bool | None) -> bool:
 # --------------------------------------------------------------------------- launchers
 
 
+def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool) -> str:
+  """backend=None: ``config.choose_backend``'s pick for this kernel, if that backend
+  serves the call; else "pallas". ``fused``: a residual, FP8 x or a sharded hidden dim
+  (which only the Pallas and Triton backends serve, and the rules do not cover)."""
+  if st.backend is not None:
+    return st.backend
+  m, n = x2.shape
+  backend = _config.choose_backend(pass_, n, x2.dtype)
+  if backend == "pallas" or st.interpret or fused or st.llama is not None:
+    return "pallas"
+  if backend == "triton":
+    import importlib.util
+    return "triton" if importlib.util.find_spec("jax_triton") else "pallas"
+  if backend == "mosaic":  # its launchers' own checks, on shapes only
+    if st.mode not in MOSAIC_MODES:
+      return "pallas"
+    from pallas_norm.kernels import mosaic_backward as mb
+    from pallas_norm.kernels import mosaic_forward as mf
+    params = [p.dtype for p in (scale, bias) if p is not None]
+    try:
+      if pass_ == "fwd":
+        mf._check(m, n, [x2.dtype, *params],
+                  mf.forward_config(m, n, x2.dtype, st.subtract_mean, param_bytes=sum(
+                      jnp.dtype(d).itemsize for d in params)))
+      else:
+        mb._check(n, [x2.dtype, x2.dtype] + ([scale.dtype] if scale is not None else []),
+                  mb.backward_config(m, n, x2.dtype, st.subtract_mean),
+                  int(scale is not None) + int(bias is not None), None)
+    except (NotImplementedError, ValueError):
+      return "pallas"
+  return backend
+
+
 def _backend_module(backend: str):
   if backend == "pallas":
     from pallas_norm.kernels import backward, forward
@@ -239,10 +272,12 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   ([M, N // G] f32 or None): FP8 x2's scales, y in ``st.out_dtype``.
   """
   m, n = x2.shape
+  backend = _auto_backend("fwd", x2, scale, bias, st, fused=residual is not None
+                          or combine_stats is not None or x_scale is not None)
   cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
-                               backend=st.backend, residual=residual is not None)
-  fwd, _ = _backend_module(st.backend)
-  if st.backend == "mosaic" and combine_stats is not None:
+                               backend=backend, residual=residual is not None)
+  fwd, _ = _backend_module(backend)
+  if backend == "mosaic" and combine_stats is not None:
     raise NotImplementedError(
         "backend='mosaic' does not serve a sharded hidden dim (tensor parallel, or "
         "axis_name) yet: it has no statistics-only pass; use backend='pallas'")
@@ -280,10 +315,11 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent. With FP8
   x2, ``x_scale`` its [M, N // G] scales, and dx is in ``st.out_dtype``."""
   m, n = x2.shape
+  backend = _auto_backend("bwd", x2, scale, bias, st, fused=st.residual_dtype is not None
+                          or combine_row_sums is not None or x_scale is not None)
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
-                               backend=st.backend,
-                               residual=st.residual_dtype is not None)
-  _, bwd = _backend_module(st.backend)
+                               backend=backend, residual=st.residual_dtype is not None)
+  _, bwd = _backend_module(backend)
   dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
   res = {}
   if st.residual_dtype is not None:
@@ -464,6 +500,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias)
                              if a is not None))
   interpret = _resolve_interpret(interpret)
+  if backend is None and interpret:  # backend=None: the Pallas backend on CPU
+    backend = "pallas"
   if axes and interpret and backend == "pallas":
     raise ValueError(
         f"{op} in Pallas interpret mode cannot run inside a jax.shard_map with "
@@ -545,9 +583,11 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
     mode: None (the heuristic picks), "multi_wave_reload", "multi_wave_cached" or
       "static_persistent".
     backend: "pallas" (default), "triton" (plain Triton through jax-triton), "xla"
-      (the jnp reference) or "mosaic" (Pallas Mosaic GPU, in progress: N a multiple of
-      128; mode None or "static_persistent"; no residual, cast="llama", FP8 x or
-      sharded hidden dim yet; docs/mosaic.md).
+      (the jnp reference), "mosaic" (Pallas Mosaic GPU: N a multiple of 128; mode None
+      or "static_persistent"; no residual, cast="llama", FP8 x or sharded hidden dim
+      yet; docs/mosaic.md), or None: per kernel (forward, backward), the backend that
+      measured faster on this GPU and serves the call, else "pallas"
+      (``config.choose_backend``, docs/tuning.md#backend); "pallas" on CPU.
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
     axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over
       which x's last axis is split, as flax's ``axis_name``: the statistics are those

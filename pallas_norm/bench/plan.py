@@ -84,6 +84,8 @@ IMPLS = (
     # backend="mosaic" (issue #29, in progress): the plain norms only (not in the
     # residual / FP8 impl lists); it refuses N % 128 != 0 (a "skip" cell)
     Impl("mosaic", "pallas_norm", "jax", 0, "mos", backend="mosaic"),
+    # backend=None: per kernel, the backend config.choose_backend picks (plain norms)
+    Impl("auto", "pallas_norm", "jax", 0, "auto", backend=None),
     Impl("xla", "peer", "jax", 0, "xla"),
     Impl("flax", "peer", "jax", 0, "flax"),
     Impl("tokamax", "peer", "jax", 0, "tkmx"),

@@ -1,0 +1,118 @@
+"""backend=None: per kernel, the backend config.choose_backend measured faster, where it
+serves the call; "pallas" otherwise and on CPU (issue #29)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import config, ops
+
+H100 = config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+H200 = config.DeviceInfo("gpu", "NVIDIA H200", 132)
+CPU = config.DeviceInfo("cpu", "cpu", 4)
+
+
+@pytest.mark.parametrize("pass_,n,dtype,device,want", [
+    ("bwd", 2048, jnp.bfloat16, H100, "mosaic"),   # the measured rule
+    ("bwd", 1664, jnp.float16, H100, "mosaic"),
+    ("bwd", 1536, jnp.bfloat16, H100, "pallas"),   # outside its N range
+    ("bwd", 4096, jnp.bfloat16, H100, "pallas"),
+    ("fwd", 2048, jnp.bfloat16, H100, "pallas"),   # the forward: no rule
+    ("bwd", 2048, jnp.float32, H100, "pallas"),    # 4-byte dtypes: unmeasured
+    ("bwd", 2048, jnp.bfloat16, H200, "pallas"),   # another device
+    ("bwd", 2048, jnp.bfloat16, CPU, "pallas"),    # interpret mode
+])
+def test_choose_backend(pass_, n, dtype, device, want):
+  assert config.choose_backend(pass_, n, dtype, device) == want
+
+
+def _st(**kw):
+  base = dict(eps=1e-6, scale_offset=0.0, subtract_mean=False, mode=None, backend=None,
+              interpret=False)
+  return ops._Static(**{**base, **kw})
+
+
+def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
+  """A rule's backend is taken only where it serves the call (checked on shapes,
+  before any kernel): the fused paths, cast="llama", a mode it lacks, its launchers'
+  limits; an explicit backend is never changed."""
+  picks = {}
+  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt: picks[p])
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((256,), jnp.float32)
+  picks.update(fwd="mosaic", bwd="mosaic")
+  assert ops._auto_backend("fwd", x, s, None, _st(), fused=False) == "mosaic"
+  assert ops._auto_backend("bwd", x, s, s, _st(subtract_mean=True), fused=False) == "mosaic"
+  assert ops._auto_backend("bwd", x, s, None, _st(), fused=True) == "pallas"
+  assert ops._auto_backend("fwd", x, s, None, _st(llama=("bfloat16", "float32")),
+                           fused=False) == "pallas"
+  assert ops._auto_backend("fwd", x, s, None, _st(mode="multi_wave_reload"),
+                           fused=False) == "pallas"
+  assert ops._auto_backend("fwd", x, s, None, _st(interpret=True), fused=False) == "pallas"
+  odd = jax.ShapeDtypeStruct((64, 200), jnp.bfloat16)  # N % 128: Mosaic refuses
+  assert ops._auto_backend("fwd", odd, None, None, _st(), fused=False) == "pallas"
+  wide = jax.ShapeDtypeStruct((64, 65536), jnp.bfloat16)  # beyond its shared memory
+  assert ops._auto_backend("bwd", wide, None, None, _st(), fused=False) == "pallas"
+  assert ops._auto_backend("fwd", x, s, None, _st(backend="triton"), fused=True) == "triton"
+  picks.update(fwd="triton")
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  assert ops._auto_backend("fwd", x, s, None, _st(), fused=False) == "pallas"
+
+
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_none_matches_pallas(op):
+  """On CPU backend=None is the Pallas backend: the same bits, forward and grads."""
+  k = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(k[0], (48, 256), jnp.bfloat16)
+  s = 1 + 0.1 * jax.random.normal(k[1], (256,))
+  b = 0.1 * jax.random.normal(k[2], (256,))
+  dy = jax.random.normal(k[3], (48, 256), jnp.bfloat16)
+
+  def f(backend):
+    if op == "rms":
+      fn = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
+    else:
+      fn = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
+    y, vjp = jax.vjp(fn, x, s, b)
+    return (y, *vjp(dy))
+
+  for got, want in zip(f(None), f("pallas")):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_bad_backend_is_still_an_error():
+  with pytest.raises(ValueError, match="not a valid backend"):
+    pallas_norm.rms_norm(jnp.ones((2, 128)), backend="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms", "layer"])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 2048), (333, 4096)])
+def test_gpu_none_matches_pallas(op, shape):
+  """On the GPU (an H100 takes the Mosaic GPU backward at N = 2048): y and dx within
+  1 bf16 ulp-scale tolerance of backend="pallas", dscale/dbias within sqrt(M)."""
+  m, n = shape
+  k = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(k[0], shape, jnp.bfloat16)
+  s = 1 + 0.1 * jax.random.normal(k[1], (n,))
+  b = 0.1 * jax.random.normal(k[2], (n,))
+  dy = jax.random.normal(k[3], shape, jnp.bfloat16)
+
+  def f(backend):
+    if op == "rms":
+      fn = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
+    else:
+      fn = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
+    y, vjp = jax.vjp(fn, x, s, b)
+    return (y, *vjp(dy))
+
+  got, want = f(None), f("pallas")
+  for name, g, w, tol in zip(("y", "dx", "dscale", "dbias"), got, want,
+                             (2e-2, 2e-2, 2e-5 * m ** 0.5, 2e-5 * m ** 0.5)):
+    if op == "rms" and name == "dbias":
+      continue
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=tol, rtol=2e-2, err_msg=name)
