@@ -384,13 +384,21 @@ _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
 
 # ---- backend=None: the backend of each kernel (forward, backward), where one measured
 # faster than the Pallas backend side by side; everywhere else "pallas". Entries:
-# (device name substring, pass "fwd"/"bwd", N low, N high, backend), 2-byte dtypes, the
-# plain norms (ops checks that the backend serves the call, else "pallas"). [T#backend]
-# H100, 2026-11-25: the Mosaic GPU backward at N = 2048, bf16, 8192 rows: RMSNorm 40.4
-# against 42.2 us, LayerNorm 41.3 against 42.4 (benchmarks/results/
-# h100_2026-11-25_mosaic_sweep.txt).
+# (device name substring, pass "fwd"/"bwd", op "rms"/"layer", N low, N high, backend),
+# 2-byte dtypes, the plain norms (ops checks that the backend serves the call, else
+# "pallas"). No forward rule: the Pallas forward was the fastest or within 1% in every
+# cell. [T#backend]
 _BACKEND_RULES = (
-    ("H100", "bwd", 1537, 2048, "mosaic"),
+    # H100, 2026-11-25, bf16 backward (fwd+bwd minus fwd, us, triton/pallas): 8192x1024
+    # 21.2/23.2, 8192x2048 38.8/42.8, 32768x2048 138.9/152.3, 8192x4096 72.2/75.3,
+    # 16384x4096 137.7/141.9; at N = 8192 73.9/74.4, beyond slower
+    ("H100", "bwd", "rms", 513, 4096, "triton"),
+    # H200, 2026-11-23, the same difference: 8192x4096 54.9/59.3, 16384x4096
+    # 103.3/108.6, 32768x2048 105.0/118.6; 8192x8192 113.6/106.6 (slower)
+    ("H200", "bwd", "rms", 1025, 4096, "triton"),
+    # H100, 2026-11-25, LayerNorm backward at N' = 2048 on Mosaic GPU (mosaic/pallas):
+    # 8192x2048 41.9/42.5, 32768x2048 144.7/148.7 (Triton: 44.2, 151.5)
+    ("H100", "bwd", "layer", 1025, 2048, "mosaic"),
 )
 _BACKEND_MAX_ITEMSIZE = 2
 
@@ -401,18 +409,20 @@ _CPU_MIN_BLOCK_M = 64
 # ==================================================================== Selectors
 
 
-def choose_backend(pass_: str, n: int, dtype, device: DeviceInfo | None = None) -> str:
+def choose_backend(pass_: str, n: int, dtype, subtract_mean: bool = False,
+                   device: DeviceInfo | None = None) -> str:
   """The backend ``backend=None`` gives one kernel: "pallas", or the backend of the
   first ``_BACKEND_RULES`` entry that matches (``device``'s name, ``pass_`` "fwd" or
-  "bwd", N, a dtype of at most 2 bytes). On CPU (interpret mode) always "pallas".
-  Whether that backend serves the call (a residual, a cast, FP8 x, a mode, jax-triton
-  installed, shared memory) is ``ops``' check; where it does not, ``ops`` takes
-  "pallas". [T#backend]"""
+  "bwd", the op (``subtract_mean``: LayerNorm), N, a dtype of at most 2 bytes). On CPU
+  (interpret mode) always "pallas". Whether that backend serves the call (a residual,
+  a cast, FP8 x, a mode, jax-triton installed, shared memory) is ``ops``' check; where
+  it does not, ``ops`` takes "pallas". [T#backend]"""
   device = device or device_info()
   if device.platform != "gpu" or np.dtype(dtype).itemsize > _BACKEND_MAX_ITEMSIZE:
     return "pallas"
-  for name, p, lo, hi, backend in _BACKEND_RULES:
-    if name in device.name and p == pass_ and lo <= n <= hi:
+  op = "layer" if subtract_mean else "rms"
+  for name, p, o, lo, hi, backend in _BACKEND_RULES:
+    if name in device.name and p == pass_ and o == op and lo <= n <= hi:
       return backend
   return "pallas"
 

@@ -223,7 +223,7 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool) -> str:
   if st.backend is not None:
     return st.backend
   m, n = x2.shape
-  backend = _config.choose_backend(pass_, n, x2.dtype)
+  backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean)
   if backend == "pallas" or st.interpret or fused or st.llama is not None:
     return "pallas"
   if backend == "triton":

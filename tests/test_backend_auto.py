@@ -14,18 +14,23 @@ H200 = config.DeviceInfo("gpu", "NVIDIA H200", 132)
 CPU = config.DeviceInfo("cpu", "cpu", 4)
 
 
-@pytest.mark.parametrize("pass_,n,dtype,device,want", [
-    ("bwd", 2048, jnp.bfloat16, H100, "mosaic"),   # the measured rule
-    ("bwd", 1664, jnp.float16, H100, "mosaic"),
-    ("bwd", 1536, jnp.bfloat16, H100, "pallas"),   # outside its N range
-    ("bwd", 4096, jnp.bfloat16, H100, "pallas"),
-    ("fwd", 2048, jnp.bfloat16, H100, "pallas"),   # the forward: no rule
-    ("bwd", 2048, jnp.float32, H100, "pallas"),    # 4-byte dtypes: unmeasured
-    ("bwd", 2048, jnp.bfloat16, H200, "pallas"),   # another device
-    ("bwd", 2048, jnp.bfloat16, CPU, "pallas"),    # interpret mode
+@pytest.mark.parametrize("pass_,op,n,dtype,device,want", [
+    ("bwd", "layer", 2048, jnp.bfloat16, H100, "mosaic"),   # the measured rules
+    ("bwd", "layer", 1152, jnp.float16, H100, "mosaic"),
+    ("bwd", "rms", 2048, jnp.bfloat16, H100, "triton"),
+    ("bwd", "rms", 1024, jnp.bfloat16, H100, "triton"),
+    ("bwd", "rms", 4096, jnp.bfloat16, H200, "triton"),
+    ("bwd", "rms", 1024, jnp.bfloat16, H200, "pallas"),     # outside a rule's N range
+    ("bwd", "layer", 1024, jnp.bfloat16, H100, "pallas"),
+    ("bwd", "layer", 4096, jnp.bfloat16, H100, "pallas"),
+    ("bwd", "rms", 8192, jnp.bfloat16, H100, "pallas"),
+    ("fwd", "rms", 2048, jnp.bfloat16, H100, "pallas"),     # the forward: no rule
+    ("bwd", "layer", 2048, jnp.float32, H100, "pallas"),    # 4-byte dtypes: unmeasured
+    ("bwd", "layer", 2048, jnp.bfloat16, H200, "pallas"),   # another device
+    ("bwd", "rms", 2048, jnp.bfloat16, CPU, "pallas"),      # interpret mode
 ])
-def test_choose_backend(pass_, n, dtype, device, want):
-  assert config.choose_backend(pass_, n, dtype, device) == want
+def test_choose_backend(pass_, op, n, dtype, device, want):
+  assert config.choose_backend(pass_, n, dtype, op == "layer", device) == want
 
 
 def _st(**kw):
@@ -39,7 +44,7 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   before any kernel): the fused paths, cast="llama", a mode it lacks, its launchers'
   limits; an explicit backend is never changed."""
   picks = {}
-  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt: picks[p])
+  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt, sm: picks[p])
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
   s = jax.ShapeDtypeStruct((256,), jnp.float32)
   picks.update(fwd="mosaic", bwd="mosaic")
@@ -92,8 +97,9 @@ def test_bad_backend_is_still_an_error():
 @pytest.mark.parametrize("op", ["rms", "layer"])
 @pytest.mark.parametrize("shape", [(8192, 2048), (1000, 2048), (333, 4096)])
 def test_gpu_none_matches_pallas(op, shape):
-  """On the GPU (an H100 takes the Mosaic GPU backward at N = 2048): y and dx within
-  1 bf16 ulp-scale tolerance of backend="pallas", dscale/dbias within sqrt(M)."""
+  """On the GPU (an H100 takes the Triton RMSNorm and the Mosaic GPU LayerNorm backward
+  at N = 2048, an H200 the Triton RMSNorm backward at 2048 and 4096): y and dx within
+  bf16 rounding of backend="pallas", dscale/dbias within sqrt(M) float32 roundings."""
   m, n = shape
   k = jax.random.split(jax.random.key(1), 4)
   x = jax.random.normal(k[0], shape, jnp.bfloat16)
