@@ -67,24 +67,46 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   assert ops._auto_backend("fwd", x, s, None, _st(), fused=False) == "pallas"
 
 
+def _inputs(shape, seed):
+  k = jax.random.split(jax.random.key(seed), 4)
+  n = shape[-1]
+  return (jax.random.normal(k[0], shape, jnp.bfloat16),
+          1 + 0.1 * jax.random.normal(k[1], (n,)), 0.1 * jax.random.normal(k[2], (n,)),
+          jax.random.normal(k[3], shape, jnp.bfloat16))
+
+
+def _fwd_bwd(op, backend, x, s, b, dy):
+  """(y, dx, dscale, dbias) of the op on ``backend``."""
+  if op == "rms":
+    fn = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
+  else:
+    fn = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
+  y, vjp = jax.vjp(fn, x, s, b)
+  return (y, *vjp(dy))
+
+
 @pytest.mark.parametrize("op", ["rms", "layer"])
 def test_none_matches_pallas(op):
   """On CPU backend=None is the Pallas backend: the same bits, forward and grads."""
-  k = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(k[0], (48, 256), jnp.bfloat16)
-  s = 1 + 0.1 * jax.random.normal(k[1], (256,))
-  b = 0.1 * jax.random.normal(k[2], (256,))
-  dy = jax.random.normal(k[3], (48, 256), jnp.bfloat16)
+  args = _inputs((48, 256), 0)
+  for got, want in zip(_fwd_bwd(op, None, *args), _fwd_bwd(op, "pallas", *args)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
-  def f(backend):
-    if op == "rms":
-      fn = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
-    else:
-      fn = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
-    y, vjp = jax.vjp(fn, x, s, b)
-    return (y, *vjp(dy))
 
-  for got, want in zip(f(None), f("pallas")):
+def test_flax_layers_take_none():
+  """The Flax layers pass backend=None through (NNX and Linen)."""
+  from flax import nnx
+  import flax_layers
+  from flax_layers import linen as pn_linen
+  x = _inputs((8, 256), 2)[0]
+  for cls in (flax_layers.RMSNorm, flax_layers.LayerNorm):
+    got = cls(256, backend=None, rngs=nnx.Rngs(0))(x)
+    want = cls(256, backend="pallas", rngs=nnx.Rngs(0))(x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  for cls in (pn_linen.RMSNorm, pn_linen.LayerNorm):
+    m = cls(backend=None)
+    got = m.apply(m.init(jax.random.key(0), x), x)
+    want = cls(backend="pallas").apply(m.init(jax.random.key(0), x), x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -101,21 +123,8 @@ def test_gpu_none_matches_pallas(op, shape):
   at N = 2048, an H200 the Triton RMSNorm backward at 2048 and 4096): y and dx within
   bf16 rounding of backend="pallas", dscale/dbias within sqrt(M) float32 roundings."""
   m, n = shape
-  k = jax.random.split(jax.random.key(1), 4)
-  x = jax.random.normal(k[0], shape, jnp.bfloat16)
-  s = 1 + 0.1 * jax.random.normal(k[1], (n,))
-  b = 0.1 * jax.random.normal(k[2], (n,))
-  dy = jax.random.normal(k[3], shape, jnp.bfloat16)
-
-  def f(backend):
-    if op == "rms":
-      fn = lambda x, s, b: pallas_norm.rms_norm(x, s, backend=backend)
-    else:
-      fn = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend)
-    y, vjp = jax.vjp(fn, x, s, b)
-    return (y, *vjp(dy))
-
-  got, want = f(None), f("pallas")
+  args = _inputs(shape, 1)
+  got, want = _fwd_bwd(op, None, *args), _fwd_bwd(op, "pallas", *args)
   for name, g, w, tol in zip(("y", "dx", "dscale", "dbias"), got, want,
                              (2e-2, 2e-2, 2e-5 * m ** 0.5, 2e-5 * m ** 0.5)):
     if op == "rms" and name == "dbias":
