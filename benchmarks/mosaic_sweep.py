@@ -16,9 +16,11 @@ import traceback
 
 SHAPES = [("rms", 8192, 2048), ("layer", 8192, 2048), ("rms", 8192, 4096),
           ("layer", 8192, 4096), ("rms", 4096, 8192), ("layer", 4096, 8192)]
-# forward: (block_m, num_stages, programs a SM, y_in_place); None = the default config
+# forward: (block_m, num_stages, programs a SM, y_in_place[, warpgroups]); None = the
+# default config
 FWD = [None, (4, 2, 2, True), (4, 2, 3, True), (4, 3, 1, True), (4, 3, 2, True),
-       (8, 2, 2, True), (4, 1, 2, False), (4, 2, 2, False)]
+       (8, 2, 2, True), (4, 1, 2, False), (4, 2, 2, False), (4, 2, 2, True, 2),
+       (4, 3, 1, True, 2), (4, 2, 1, True, 4), (4, 2, 2, True, 4)]
 # backward: (block_m, num_stages, G); G <= 256 (the partials' TMA box)
 BWD = [None, (4, 1, 256), (4, 2, 256), (1, 3, 256), (1, 4, 256), (8, 1, 256)]
 
@@ -57,8 +59,8 @@ def run_shape(op, m, n):
     row = dict(kind="fwd", impl="mosaic")
     try:
       cfg = dflt if c is None else MF.MosaicForwardConfig(
-          block_m=c[0], block_w=dflt.block_w, num_stages=c[1], num_programs=c[2] * sms,
-          y_in_place=c[3])
+          block_m=c[0], block_w=128 if c[4:] else dflt.block_w, num_stages=c[1],
+          num_programs=c[2] * sms, y_in_place=c[3], num_warpgroups=(c[4:] or (1,))[0])
       row["config"] = str(cfg) + (" (default)" if c is None else "")
       fm = jax.jit(lambda x, cfg=cfg: MF.norm_forward(x, s, b, config=cfg, **kw))
       ym, _, rm = jax.block_until_ready(fm(xs[0]))

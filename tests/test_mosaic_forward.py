@@ -47,6 +47,16 @@ _CASES = [  # m, n, dtype, layer, has_scale, has_bias, scale_offset, config
     (20, 384, jnp.float32, False, True, False, 0.0,
      mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=3,
                                         num_programs=1, y_in_place=True)),
+    # two warpgroups a program, each with half the columns, the row sums exchanged
+    # (the interpreter runs each warpgroup in a thread: more than the CPU's 2 cores
+    # would deadlock its callbacks, so 4 warpgroups are tested on the GPU only)
+    (10, 512, jnp.bfloat16, True, True, True, 0.0,
+     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=2,
+                                        num_programs=2, y_in_place=True,
+                                        num_warpgroups=2)),
+    (9, 512, jnp.float32, False, True, False, 1.0,
+     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
+                                        num_programs=3, num_warpgroups=2)),
 ]
 
 
@@ -93,19 +103,30 @@ def test_errors():
   with pytest.raises(ValueError, match="num_stages"):  # in place: a slot refilled behind
     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
                                        num_programs=1, y_in_place=True)
+  with pytest.raises(ValueError, match="num_warpgroups"):
+    mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
+                                       num_programs=1, num_warpgroups=3)
+  x, s, b = _inputs(4, 384, jnp.bfloat16, layer=True)  # 3 chunks over 2 warpgroups
+  with pytest.raises(ValueError, match="num_warpgroups"):
+    mosaic_forward.norm_forward(x, s, b, config=mosaic_forward.MosaicForwardConfig(
+        block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2), **kw)
 
 
 @pytest.mark.cpu_only
 def test_lowers_for_cuda():
   """Lowers for CUDA on CPU (Mosaic GPU lowers in Python): the bench's LayerNorm
   8192 x 4096 bf16 and an f32 RMSNorm."""
-  for m, n, dtype, layer in ((8192, 4096, jnp.bfloat16, True), (40, 768, jnp.float32, False)):
+  four = mosaic_forward.MosaicForwardConfig(4, 256, 2, 264, y_in_place=True,
+                                            num_warpgroups=4)
+  for m, n, dtype, layer, cfg in ((8192, 4096, jnp.bfloat16, True, None),
+                                  (40, 768, jnp.float32, False, None),
+                                  (8192, 4096, jnp.bfloat16, True, four)):
     specs = [jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((n,), jnp.float32)]
 
-    def f(x, s, layer=layer):
+    def f(x, s, layer=layer, cfg=cfg):
       return mosaic_forward.norm_forward(x, s, s if layer else None, eps=1e-5,
                                          scale_offset=0.0, subtract_mean=layer,
-                                         interpret=False)
+                                         config=cfg, interpret=False)
 
     text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -127,7 +148,12 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
               mosaic_forward.MosaicForwardConfig(dflt.block_m, dflt.block_w, 2, 2 * sms,
                                                  y_in_place=True),
               mosaic_forward.MosaicForwardConfig(4, dflt.block_w, 2, 3 * sms,
-                                                 y_in_place=True)):
+                                                 y_in_place=True),
+              # two and four warpgroups a program (whole chunks each: N / 128 of them)
+              mosaic_forward.MosaicForwardConfig(4, 128, 2, 2 * sms, y_in_place=True,
+                                                 num_warpgroups=2),
+              mosaic_forward.MosaicForwardConfig(4, 128, 2, sms, y_in_place=True,
+                                                 num_warpgroups=4)):
     y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
     _ulp_close(y, yp, dtype, f"y {cfg}")
     _ulp_close(rstd, rp, jnp.float32, f"rstd {cfg}")

@@ -198,11 +198,14 @@ def _kernel_kwargs() -> tuple[str, str]:
   return "out_shape", "scratch_shapes"
 
 
-def _kernel(body, out, scratch, *, grid, interpret, name):
+def _kernel(body, out, scratch, *, grid, interpret, name, num_threads=1):
+  """plgpu.kernel over ``grid`` (axis "g"), ``num_threads`` warpgroups a program (axis
+  "wg" when more than one)."""
   out_kw, scratch_kw = _kernel_kwargs()
+  threads = {} if num_threads == 1 else dict(num_threads=num_threads, thread_name="wg")
   return plgpu.kernel(body, **{out_kw: out, scratch_kw: scratch}, grid=grid,
                       grid_names=("g",), interpret=_interpret_params() if interpret else None,
-                      kernel_name=name, compiler_params=_lane_semantics())
+                      kernel_name=name, compiler_params=_lane_semantics(), **threads)
 
 
 def _lane_semantics():

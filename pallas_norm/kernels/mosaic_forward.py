@@ -25,6 +25,14 @@ are copied to shared memory once a program. The statistics are computed from the
 stores to HBM (in flight while the next block is computed), and mean/rstd through a
 [block_m] staging vector each. TMA zero-fills rows past M on load and drops them on store.
 
+Several warpgroups a program (``MosaicForwardConfig.num_warpgroups``, 2026-11-25): each
+loads, normalises and stores its own N / k columns of every row block, and the partial
+row sums meet in shared memory behind an mbarrier of k arrivals, summed in warpgroup
+order. Tested through the interpreter (2 warpgroups; 4 would need more CPU cores than
+CI's 2, since the interpreter runs each in a thread) and lowered for CUDA on CPU; not
+yet compiled or timed on a GPU (``benchmarks/mosaic_sweep.py`` holds its variants), so
+the default stays at one.
+
 Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
 chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
 program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage);
@@ -67,6 +75,9 @@ class MosaicForwardConfig:
       in a tile of its own (a row block less of shared memory a program, so that two
       programs fit a SM); a slot is then refilled one step later, once its store has
       read it: num_stages - 1 row blocks ahead.
+    num_warpgroups: k warpgroups a program (1, 2 or 4), each with its own N / k
+      columns (whole chunks: k divides N / block_w); the row sums are exchanged through
+      shared memory. More warps a SM for the same shared memory.
   """
 
   block_m: int
@@ -74,6 +85,7 @@ class MosaicForwardConfig:
   num_stages: int
   num_programs: int
   y_in_place: bool = False
+  num_warpgroups: int = 1
 
   def __post_init__(self):
     if self.block_m % _STATS_ALIGN or not _STATS_ALIGN <= self.block_m <= 32:
@@ -85,6 +97,8 @@ class MosaicForwardConfig:
                        f"({self.y_in_place=})")
     if not 1 <= self.num_programs <= _MAX_PROGRAMS:
       raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_PROGRAMS}]")
+    if self.num_warpgroups not in (1, 2, 4):
+      raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4")
 
 
 _MAX_PROGRAMS = 1024
@@ -131,8 +145,12 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
 
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
-                block_m, block_w, num_stages, num_programs, y_in_place, interpret):
-  """Program r: row blocks r, r + G, ... of y (and mean/rstd)."""
+                block_m, block_w, num_stages, num_programs, y_in_place, num_warpgroups,
+                interpret):
+  """Program r: row blocks r, r + G, ... of y (and mean/rstd). With k warpgroups, each
+  loads, normalises and stores its own N / k columns of every row block, and the row
+  sums are exchanged through shared memory (summed in warpgroup order: every warpgroup
+  gets the same bits)."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -148,23 +166,29 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   rs = refs.pop(0) if rstd_ref is not None else None
   bar = refs.pop(0)  # [S]
   pbar = refs.pop(0) if has_scale or has_bias else None
+  k = num_warpgroups
+  red = refs.pop(0) if k > 1 else None  # [2, k, block_m] f32: the row-sum exchange
+  xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
   assert not refs
 
   num_chunks = n // block_w
+  per_wg = num_chunks // k
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
   r = lax.axis_index("g")
+  wg = lax.axis_index("wg") if k > 1 else 0
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+  mine = [wg * per_wg + c if k > 1 else c for c in range(per_wg)]  # this wg's chunks
 
   def chunk(c):
     return pl.ds(c * block_w, block_w)
 
-  def fetch(step, slot):  # row block r + step * G into slot
+  def fetch(step, slot):  # this warpgroup's chunks of row block r + step * G into slot
     rows = pl.ds((r + step * num_programs) * block_m, block_m)
-    for c in range(num_chunks):
+    for c in mine:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
 
   if pbar is not None:  # scale and bias, once a program
-    for c in range(num_chunks):
+    for c in mine:
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], pbar)
       if has_bias:
@@ -179,24 +203,38 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   def x_of(slot, c):
     return lay.cast(xs[slot, c], lay.tile).astype(_F32)  # [block_m, W] f32
 
+  exchanges = 2 if subtract_mean else 1  # row sums a step
+
+  def row_total(part, step, i):
+    """[block_m] sums of this warpgroup's columns -> the whole rows' (exchange i of
+    the step, through buffer (step * exchanges + i) % 2: a warpgroup can write a buffer
+    again only after every warpgroup has passed the next exchange, so after it read)."""
+    if k == 1:
+      return part
+    b = lax.rem(step * exchanges + i, 2)
+    red[b, wg] = part
+    plgpu.barrier_arrive(xbar.at[b])
+    plgpu.barrier_wait(xbar.at[b])
+    return _sum([lay.cast(red[b, j], lay.row) for j in range(k)])
+
   def body(step, carry):
     slot = lax.rem(step, num_stages)
     rb = r + step * num_programs
     plgpu.barrier_wait(bar.at[slot])
     mean = None
     if subtract_mean:
-      mean = jnp.sum(_sum([x_of(slot, c) for c in range(num_chunks)]), axis=1) / n
+      mean = row_total(jnp.sum(_sum([x_of(slot, c) for c in mine]), axis=1), step, 0) / n
       d2 = []
-      for c in range(num_chunks):
+      for c in mine:
         d = x_of(slot, c) - lay.rows(mean, block_w)
         d2.append(d * d)
-      var = jnp.sum(_sum(d2), axis=1) / n  # [block_m] f32
+      var = row_total(jnp.sum(_sum(d2), axis=1), step, 1) / n  # [block_m] f32
     else:
       sq = []
-      for c in range(num_chunks):
+      for c in mine:
         x = x_of(slot, c)
         sq.append(x * x)
-      var = jnp.sum(_sum(sq), axis=1) / n
+      var = row_total(jnp.sum(_sum(sq), axis=1), step, 0) / n
     rstd = lax.rsqrt(var + _F32(eps))  # [block_m] f32
     # the previous row block's y and statistics have left the staging buffers
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -205,7 +243,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
       def _():
         fetch(step - 1 + num_stages, lax.rem(step - 1 + num_stages, num_stages))
     out_tile = xs.at[slot] if y_in_place else ys
-    for c in range(num_chunks):
+    for c in mine:
       x = x_of(slot, c)
       if mean is not None:
         x = x - lay.rows(mean, block_w)
@@ -216,18 +254,26 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
       if has_bias:
         y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
       out_tile[c] = y.astype(out_tile.dtype)
+    first = wg == 0  # the statistics leave from warpgroup 0
     if rs is not None:
-      rs[...] = rstd
+      @pl.when(first)
+      def _():
+        rs[...] = rstd
     if ms is not None:
-      ms[...] = mean
+      @pl.when(first)
+      def _():
+        ms[...] = mean
     plgpu.commit_smem()
     rows = pl.ds(rb * block_m, block_m)
-    for c in range(num_chunks):
+    for c in mine:
       plgpu.copy_smem_to_gmem(out_tile.at[c], y_ref.at[rows, chunk(c)])
-    if rs is not None:
-      plgpu.copy_smem_to_gmem(rs, rstd_ref.at[rows])
-    if ms is not None:
-      plgpu.copy_smem_to_gmem(ms, mean_ref.at[rows])
+
+    @pl.when(first)
+    def _():
+      if rs is not None:
+        plgpu.copy_smem_to_gmem(rs, rstd_ref.at[rows])
+      if ms is not None:
+        plgpu.copy_smem_to_gmem(ms, mean_ref.at[rows])
     plgpu.commit_smem_to_gmem_group()
 
     if not y_in_place:
@@ -251,6 +297,9 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig):
         f"TMA chunks); use backend='pallas'")
   if n % cfg.block_w:
     raise ValueError(f"config.block_w={cfg.block_w} must divide N={n}")
+  if (n // cfg.block_w) % cfg.num_warpgroups:
+    raise ValueError(f"config.num_warpgroups={cfg.num_warpgroups} must divide the "
+                     f"{n // cfg.block_w} chunks of {cfg.block_w} columns (N={n})")
   x_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
   need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest), cfg.y_in_place)
   if need > _SMEM_BYTES:
@@ -315,14 +364,17 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   num_params = int(scale is not None) + int(bias is not None)
   if num_params:
     scratch.append(plgpu.Barrier(num_arrivals=num_params * num_chunks))
+  k = cfg.num_warpgroups
+  if k > 1:
+    scratch += [plgpu.SMEM((2, k, bm), _F32), plgpu.Barrier(num_arrivals=k, num_barriers=2)]
   body = functools.partial(
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
       stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
-      y_in_place=cfg.y_in_place, interpret=interpret)
+      y_in_place=cfg.y_in_place, num_warpgroups=k, interpret=interpret)
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
-                      name="pallas_norm_mgpu_fwd")(*inputs))
+                      name="pallas_norm_mgpu_fwd", num_threads=k)(*inputs))
   outs = [o[:m] if o.shape[0] != m else o for o in outs]
   y = outs.pop(0)
   mean = outs.pop(0) if want_mean else None
