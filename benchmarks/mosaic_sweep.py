@@ -21,8 +21,9 @@ SHAPES = [("rms", 8192, 2048), ("layer", 8192, 2048), ("rms", 8192, 4096),
 FWD = [None, (4, 2, 2, True), (4, 2, 3, True), (4, 3, 1, True), (4, 3, 2, True),
        (8, 2, 2, True), (4, 1, 2, False), (4, 2, 2, False), (4, 2, 2, True, 2),
        (4, 3, 1, True, 2), (4, 2, 1, True, 4), (4, 2, 2, True, 4)]
-# backward: (block_m, num_stages, G); G <= 256 (the partials' TMA box)
-BWD = [None, (4, 1, 256), (4, 2, 256), (1, 3, 256), (1, 4, 256), (8, 1, 256)]
+# backward: (block_m, num_stages, G[, warpgroups]); G <= 256 (the partials' TMA box)
+BWD = [None, (4, 1, 256), (4, 2, 256), (1, 3, 256), (1, 4, 256), (8, 1, 256),
+       (4, 2, 132, 2), (4, 2, 132, 4), (4, 1, 256, 2)]
 
 
 def run_shape(op, m, n):
@@ -88,7 +89,8 @@ def run_shape(op, m, n):
     row = dict(kind="bwd", impl="mosaic")
     try:
       cfg = dfltb if c is None else dataclasses.replace(
-          dfltb, block_m=c[0], num_stages=c[1], num_programs=min(c[2], -(-m // c[0])))
+          dfltb, block_m=c[0], num_stages=c[1], num_programs=min(c[2], -(-m // c[0])),
+          block_w=128 if c[3:] else dfltb.block_w, num_warpgroups=(c[3:] or (1,))[0])
       row["config"] = str(cfg) + (" (default)" if c is None else "")
       bm = jax.jit(lambda dy, x, mu, r, cfg=cfg: MB.norm_backward(dy, x, s, mu, r,
                                                                   config=cfg, **bkw))

@@ -10,6 +10,7 @@ equal. ``test_lowers_for_cuda`` lowers the compiled kernels for CUDA on any mach
 cannot lower without a GPU.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -86,6 +87,14 @@ _CASES = [
     (21, 256, "float32", True, True, True, 0.0,
      mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=3,
                                           num_programs=2)),
+    # two warpgroups, each with half the columns, the row sums exchanged (4 only on
+    # the GPU: the interpreter runs each in a thread, more than CI's 2 cores deadlock)
+    (10, 512, "bfloat16", True, True, True, 0.0,
+     mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=2,
+                                          num_programs=2, num_warpgroups=2)),
+    (9, 1000, "float32", False, True, False, 1.0,  # a partial last chunk, 3 programs
+     mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=1,
+                                          num_programs=3, num_warpgroups=2)),
 ]
 
 
@@ -147,9 +156,12 @@ def test_default_config():
 def test_lowers_for_cuda():
   """Both stages lower for CUDA (Mosaic GPU lowers in Python, no GPU needed): the
   bench's LayerNorm 8192 x 4096 bf16 and a ragged f32 RMSNorm."""
-  for m, n, dtype, layer in ((8192, 4096, jnp.bfloat16, True), (40, 760, jnp.float32, False)):
+  four = mosaic_backward.MosaicBackwardConfig(4, 128, 2, 132, num_warpgroups=4)
+  for m, n, dtype, layer, cfg in ((8192, 4096, jnp.bfloat16, True, None),
+                                  (40, 760, jnp.float32, False, None),
+                                  (8192, 4096, jnp.bfloat16, True, four)):
     dy, x, scale, mean, rstd, kw, _, _ = _inputs(8, n, dtype, layer=layer)
-    kw = dict(kw, interpret=False)
+    kw = dict(kw, interpret=False, config=cfg)
     specs = [jax.ShapeDtypeStruct((m, n), dtype)] * 2 + [
         jax.ShapeDtypeStruct((n,), dtype), jax.ShapeDtypeStruct((m,), jnp.float32)]
 
@@ -193,6 +205,13 @@ def test_errors():
     mosaic_backward.norm_backward(
         dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
             block_m=32, block_w=128, num_stages=64, num_programs=1), **kw)
+  with pytest.raises(ValueError, match="num_warpgroups"):  # one-row blocks: 1
+    mosaic_backward.MosaicBackwardConfig(block_m=1, block_w=128, num_stages=1,
+                                         num_programs=1, num_warpgroups=2)
+  with pytest.raises(ValueError, match="num_warpgroups"):  # 1 chunk over 2
+    mosaic_backward.norm_backward(
+        dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
+            block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2), **kw)
 
 
 @pytest.mark.gpu
@@ -204,16 +223,23 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
   """Compiled, on the bench's shape and ragged ones, against the compiled Pallas
   backend; and deterministic."""
   dy, x, scale, mean, rstd, kw, _, _ = _inputs(m, n, dtype, layer=layer)
-  got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
-  again = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, **kw)
   pallas = backward.norm_backward(
       dy, x, scale, mean, rstd,
       config=pn_config.backward_config(m, n, x.dtype, subtract_mean=layer), **kw)
-  _check_dx(got[0], pallas[0], dtype)
-  for g, p in zip(got[1:], pallas[1:]):
-    if p is not None:
-      _check_sum(g, p, m, dtype)
-  for u, v in zip(got, again):
-    if u is not None:
-      np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)),
-                                    np.asarray(v.astype(jnp.float32)))
+  dflt = mosaic_backward.backward_config(m, n, x.dtype, layer)
+  cfgs = [None]
+  if dflt.block_m > 1:  # and with two and four warpgroups (whole 128-column chunks)
+    chunks = mosaic_backward._padded(n) // 128
+    cfgs += [dataclasses.replace(dflt, block_w=128, num_warpgroups=k) for k in (2, 4)
+             if chunks % k == 0]
+  for cfg in cfgs:
+    got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)
+    again = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)
+    _check_dx(got[0], pallas[0], dtype)
+    for g, p in zip(got[1:], pallas[1:]):
+      if p is not None:
+        _check_sum(g, p, m, dtype)
+    for u, v in zip(got, again):
+      if u is not None:
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)),
+                                      np.asarray(v.astype(jnp.float32)))

@@ -59,10 +59,16 @@ does; the interpreter has no ``layout_cast``, so register layouts are only given
 compiled kernel (``_Layouts``). Its import lives in ``_interpret_params`` here, not in
 ``_compat.py``.
 
+Several warpgroups a program (``MosaicBackwardConfig.num_warpgroups``, 2026-11-25): each
+loads x and dy, computes dx and keeps the partials of its own N / k columns; c1 (and
+c2) meet in shared memory behind an mbarrier, summed in warpgroup order, and warpgroup 0
+loads the mean/rstd windows. Interpreter-tested with 2 and lowered for CUDA with 4; not
+yet compiled or timed on a GPU, so the default stays at one.
+
 Not yet here (issue #29): warp specialisation (a producer warpgroup issuing the TMA
-loads, consumer warpgroups computing), several consumer warpgroups a program, cluster
-multicast of scale, and the residual / cast / FP8 variants of ``backward.py`` (``ops``
-refuses them for this backend before they reach this module).
+loads, consumer warpgroups computing), cluster multicast of scale, and the residual /
+cast / FP8 variants of ``backward.py`` (``ops`` refuses them for this backend before
+they reach this module).
 """
 
 from __future__ import annotations
@@ -108,14 +114,22 @@ class MosaicBackwardConfig:
     block_w: columns of one TMA chunk (128 or 256; divides N rounded up to 128).
     num_stages: shared-memory slots of the load pipeline (>= 1): row blocks in flight.
     num_programs: G, the stage-1 grid (<= 256); the partials are [G, N] float32.
+    num_warpgroups: k warpgroups a program (1, 2 or 4; 1 for one-row blocks), each with
+      its own N / k columns (k divides the block_w-column chunks): dx, the
+      partials of those columns, and the row sums exchanged through shared memory.
   """
 
   block_m: int
   block_w: int
   num_stages: int
   num_programs: int
+  num_warpgroups: int = 1
 
   def __post_init__(self):
+    if self.num_warpgroups not in (1, 2, 4) or (self.num_warpgroups > 1
+                                                 and self.block_m == 1):
+      raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4 (1 for one-row "
+                       f"blocks, {self.block_m=})")
     if not (self.block_m == 1 or (self.block_m % _STATS_ALIGN == 0
                                   and _STATS_ALIGN <= self.block_m <= _STATS_WINDOW)):
       raise ValueError(f"{self.block_m=} must be 1 or a multiple of {_STATS_ALIGN} up to "
@@ -276,8 +290,11 @@ def _sum(terms):
 
 
 def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
-                   block_m, block_w, num_stages, num_programs, interpret):
-  """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows."""
+                   block_m, block_w, num_stages, num_programs, num_warpgroups, interpret):
+  """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows. With k
+  warpgroups, each loads x and dy, computes dx and holds the partials of its own N / k
+  columns; the row sums c1 (and c2) are exchanged through shared memory (summed in
+  warpgroup order), and warpgroup 0 loads the mean/rstd windows."""
   refs = list(refs)
   # inputs
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -294,55 +311,83 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   ms = refs.pop(0) if subtract_mean else None  # [S, 32] f32
   rs, dxs, bar = refs.pop(0), refs.pop(0), refs.pop(0)  # [S, 32] f32, [C, bm, W], [S]
   wbar = refs.pop(0) if has_scale else None
+  k = num_warpgroups
+  red = refs.pop(0) if k > 1 else None  # [2, 2, k, block_m] f32: the row-sum exchange
+  xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
   assert not refs
 
   num_chunks = _padded(n) // block_w
+  per_wg = num_chunks // k
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
   r = lax.axis_index("g")
+  wg = lax.axis_index("wg") if k > 1 else 0
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+  mine = [wg * per_wg + c if k > 1 else c for c in range(per_wg)]  # this wg's chunks
 
   zero = r * 0  # traced: a column start past N is then not checked at trace time
 
   def chunk(c):  # columns of chunk c; the last may run past N (TMA: zeros / dropped)
     start = c * block_w
+    if not isinstance(start, int):  # a warpgroup's chunk: traced already
+      return pl.ds(start, block_w)
     return pl.ds(start + zero if start + block_w > n else start, block_w)
 
-  def fetch(step, slot):  # row block r + step * G into slot
+  def fetch(step, slot):  # row block r + step * G into slot (this wg's chunks)
     row0 = (r + step * num_programs) * block_m
     rows = pl.ds(row0, block_m)
-    for c in range(num_chunks):
+    for c in mine:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
       plgpu.copy_gmem_to_smem(dy_ref.at[rows, chunk(c)], dys.at[slot, c], bar.at[slot])
     # a TMA source must be 16-byte aligned: the window starts at the boundary at or
     # before row0 (one row: row0 % 4 elements before it; a multiple of 4 rows: at it)
     window = pl.ds(row0 - lax.rem(row0, _STATS_ALIGN), _STATS_WINDOW)
-    if subtract_mean:
-      plgpu.copy_gmem_to_smem(mean_ref.at[window], ms.at[slot], bar.at[slot])
-    plgpu.copy_gmem_to_smem(rstd_ref.at[window], rs.at[slot], bar.at[slot])
 
-  w = None  # scale_offset + scale: [W] f32 a chunk, in registers for the whole program
+    # warpgroup 0 loads the windows; it refills a slot only after the step's exchange,
+    # which every warpgroup reaches after reading the slot's mean/rstd into registers
+    @pl.when(wg == 0)
+    def _():
+      if subtract_mean:
+        plgpu.copy_gmem_to_smem(mean_ref.at[window], ms.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(rstd_ref.at[window], rs.at[slot], bar.at[slot])
+
+  w = None  # scale_offset + scale: [W] f32 a chunk of this wg's, in registers
   if has_scale:
-    for c in range(num_chunks):
+    for c in mine:
       plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], wbar)
     plgpu.barrier_wait(wbar)
     w = []
-    for c in range(num_chunks):
+    for c in mine:
       wc = lay.cast(ws[c], lay.col).astype(_F32)
       w.append(wc + _F32(scale_offset) if scale_offset else wc)
+
+  def row_totals(step, sums):
+    """This wg's [block_m] row sums -> the whole rows' (one exchange a step, through
+    buffer step % 2: a warpgroup writes a buffer again only after every warpgroup has
+    passed the next step's exchange, so after it read this one)."""
+    if k == 1:
+      return sums
+    b = lax.rem(step, 2)
+    for q, v in enumerate(sums):
+      red[b, q, wg] = v
+    plgpu.barrier_arrive(xbar.at[b])
+    plgpu.barrier_wait(xbar.at[b])
+    return [_sum([lay.cast(red[b, q, j], lay.row) for j in range(k)])
+            for q in range(len(sums))]
 
   for s in range(num_stages):  # prologue: the first num_stages row blocks
     @pl.when(s < num_steps)
     def _():
       fetch(s, s)
 
-  def parts(slot, c, mean, rstd):
-    """(x_hat, dy, g) of chunk c: [block_m, W] f32 each."""
+  def parts(slot, i, mean, rstd):
+    """(x_hat, dy, g) of this wg's chunk i: [block_m, W] f32 each."""
+    c = mine[i]
     x = lay.cast(xs[slot, c], lay.tile).astype(_F32)
     dy = lay.cast(dys[slot, c], lay.tile).astype(_F32)
     if mean is not None:
       x = x - lay.rows(mean, block_w)
     x_hat = x * lay.rows(rstd, block_w)
-    g = dy if w is None else dy * lay.cols(w[c], block_m)
+    g = dy if w is None else dy * lay.cols(w[i], block_m)
     return x_hat, dy, g
 
   def body(step, accs):
@@ -354,29 +399,32 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     mean = lay.stats(ms.at[slot], block_m, off) if subtract_mean else None
     # pass 1: the row sums, chunk by chunk, summed across the warpgroup once
     s1, s2 = [], []
-    for c in range(num_chunks):
-      x_hat, _, g = parts(slot, c, mean, rstd)
+    for i in range(per_wg):
+      x_hat, _, g = parts(slot, i, mean, rstd)
       s1.append(x_hat * g)
       s2.append(g)
-    c1 = jnp.sum(_sum(s1), axis=1) / n  # [block_m] f32
-    c2 = jnp.sum(_sum(s2), axis=1) / n if subtract_mean else None
+    sums = [jnp.sum(_sum(s1), axis=1)] + ([jnp.sum(_sum(s2), axis=1)]
+                                          if subtract_mean else [])
+    sums = row_totals(step, sums)
+    c1 = sums[0] / n  # [block_m] f32
+    c2 = sums[1] / n if subtract_mean else None
     # the previous row block's dx has left the staging tile (its TMA stores read it)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     # pass 2: dx and the partials
     new = []
-    for c in range(num_chunks):
-      x_hat, dy, g = parts(slot, c, mean, rstd)
+    for i, c in enumerate(mine):
+      x_hat, dy, g = parts(slot, i, mean, rstd)
       dx = g - x_hat * lay.rows(c1, block_w)
       if c2 is not None:
         dx = dx - lay.rows(c2, block_w)
       dx = dx * lay.rows(rstd, block_w)
       dxs[c] = dx.astype(dxs.dtype)
-      dw, db = accs[c]
+      dw, db = accs[i]
       new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
                   None if db is None else db + jnp.sum(dy, axis=0)))
     plgpu.commit_smem()
     rows = pl.ds(rb * block_m, block_m)
-    for c in range(num_chunks):
+    for c in mine:
       plgpu.copy_smem_to_gmem(dxs.at[c], dx_ref.at[rows, chunk(c)])
     plgpu.commit_smem_to_gmem_group()
 
@@ -391,10 +439,10 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   def zeros(has):
     return lay.cast(jnp.zeros((block_w,), _F32), lay.col) if has else None
 
-  init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(num_chunks))
+  init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(per_wg))
   accs = lax.fori_loop(0, num_steps, body, init)
   plgpu.wait_smem_to_gmem(0)
-  for c, (dw, db) in enumerate(accs):
+  for c, (dw, db) in zip(mine, accs):
     cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
     if dw is not None:
       dw_ref[r, cols] = dw
@@ -465,6 +513,9 @@ def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
   if n_pad % cfg.block_w:
     raise ValueError(f"config.block_w={cfg.block_w} must divide N={n} rounded up to "
                      f"128 ({n_pad})")
+  if (n_pad // cfg.block_w) % cfg.num_warpgroups:
+    raise ValueError(f"config.num_warpgroups={cfg.num_warpgroups} must divide the "
+                     f"{n_pad // cfg.block_w} chunks of {cfg.block_w} columns (N={n})")
   if num_accs * n_pad // _WARPGROUP > _ACC_REGS:
     raise NotImplementedError(
         f"backend='mosaic' backward holds the dscale/dbias partials in registers: "
@@ -537,14 +588,19 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
                             num_barriers=stages)]
   if has_scale:
     scratch.append(plgpu.Barrier(num_arrivals=num_chunks))
+  k = cfg.num_warpgroups
+  if k > 1:
+    scratch += [plgpu.SMEM((2, 2, k, bm), _F32), plgpu.Barrier(num_arrivals=k,
+                                                               num_barriers=2)]
   body = functools.partial(
       _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias, block_m=bm,
-      block_w=bw, num_stages=stages, num_programs=g, interpret=interpret)
+      block_w=bw, num_stages=stages, num_programs=g, num_warpgroups=k,
+      interpret=interpret)
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd)
             if a is not None]
   dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,
-                       name="pallas_norm_mgpu_bwd")(*inputs)
+                       name="pallas_norm_mgpu_bwd", num_threads=k)(*inputs)
   if (m_out, n_out) != (m, n):
     dx = dx[:m, :n]
   dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
