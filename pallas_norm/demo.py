@@ -80,6 +80,10 @@ FP8_TOLERANCE = {
 }
 
 
+# --backend: pallas_norm's backends, and "auto" for backend=None (ops.rms_norm)
+BACKENDS = _ops.BACKENDS + ("auto",)
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
   """Everything one demo run depends on (the CLI flags)."""
@@ -189,8 +193,8 @@ def check_config(cfg: DemoConfig, text_chars: int) -> None:
                      f"({2 * cfg.heads}): RoPE rotates pairs of each head's features")
   if cfg.mode is not None and cfg.mode not in _config.MODES:
     raise ValueError(f"--mode={cfg.mode!r} is not one of {_config.MODES}")
-  if cfg.backend not in _ops.BACKENDS:
-    raise ValueError(f"--backend={cfg.backend!r} is not one of {_ops.BACKENDS}")
+  if cfg.backend not in BACKENDS:
+    raise ValueError(f"--backend={cfg.backend!r} is not one of {BACKENDS}")
   if cfg.fp8 and cfg.backend not in _fp8_layers.FP8_BACKENDS:
     raise ValueError(f"--fp8 needs --backend in {_fp8_layers.FP8_BACKENDS} (the quantising "
                      f"norm's backends), not {cfg.backend!r}")
@@ -496,7 +500,8 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
                            functools.partial(norm, dtype=dtype), rngs=nnx.Rngs(cfg.seed),
                            dtype=dtype, fp8=fp8)
 
-  ours_norm = functools.partial(pallas_norm.RMSNorm, mode=cfg.mode, backend=cfg.backend)
+  ours_norm = functools.partial(pallas_norm.RMSNorm, mode=cfg.mode,
+                                backend=None if cfg.backend == "auto" else cfg.backend)
   ours = build(ours_norm)
   # The flax.nnx.RMSNorm twin gets a copy of the same initial state: the param trees
   # are identical, so one model's state loads into the other's graph.
@@ -576,8 +581,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=d.learning_rate, help="AdamW learning rate (default %(default)s)")
   p.add_argument("--mode", choices=_config.MODES, default=None,
                  help="kernel mode (default: the heuristic picks)")
-  p.add_argument("--backend", choices=_ops.BACKENDS, default=d.backend,
-                 help="pallas_norm backend (default %(default)s)")
+  p.add_argument("--backend", choices=BACKENDS, default=d.backend,
+                 help="pallas_norm backend (default %(default)s; auto: backend=None, "
+                      "the backend measured faster per kernel)")
   p.add_argument("--text", default=None, metavar="FILE",
                  help="a UTF-8 text file to train on (default: CPython's pydoc_data.topics)")
   p.add_argument("--out", default=d.out, help="output folder for the loss-curve PNG (default %(default)s)")

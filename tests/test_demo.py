@@ -86,6 +86,7 @@ def test_cli_fp8_tracks_bf16(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--fp8", "--fp8-scaling", "sometimes"], "invalid choice: 'sometimes'"),
     (["--fp8", "--backend", "triton"], "--fp8 needs --backend in"),
+    (["--fp8", "--backend", "auto"], "--fp8 needs --backend in"),
     (["--steps", "0"], "--steps=0 must be a positive integer"),
     (["--batch", "-1"], "--batch=-1 must be a positive integer"),
     (["--d-model", "0"], "--d-model=0 must be a positive integer"),
@@ -123,3 +124,23 @@ def test_cli_bad_paths_exit_2(tmp_path, capsys):
     demo.main(["--out", str(short / "sub")])
   assert e.value.code == 2
   assert "--out" in capsys.readouterr().err
+
+
+
+def test_cli_backend_auto(tmp_path, monkeypatch):
+  """--backend auto trains with backend=None in the layers (on CPU: the Pallas
+  backend, so the same losses as the default run's)."""
+  seen = []
+  real = demo.pallas_norm.RMSNorm
+
+  def spy(*a, **kw):
+    seen.append(kw.get("backend", "pallas"))
+    return real(*a, **kw)
+
+  monkeypatch.setattr(demo.pallas_norm, "RMSNorm", spy)
+  runs = _spy_on_train(monkeypatch)
+  tiny = _TINY[:1] + ["3"] + _TINY[2:] + ["--out", str(tmp_path)]
+  assert demo.main(tiny + ["--backend", "auto"]) == 0
+  assert seen and set(seen) == {None}
+  assert demo.main(tiny) == 0
+  np.testing.assert_array_equal(runs[0].pallas.losses, runs[1].pallas.losses)
