@@ -234,16 +234,13 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool) -> str:
       return "pallas"
     from pallas_norm.kernels import mosaic_backward as mb
     from pallas_norm.kernels import mosaic_forward as mf
-    params = [p.dtype for p in (scale, bias) if p is not None]
     try:
       if pass_ == "fwd":
-        mf._check(m, n, [x2.dtype, *params],
-                  mf.forward_config(m, n, x2.dtype, st.subtract_mean, param_bytes=sum(
-                      jnp.dtype(d).itemsize for d in params)))
+        mf.checked_config(m, n, x2.dtype, [p.dtype for p in (scale, bias) if p is not None],
+                          st.subtract_mean)
       else:
-        mb._check(n, [x2.dtype, x2.dtype] + ([scale.dtype] if scale is not None else []),
-                  mb.backward_config(m, n, x2.dtype, st.subtract_mean),
-                  int(scale is not None) + int(bias is not None), None)
+        mb.checked_config(m, n, x2.dtype, x2.dtype, None if scale is None else scale.dtype,
+                          bias is not None, st.subtract_mean)
     except (NotImplementedError, ValueError):
       return "pallas"
   return backend

@@ -86,7 +86,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import out_struct
 
-__all__ = ["MosaicBackwardConfig", "backward_config", "norm_backward"]
+__all__ = ["MosaicBackwardConfig", "backward_config", "checked_config", "norm_backward"]
 
 _F32 = jnp.float32
 _WARPGROUP = 128  # threads of one Mosaic GPU program (one warpgroup)
@@ -530,6 +530,20 @@ def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
         f"> {_SMEM_BYTES} (N={n}, block_m={cfg.block_m}, num_stages={cfg.num_stages})")
 
 
+def checked_config(m: int, n: int, x_dtype, dy_dtype, scale_dtype, has_bias: bool,
+                   subtract_mean: bool, config=None,
+                   combine_row_sums=None) -> MosaicBackwardConfig:
+  """``config`` if a MosaicBackwardConfig, else ``backward_config``'s, checked against
+  x and dy [M, N] and a scale of ``scale_dtype`` (None: no scale)
+  (NotImplementedError / ValueError, as ``norm_backward`` raises them). ``ops`` asks it
+  whether this backend serves a call."""
+  cfg = config if isinstance(config, MosaicBackwardConfig) else backward_config(
+      m, n, x_dtype, subtract_mean)
+  _check(n, [x_dtype, dy_dtype] + ([scale_dtype] if scale_dtype is not None else []),
+         cfg, int(scale_dtype is not None) + int(has_bias), combine_row_sums)
+  return cfg
+
+
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config=None, interpret: bool,
                   scale_dtype=None, bias_dtype=None, combine_row_sums=None):
@@ -558,10 +572,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   """
   m, n = x.shape
   has_scale = scale is not None
-  cfg = config if isinstance(config, MosaicBackwardConfig) else backward_config(
-      m, n, x.dtype, subtract_mean)
-  _check(n, [x.dtype, dy.dtype] + ([scale.dtype] if has_scale else []), cfg,
-         int(has_scale) + int(has_bias), combine_row_sums)
+  cfg = checked_config(m, n, x.dtype, dy.dtype, scale.dtype if has_scale else None,
+                       has_bias, subtract_mean, config, combine_row_sums)
   if m == 0 or n == 0:
     return (jnp.zeros_like(x),
             jnp.zeros((n,), scale_dtype) if has_scale else None,

@@ -56,7 +56,7 @@ from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
                                                  _WARPGROUP, _Layouts, _kernel, _sum,
                                                  _vec)
 
-__all__ = ["MosaicForwardConfig", "forward_config", "norm_forward"]
+__all__ = ["MosaicForwardConfig", "forward_config", "checked_config", "norm_forward"]
 
 _F32 = jnp.float32
 
@@ -309,6 +309,19 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig):
         f"use backend='pallas'")
 
 
+def checked_config(m: int, n: int, x_dtype, param_dtypes, subtract_mean: bool,
+                   config=None) -> MosaicForwardConfig:
+  """``config`` if a MosaicForwardConfig, else ``forward_config``'s, checked against
+  x [M, N] of ``x_dtype`` and scale/bias of ``param_dtypes`` (NotImplementedError /
+  ValueError, as ``norm_forward`` raises them). ``ops`` asks it whether this backend
+  serves a call."""
+  cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
+      m, n, x_dtype, subtract_mean,
+      param_bytes=sum(jnp.dtype(d).itemsize for d in param_dtypes))
+  _check(m, n, [x_dtype, *param_dtypes], cfg)
+  return cfg
+
+
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config=None, interpret: bool, return_residuals: bool = True):
   """RMSNorm / LayerNorm forward on Pallas Mosaic GPU; ``forward.norm_forward``'s
@@ -331,10 +344,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     ValueError: a config whose block_w does not divide N.
   """
   m, n = x.shape
-  cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
-      m, n, x.dtype, subtract_mean, param_bytes=sum(
-          jnp.dtype(p.dtype).itemsize for p in (scale, bias) if p is not None))
-  _check(m, n, [x.dtype] + [p.dtype for p in (scale, bias) if p is not None], cfg)
+  cfg = checked_config(m, n, x.dtype, [p.dtype for p in (scale, bias) if p is not None],
+                       subtract_mean, config)
   want_mean = return_residuals and subtract_mean
   if m == 0:
     return (jnp.zeros_like(x), jnp.zeros((0,), _F32) if want_mean else None,
