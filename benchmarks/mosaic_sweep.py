@@ -1,6 +1,6 @@
 """Launch-config sweep of the Mosaic GPU backend (issue #29): how many programs a SM,
-pipeline stages, rows a block, y staged in place. Forward (kernels/mosaic_forward.py)
-and backward (kernels/mosaic_backward.py, both stages), bf16 x, float32 scale/bias,
+pipeline stages, rows a block, y staged in place, rows a warp, warpgroups a program.
+Forward (kernels/mosaic_forward.py) and backward (kernels/mosaic_backward.py, both stages), bf16 x, float32 scale/bias,
 against the Pallas (Triton lowering) backend's default in the same process: CUPTI
 kernel time, median of 20 calls over 3 rotated inputs, % of torch ``copy_`` on the
 bytes model (forward: read x, write y; backward: read x and dy, write dx), max |diff|
@@ -16,14 +16,37 @@ import traceback
 
 SHAPES = [("rms", 8192, 2048), ("layer", 8192, 2048), ("rms", 8192, 4096),
           ("layer", 8192, 4096), ("rms", 4096, 8192), ("layer", 4096, 8192)]
-# forward: (block_m, num_stages, programs a SM, y_in_place[, warpgroups]); None = the
-# default config
-FWD = [None, (4, 2, 2, True), (4, 2, 3, True), (4, 3, 1, True), (4, 3, 2, True),
-       (8, 2, 2, True), (4, 1, 2, False), (4, 2, 2, False), (4, 2, 2, True, 2),
-       (4, 3, 1, True, 2), (4, 2, 1, True, 4), (4, 2, 2, True, 4)]
-# backward: (block_m, num_stages, G[, warpgroups]); G <= 256 (the partials' TMA box)
-BWD = [None, (4, 1, 256), (4, 2, 256), (1, 3, 256), (1, 4, 256), (8, 1, 256),
-       (4, 2, 132, 2), (4, 2, 132, 4), (4, 1, 256, 2)]
+# Variants: overrides of the default config (None: the default itself); "a_sm" sets
+# num_programs to that many programs a SM. warp_rows: each warp holds whole rows (row
+# sums within a warp); several warpgroups a program need it.
+FWD = [None, dict(warp_rows=True), dict(warp_rows=True, a_sm=3),
+       dict(warp_rows=True, block_m=8), dict(warp_rows=True, block_w=128),
+       dict(warp_rows=True, num_warpgroups=2, block_w=128),
+       dict(warp_rows=True, num_warpgroups=2, block_w=128, a_sm=1),
+       dict(warp_rows=True, num_warpgroups=4, block_w=128, a_sm=1),
+       dict(warp_rows=True, num_warpgroups=4, block_w=128),
+       dict(warp_rows=True, num_warpgroups=4, a_sm=1),
+       dict(warp_rows=True, num_warpgroups=2, a_sm=1)]
+# backward: G <= 256 (the partials' TMA box)
+BWD = [None, dict(warp_rows=True), dict(warp_rows=True, num_warpgroups=2),
+       dict(warp_rows=True, num_warpgroups=4),
+       dict(warp_rows=True, num_warpgroups=4, block_w=128),
+       dict(warp_rows=True, num_warpgroups=2, block_w=128),
+       dict(warp_rows=True, num_warpgroups=4, num_stages=3),
+       dict(warp_rows=True, num_warpgroups=4, num_programs=256, num_stages=1)]
+
+
+def _variant(dflt, c, sms, cap):
+  if c is None:
+    return dflt
+  c = dict(c)
+  if "a_sm" in c:
+    c["num_programs"] = c.pop("a_sm") * sms
+  if "num_programs" in c:
+    c["num_programs"] = min(c["num_programs"], cap)
+  if c.get("warp_rows") and dflt.block_m % 4:  # one-row default blocks: 4 rows
+    c.setdefault("block_m", 4)
+  return dataclasses.replace(dflt, **c)
 
 
 def run_shape(op, m, n):
@@ -59,9 +82,7 @@ def run_shape(op, m, n):
   for c in FWD:
     row = dict(kind="fwd", impl="mosaic")
     try:
-      cfg = dflt if c is None else MF.MosaicForwardConfig(
-          block_m=c[0], block_w=128 if c[4:] else dflt.block_w, num_stages=c[1],
-          num_programs=c[2] * sms, y_in_place=c[3], num_warpgroups=(c[4:] or (1,))[0])
+      cfg = _variant(dflt, c, sms, 1024)
       row["config"] = str(cfg) + (" (default)" if c is None else "")
       fm = jax.jit(lambda x, cfg=cfg: MF.norm_forward(x, s, b, config=cfg, **kw))
       ym, _, rm = jax.block_until_ready(fm(xs[0]))
@@ -88,9 +109,7 @@ def run_shape(op, m, n):
   for c in BWD:
     row = dict(kind="bwd", impl="mosaic")
     try:
-      cfg = dfltb if c is None else dataclasses.replace(
-          dfltb, block_m=c[0], num_stages=c[1], num_programs=min(c[2], -(-m // c[0])),
-          block_w=128 if c[3:] else dfltb.block_w, num_warpgroups=(c[3:] or (1,))[0])
+      cfg = _variant(dfltb, c, sms, 256)
       row["config"] = str(cfg) + (" (default)" if c is None else "")
       bm = jax.jit(lambda dy, x, mu, r, cfg=cfg: MB.norm_backward(dy, x, s, mu, r,
                                                                   config=cfg, **bkw))

@@ -91,10 +91,17 @@ _CASES = [
     # the GPU: the interpreter runs each in a thread, more than CI's 2 cores deadlock)
     (10, 512, "bfloat16", True, True, True, 0.0,
      mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=2,
-                                          num_programs=2, num_warpgroups=2)),
+                                          num_programs=2, num_warpgroups=2,
+                                          warp_rows=True)),
     (9, 1000, "float32", False, True, False, 1.0,  # a partial last chunk, 3 programs
      mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=1,
-                                          num_programs=3, num_warpgroups=2)),
+                                          num_programs=3, num_warpgroups=2,
+                                          warp_rows=True)),
+    # each warp with whole rows, one warpgroup: the partials a row of the block at a
+    # time, summed at the end (register layouts: on the GPU, test_gpu_matches_pallas)
+    (13, 384, "bfloat16", True, True, True, 0.0,
+     mosaic_backward.MosaicBackwardConfig(block_m=8, block_w=128, num_stages=2,
+                                          num_programs=2, warp_rows=True)),
 ]
 
 
@@ -156,7 +163,8 @@ def test_default_config():
 def test_lowers_for_cuda():
   """Both stages lower for CUDA (Mosaic GPU lowers in Python, no GPU needed): the
   bench's LayerNorm 8192 x 4096 bf16 and a ragged f32 RMSNorm."""
-  four = mosaic_backward.MosaicBackwardConfig(4, 128, 2, 132, num_warpgroups=4)
+  four = mosaic_backward.MosaicBackwardConfig(4, 256, 2, 132, num_warpgroups=4,
+                                              warp_rows=True)
   for m, n, dtype, layer, cfg in ((8192, 4096, jnp.bfloat16, True, None),
                                   (40, 760, jnp.float32, False, None),
                                   (8192, 4096, jnp.bfloat16, True, four)):
@@ -205,13 +213,17 @@ def test_errors():
     mosaic_backward.norm_backward(
         dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
             block_m=32, block_w=128, num_stages=64, num_programs=1), **kw)
-  with pytest.raises(ValueError, match="num_warpgroups"):  # one-row blocks: 1
-    mosaic_backward.MosaicBackwardConfig(block_m=1, block_w=128, num_stages=1,
+  with pytest.raises(ValueError, match="warp_rows=True"):  # rows over the warpgroup
+    mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=1,
                                          num_programs=1, num_warpgroups=2)
+  with pytest.raises(ValueError, match="warp_rows needs"):  # one-row blocks
+    mosaic_backward.MosaicBackwardConfig(block_m=1, block_w=128, num_stages=1,
+                                         num_programs=1, warp_rows=True)
   with pytest.raises(ValueError, match="num_warpgroups"):  # 1 chunk over 2
     mosaic_backward.norm_backward(
         dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
-            block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2), **kw)
+            block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2,
+            warp_rows=True), **kw)
 
 
 @pytest.mark.gpu
@@ -228,10 +240,11 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
       config=pn_config.backward_config(m, n, x.dtype, subtract_mean=layer), **kw)
   dflt = mosaic_backward.backward_config(m, n, x.dtype, layer)
   cfgs = [None]
-  if dflt.block_m > 1:  # and with two and four warpgroups (whole 128-column chunks)
+  if dflt.block_m > 1:  # each warp with whole rows, with one warpgroup (N <= 2048:
+    # the partials take N / 32 floats a thread) and with two and four (whole chunks)
     chunks = mosaic_backward._padded(n) // 128
-    cfgs += [dataclasses.replace(dflt, block_w=128, num_warpgroups=k) for k in (2, 4)
-             if chunks % k == 0]
+    cfgs += [dataclasses.replace(dflt, block_w=128, num_warpgroups=k, warp_rows=True)
+             for k in (1, 2, 4) if chunks % k == 0 and n // k <= 2048]
   for cfg in cfgs:
     got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)
     again = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)

@@ -47,16 +47,23 @@ _CASES = [  # m, n, dtype, layer, has_scale, has_bias, scale_offset, config
     (20, 384, jnp.float32, False, True, False, 0.0,
      mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=3,
                                         num_programs=1, y_in_place=True)),
+    # each warp with whole rows (the interpreter ignores register layouts: on the GPU
+    # test_gpu_matches_pallas), one warpgroup
+    (13, 256, jnp.bfloat16, True, True, True, 0.0,
+     mosaic_forward.MosaicForwardConfig(block_m=8, block_w=128, num_stages=2,
+                                        num_programs=2, y_in_place=True,
+                                        warp_rows=True)),
     # two warpgroups a program, each with half the columns, the row sums exchanged
     # (the interpreter runs each warpgroup in a thread: more than the CPU's 2 cores
     # would deadlock its callbacks, so 4 warpgroups are tested on the GPU only)
     (10, 512, jnp.bfloat16, True, True, True, 0.0,
      mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=2,
                                         num_programs=2, y_in_place=True,
-                                        num_warpgroups=2)),
+                                        num_warpgroups=2, warp_rows=True)),
     (9, 512, jnp.float32, False, True, False, 1.0,
      mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
-                                        num_programs=3, num_warpgroups=2)),
+                                        num_programs=3, num_warpgroups=2,
+                                        warp_rows=True)),
 ]
 
 
@@ -105,11 +112,15 @@ def test_errors():
                                        num_programs=1, y_in_place=True)
   with pytest.raises(ValueError, match="num_warpgroups"):
     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
-                                       num_programs=1, num_warpgroups=3)
+                                       num_programs=1, num_warpgroups=3, warp_rows=True)
+  with pytest.raises(ValueError, match="warp_rows=True"):  # rows over the warpgroup race
+    mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
+                                       num_programs=1, num_warpgroups=2)
   x, s, b = _inputs(4, 384, jnp.bfloat16, layer=True)  # 3 chunks over 2 warpgroups
   with pytest.raises(ValueError, match="num_warpgroups"):
     mosaic_forward.norm_forward(x, s, b, config=mosaic_forward.MosaicForwardConfig(
-        block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2), **kw)
+        block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2,
+        warp_rows=True), **kw)
 
 
 @pytest.mark.cpu_only
@@ -117,10 +128,13 @@ def test_lowers_for_cuda():
   """Lowers for CUDA on CPU (Mosaic GPU lowers in Python): the bench's LayerNorm
   8192 x 4096 bf16 and an f32 RMSNorm."""
   four = mosaic_forward.MosaicForwardConfig(4, 256, 2, 264, y_in_place=True,
-                                            num_warpgroups=4)
+                                            num_warpgroups=4, warp_rows=True)
+  rows = mosaic_forward.MosaicForwardConfig(8, 128, 2, 264, y_in_place=True,
+                                            warp_rows=True)
   for m, n, dtype, layer, cfg in ((8192, 4096, jnp.bfloat16, True, None),
                                   (40, 768, jnp.float32, False, None),
-                                  (8192, 4096, jnp.bfloat16, True, four)):
+                                  (8192, 4096, jnp.bfloat16, True, four),
+                                  (40, 768, jnp.float32, False, rows)):
     specs = [jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((n,), jnp.float32)]
 
     def f(x, s, layer=layer, cfg=cfg):
@@ -149,11 +163,14 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
                                                  y_in_place=True),
               mosaic_forward.MosaicForwardConfig(4, dflt.block_w, 2, 3 * sms,
                                                  y_in_place=True),
-              # two and four warpgroups a program (whole chunks each: N / 128 of them)
+              # each warp with whole rows: one warpgroup, then two and four a program
+              # (whole chunks each: N / 128 of them)
+              mosaic_forward.MosaicForwardConfig(4, dflt.block_w, 2, 2 * sms,
+                                                 y_in_place=True, warp_rows=True),
               mosaic_forward.MosaicForwardConfig(4, 128, 2, 2 * sms, y_in_place=True,
-                                                 num_warpgroups=2),
+                                                 num_warpgroups=2, warp_rows=True),
               mosaic_forward.MosaicForwardConfig(4, 128, 2, sms, y_in_place=True,
-                                                 num_warpgroups=4)):
+                                                 num_warpgroups=4, warp_rows=True)):
     y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
     _ulp_close(y, yp, dtype, f"y {cfg}")
     _ulp_close(rstd, rp, jnp.float32, f"rstd {cfg}")

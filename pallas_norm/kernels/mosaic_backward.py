@@ -114,9 +114,14 @@ class MosaicBackwardConfig:
     block_w: columns of one TMA chunk (128 or 256; divides N rounded up to 128).
     num_stages: shared-memory slots of the load pipeline (>= 1): row blocks in flight.
     num_programs: G, the stage-1 grid (<= 256); the partials are [G, N] float32.
-    num_warpgroups: k warpgroups a program (1, 2 or 4; 1 for one-row blocks), each with
-      its own N / k columns (k divides the block_w-column chunks): dx, the
-      partials of those columns, and the row sums exchanged through shared memory.
+    num_warpgroups: k warpgroups a program (1, 2 or 4), each with its own N / k
+      columns (k divides the block_w-column chunks): dx, the partials of those columns,
+      and the row sums exchanged through shared memory. k > 1 needs ``warp_rows``.
+    warp_rows: each warp holds whole rows of a chunk (block_m a multiple of 4): c1 and
+      c2 are summed within a warp, and the partials are kept a row of the block at a
+      time ([block_m, W] f32 a chunk in registers: N / (32 k) floats a thread each)
+      and summed over the block's rows once, at the end, one warpgroup after the
+      other (Mosaic GPU's reduction scratch is one buffer a program).
   """
 
   block_m: int
@@ -124,12 +129,17 @@ class MosaicBackwardConfig:
   num_stages: int
   num_programs: int
   num_warpgroups: int = 1
+  warp_rows: bool = False
 
   def __post_init__(self):
-    if self.num_warpgroups not in (1, 2, 4) or (self.num_warpgroups > 1
-                                                 and self.block_m == 1):
-      raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4 (1 for one-row "
-                       f"blocks, {self.block_m=})")
+    if self.num_warpgroups not in (1, 2, 4):
+      raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4")
+    if self.num_warpgroups > 1 and not self.warp_rows:
+      raise ValueError(f"{self.num_warpgroups=} needs warp_rows=True (Mosaic GPU's "
+                       "reduction scratch is shared by the warpgroups of a program)")
+    if self.warp_rows and self.block_m % _STATS_ALIGN:
+      raise ValueError(f"warp_rows needs a multiple of {_STATS_ALIGN} rows "
+                       f"({self.block_m=})")
     if not (self.block_m == 1 or (self.block_m % _STATS_ALIGN == 0
                                   and _STATS_ALIGN <= self.block_m <= _STATS_WINDOW)):
       raise ValueError(f"{self.block_m=} must be 1 or a multiple of {_STATS_ALIGN} up to "
@@ -233,17 +243,33 @@ def _lane_semantics():
 
 
 class _Layouts:
-  """Register layouts of the kernels: [rows, W] tiles with each row over the
-  warpgroup (V contiguous elements a thread, 32 lanes, 4 warps: W a multiple of 128 V),
-  rows in registers; ``row`` is a [rows] vector replicated in every thread, ``col`` a
-  [W] vector split like the tile's columns. Interpret mode has no ``layout_cast``:
-  ``cast`` is then the identity."""
+  """Register layouts of the kernels: [rows, W] tiles, ``row`` a [rows] vector (a row's
+  value in the threads that hold the row), ``col`` a [W] vector split like the tile's
+  columns. Two tile layouts:
 
-  def __init__(self, vec: int, interpret: bool):
+  - each row over the warpgroup (the default; V contiguous elements a thread, 32 lanes,
+    4 warps: W a multiple of 128 V), rows in registers: a row sum crosses the warps
+    (Mosaic GPU reduces through its shared-memory reduction scratch), a column sum
+    stays in registers;
+  - ``warp_rows``: each warp holds whole rows (row i in warp i % 4; V contiguous
+    elements a thread, 32 lanes: W a multiple of 32 V; rows a multiple of 4): a row sum
+    stays in the warp (shuffles), no shared memory. Mosaic GPU's reduction scratch is
+    one buffer for the whole program (jax 0.10-0.11), so with several warpgroups a
+    program only this layout gives right row sums (the default raced: wrong mean/rstd
+    on an H100, 2026-11-26).
+
+  Interpret mode has no ``layout_cast``: ``cast`` is then the identity."""
+
+  def __init__(self, vec: int, interpret: bool, warp_rows: bool = False):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    tile = fa.TiledLayout(fa.Tiling(((1, _WARPGROUP * vec), (1, 32 * vec), (vec,))),
-                          warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1,
-                          _check_canonical=False).canonicalize()
+    if warp_rows:
+      tile = fa.TiledLayout(fa.Tiling(((4, 32 * vec), (1, vec))), warp_dims=(-4,),
+                            lane_dims=(-3,), vector_dim=-1,
+                            _check_canonical=False).canonicalize()
+    else:
+      tile = fa.TiledLayout(fa.Tiling(((1, _WARPGROUP * vec), (1, 32 * vec), (vec,))),
+                            warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1,
+                            _check_canonical=False).canonicalize()
     self.interpret = interpret
     self.tile, self.row, self.col = (self._pallas(t) for t in
                                      (tile, tile.reduce((1,)), tile.reduce((0,))))
@@ -277,8 +303,12 @@ class _Layouts:
     return self.cast(lax.broadcast_in_dim(v, (rows, v.shape[0]), (1,)), self.tile)
 
 
-def _vec(block_w: int, itemsize: int) -> int:
-  """Elements a thread loads at once: 16 bytes, at most block_w / 128."""
+def _vec(block_w: int, itemsize: int, warp_rows: bool = False) -> int:
+  """Elements a thread loads at once: 16 bytes, at most block_w / 128 (a row over the
+  warpgroup) or block_w / 32 (``warp_rows``: a row over a warp)."""
+  if warp_rows:  # at most 4: 8 bf16 a thread failed Mosaic GPU's check that a vector
+    # load does not cross a swizzle tile (jax 0.10.2, 256 columns)
+    return max(1, min(16 // itemsize, block_w // 32, 4))
   return max(1, min(16 // itemsize, block_w // _WARPGROUP))
 
 
@@ -290,7 +320,8 @@ def _sum(terms):
 
 
 def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
-                   block_m, block_w, num_stages, num_programs, num_warpgroups, interpret):
+                   block_m, block_w, num_stages, num_programs, num_warpgroups, warp_rows,
+                   interpret):
   """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows. With k
   warpgroups, each loads x and dy, computes dx and holds the partials of its own N / k
   columns; the row sums c1 (and c2) are exchanged through shared memory (summed in
@@ -314,11 +345,12 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   k = num_warpgroups
   red = refs.pop(0) if k > 1 else None  # [2, 2, k, block_m] f32: the row-sum exchange
   xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
+  fbar = refs.pop(0) if k > 1 else None  # k arrivals: the partials' turns
   assert not refs
 
   num_chunks = _padded(n) // block_w
   per_wg = num_chunks // k
-  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
+  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
   wg = lax.axis_index("wg") if k > 1 else 0
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
@@ -420,8 +452,12 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       dx = dx * lay.rows(rstd, block_w)
       dxs[c] = dx.astype(dxs.dtype)
       dw, db = accs[i]
-      new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
-                  None if db is None else db + jnp.sum(dy, axis=0)))
+      if warp_rows:  # a row of the block at a time: summed over rows at the end
+        new.append((None if dw is None else dw + dy * x_hat,
+                    None if db is None else db + dy))
+      else:
+        new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
+                    None if db is None else db + jnp.sum(dy, axis=0)))
     plgpu.commit_smem()
     rows = pl.ds(rb * block_m, block_m)
     for c in mine:
@@ -437,17 +473,32 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     return tuple(new)
 
   def zeros(has):
-    return lay.cast(jnp.zeros((block_w,), _F32), lay.col) if has else None
+    if not has:
+      return None
+    if warp_rows:
+      return lay.cast(jnp.zeros((block_m, block_w), _F32), lay.tile)
+    return lay.cast(jnp.zeros((block_w,), _F32), lay.col)
 
   init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(per_wg))
   accs = lax.fori_loop(0, num_steps, body, init)
   plgpu.wait_smem_to_gmem(0)
-  for c, (dw, db) in zip(mine, accs):
-    cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
-    if dw is not None:
-      dw_ref[r, cols] = dw
-    if db is not None:
-      db_ref[r, cols] = db
+
+  def store_partials():
+    for c, (dw, db) in zip(mine, accs):
+      cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
+      for acc, ref in ((dw, dw_ref), (db, db_ref)):
+        if acc is not None:  # warp_rows: the sum over the block's rows crosses warps
+          ref[r, cols] = jnp.sum(acc, axis=0) if warp_rows else acc
+
+  if fbar is None:
+    store_partials()
+  else:  # one warpgroup at a time through the reduction scratch
+    for j in range(k):
+      @pl.when(wg == j)
+      def _():
+        store_partials()
+      plgpu.barrier_arrive(fbar)
+      plgpu.barrier_wait(fbar)
 
 
 # --------------------------------------------------------------------------- stage 2
@@ -602,13 +653,13 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     scratch.append(plgpu.Barrier(num_arrivals=num_chunks))
   k = cfg.num_warpgroups
   if k > 1:
-    scratch += [plgpu.SMEM((2, 2, k, bm), _F32), plgpu.Barrier(num_arrivals=k,
-                                                               num_barriers=2)]
+    scratch += [plgpu.SMEM((2, 2, k, bm), _F32),
+                plgpu.Barrier(num_arrivals=k, num_barriers=2), plgpu.Barrier(num_arrivals=k)]
   body = functools.partial(
       _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias, block_m=bm,
       block_w=bw, num_stages=stages, num_programs=g, num_warpgroups=k,
-      interpret=interpret)
+      warp_rows=cfg.warp_rows, interpret=interpret)
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd)
             if a is not None]
   dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,

@@ -77,7 +77,12 @@ class MosaicForwardConfig:
       read it: num_stages - 1 row blocks ahead.
     num_warpgroups: k warpgroups a program (1, 2 or 4), each with its own N / k
       columns (whole chunks: k divides N / block_w); the row sums are exchanged through
-      shared memory. More warps a SM for the same shared memory.
+      shared memory. More warps a SM for the same shared memory. k > 1 needs
+      ``warp_rows``.
+    warp_rows: each warp holds whole rows of a chunk (row sums within a warp, by
+      shuffles) instead of each row spread over the warpgroup (row sums through Mosaic
+      GPU's shared-memory reduction scratch, which is one buffer a program: several
+      warpgroups would race on it).
   """
 
   block_m: int
@@ -86,6 +91,7 @@ class MosaicForwardConfig:
   num_programs: int
   y_in_place: bool = False
   num_warpgroups: int = 1
+  warp_rows: bool = False
 
   def __post_init__(self):
     if self.block_m % _STATS_ALIGN or not _STATS_ALIGN <= self.block_m <= 32:
@@ -99,6 +105,9 @@ class MosaicForwardConfig:
       raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_PROGRAMS}]")
     if self.num_warpgroups not in (1, 2, 4):
       raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4")
+    if self.num_warpgroups > 1 and not self.warp_rows:
+      raise ValueError(f"{self.num_warpgroups=} needs warp_rows=True (Mosaic GPU's "
+                       "reduction scratch is shared by the warpgroups of a program)")
 
 
 _MAX_PROGRAMS = 1024
@@ -146,7 +155,7 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
                 block_m, block_w, num_stages, num_programs, y_in_place, num_warpgroups,
-                interpret):
+                warp_rows, interpret):
   """Program r: row blocks r, r + G, ... of y (and mean/rstd). With k warpgroups, each
   loads, normalises and stores its own N / k columns of every row block, and the row
   sums are exchanged through shared memory (summed in warpgroup order: every warpgroup
@@ -173,7 +182,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
   num_chunks = n // block_w
   per_wg = num_chunks // k
-  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize), interpret)
+  lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
   wg = lax.axis_index("wg") if k > 1 else 0
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
@@ -382,7 +391,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
       stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
-      y_in_place=cfg.y_in_place, num_warpgroups=k, interpret=interpret)
+      y_in_place=cfg.y_in_place, num_warpgroups=k, warp_rows=cfg.warp_rows,
+      interpret=interpret)
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
                       name="pallas_norm_mgpu_fwd", num_threads=k)(*inputs))
