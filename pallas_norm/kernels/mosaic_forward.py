@@ -25,13 +25,16 @@ are copied to shared memory once a program. The statistics are computed from the
 stores to HBM (in flight while the next block is computed), and mean/rstd through a
 [block_m] staging vector each. TMA zero-fills rows past M on load and drops them on store.
 
-Several warpgroups a program (``MosaicForwardConfig.num_warpgroups``, 2026-11-25): each
-loads, normalises and stores its own N / k columns of every row block, and the partial
-row sums meet in shared memory behind an mbarrier of k arrivals, summed in warpgroup
-order. Tested through the interpreter (2 warpgroups; 4 would need more CPU cores than
-CI's 2, since the interpreter runs each in a thread) and lowered for CUDA on CPU; not
-yet compiled or timed on a GPU (``benchmarks/mosaic_sweep.py`` holds its variants), so
-the default stays at one.
+Several warpgroups a program (``MosaicForwardConfig.num_warpgroups``): each loads,
+normalises and stores its own N / k columns of every row block, and the partial row
+sums meet in shared memory behind an mbarrier of k arrivals, summed in warpgroup order.
+They need ``warp_rows`` (each warp holds whole rows, so a row sum never goes through
+Mosaic GPU's reduction scratch, one buffer for all warpgroups of a program: with rows
+spread over the warpgroup, two warpgroups raced on it and gave wrong statistics on an
+H100, 2026-11-26). The default takes two where two programs do not fit a SM (N = 8192
+in bf16). Tested through the interpreter (2 warpgroups; 4 would need more CPU cores
+than CI's 2, since the interpreter runs each in a thread), and compiled on the GPU
+(``tests/test_mosaic_forward.py::test_gpu_matches_pallas``).
 
 Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
 chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
@@ -133,23 +136,31 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
   """The default launch config for x [M, N] of ``dtype`` (``param_bytes``: scale's and
   bias's bytes an element together; float32 both by default).
 
-  4-row blocks, y staged in place, G = 2 x the SM count (at most the row blocks), and
-  the most stages (3 or 2) with which two programs fit a SM, else 2 stages at one a
-  SM, else one stage with a y tile of its own. Measured (H100, 2026-11-25, bf16,
-  benchmarks/results/h100_2026-11-25_mosaic_sweep.txt): against the earlier default
-  (one program a SM, 3 stages, a y tile), RMSNorm 8192x4096 55.8 -> 53.2 us, LayerNorm
+  4-row blocks, y staged in place, and the most stages (3 or 2) with which two programs
+  fit a SM, at G = 2 x the SM count (at most the row blocks). Where two do not fit (N
+  = 8192 in bf16), one program a SM with two warpgroups of whole rows a warp (2
+  stages), else one stage with a y tile of its own. Measured (H100, bf16, float32
+  scale/bias, benchmarks/mosaic_sweep.py): against the earlier default (one program a
+  SM, one warpgroup, 3 stages, a y tile), RMSNorm 8192x4096 55.8 -> 53.2 us, LayerNorm
   8192x4096 60.6 -> 55.8, LayerNorm 8192x2048 32.0 -> 27.1, LayerNorm 4096x8192 75.6
-  -> 64.3. ``subtract_mean`` is accepted for tuning to come."""
+  -> 64.3 (2026-11-25, h100_2026-11-25_mosaic_sweep.txt); then at 4096x8192 two
+  warpgroups a program: LayerNorm 64.7 -> 54.3, RMSNorm 54.0 -> 53.6 (2026-11-26,
+  h100_2026-11-26_mosaic_sweep_wr.txt). ``subtract_mean`` is accepted for tuning to
+  come."""
   del subtract_mean
   device = device or device_info()
   b = jnp.dtype(dtype).itemsize
   block_w = 256 if n % 256 == 0 else 128
-  g = max(1, min(2 * device.num_sms, cdiv(max(m, 1), _STATS_ALIGN)))
+  row_blocks = cdiv(max(m, 1), _STATS_ALIGN)
+  g = max(1, min(2 * device.num_sms, row_blocks))
   for stages in (3, 2):
     if _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True) <= _SMEM_TWO_A_SM:
       return MosaicForwardConfig(_STATS_ALIGN, block_w, stages, g, y_in_place=True)
   if _smem_bytes(n, _STATS_ALIGN, 2, b, b, param_bytes, True) <= _SMEM_BYTES:
-    return MosaicForwardConfig(_STATS_ALIGN, block_w, 2, g, y_in_place=True)
+    k = 2 if (n // block_w) % 2 == 0 else 1
+    return MosaicForwardConfig(_STATS_ALIGN, block_w, 2,
+                               max(1, min(device.num_sms, row_blocks)), y_in_place=True,
+                               num_warpgroups=k, warp_rows=k > 1)
   return MosaicForwardConfig(_STATS_ALIGN, block_w, 1, g)
 
 
