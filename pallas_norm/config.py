@@ -399,6 +399,11 @@ _BACKEND_RULES = (
     # H100, 2026-11-25, LayerNorm backward at N' = 2048 on Mosaic GPU (mosaic/pallas):
     # 8192x2048 41.9/42.5, 32768x2048 144.7/148.7 (Triton: 44.2, 151.5)
     ("H100", "bwd", "layer", 1025, 2048, "mosaic"),
+    # H200, LayerNorm forward, us pallas/triton in three runs (2026-11-23 a4f17a0,
+    # 2026-11-26 b48c78c twice): 8192x4096 1.013/1.027/1.024, 16384x4096 1.040/1.035,
+    # 4096x8192 1.024/1.028, 8192x8192 1.072/1.063; at N = 2048 a tie or slower
+    # (32768x2048 1.008/1.001, 8192x2048 0.957)
+    ("H200", "fwd", "layer", 2049, 8192, "triton"),
 )
 _BACKEND_MAX_ITEMSIZE = 2
 

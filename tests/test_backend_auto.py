@@ -24,7 +24,12 @@ CPU = config.DeviceInfo("cpu", "cpu", 4)
     ("bwd", "layer", 1024, jnp.bfloat16, H100, "pallas"),
     ("bwd", "layer", 4096, jnp.bfloat16, H100, "pallas"),
     ("bwd", "rms", 8192, jnp.bfloat16, H100, "pallas"),
-    ("fwd", "rms", 2048, jnp.bfloat16, H100, "pallas"),     # the forward: no rule
+    ("fwd", "layer", 4096, jnp.bfloat16, H200, "triton"),
+    ("fwd", "layer", 8192, jnp.bfloat16, H200, "triton"),
+    ("fwd", "layer", 2048, jnp.bfloat16, H200, "pallas"),   # a tie there: no rule
+    ("fwd", "rms", 4096, jnp.bfloat16, H200, "pallas"),
+    ("fwd", "layer", 4096, jnp.bfloat16, H100, "pallas"),   # the H100 forward: no rule
+    ("fwd", "rms", 2048, jnp.bfloat16, H100, "pallas"),
     ("bwd", "layer", 2048, jnp.float32, H100, "pallas"),    # 4-byte dtypes: unmeasured
     ("bwd", "layer", 2048, jnp.bfloat16, H200, "pallas"),   # another device
     ("bwd", "rms", 2048, jnp.bfloat16, CPU, "pallas"),      # interpret mode
