@@ -1,0 +1,98 @@
+"""Launch-config sweep of the FP8-input backward (issue #27 item 1; docs/fp8.md): x in
+float8_e4m3fn with float32 scales a group of 16, dy and dx bf16, RMSNorm and LayerNorm,
+both stages (``kernels/backward.py``), against the same backward with bf16 x at its
+default config, in one process, rounds interleaved.
+
+Method: CUPTI kernel time (``pallas_norm.bench.timing.cupti_time``), median of 10 calls
+over 3 rotated dy, the median of ``ROUNDS`` rounds; GB/s on the bytes model read dy (2),
+x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked against the
+default config's (max |diff|).
+
+Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json
+"""
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_norm import config as C
+from pallas_norm.bench import timing
+from pallas_norm.kernels import backward as B
+from pallas_norm.kernels import forward as F
+
+ROUNDS = 5
+G = 16
+SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
+# (block_m, num_warps, programs a SM); None = backward_config's pick
+VARIANTS = [None, (1, 8, 2), (1, 8, 3), (1, 16, 1), (2, 16, 1), (2, 8, 2), (1, 4, 4),
+            (2, 32, 1), (1, 32, 1), (4, 16, 1)]
+
+
+def main(out_path):
+  sms = C.device_info().num_sms
+  copy = timing.torch_copy_gbs(20)
+  print("device", C.device_info().name, "copy GB/s", copy, flush=True)
+  results = []
+  for m, n in SHAPES:
+    for layer in (False, True):
+      k = jax.random.split(jax.random.key(0), 4)
+      x8 = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
+      xs = jax.random.uniform(k[1], (m, n // G), minval=0.5, maxval=2.0)
+      w = 1 + 0.1 * jax.random.normal(k[2], (n,))
+      xb = (x8.astype(jnp.float32) * jnp.repeat(xs, G, axis=1)).astype(jnp.bfloat16)
+      dys = [jax.random.normal(jax.random.key(10 + i), (m, n), jnp.bfloat16)
+             for i in range(3)]
+      fcfg = C.forward_config(m, n, jnp.bfloat16, subtract_mean=layer)
+      _, mean, rstd = F.norm_forward(x8, w, w if layer else None, eps=1e-5,
+                                     scale_offset=0.0, subtract_mean=layer, config=fcfg,
+                                     interpret=False, x_scale=xs, y_dtype=jnp.bfloat16)
+      kw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=False,
+                scale_dtype=jnp.float32, bias_dtype=jnp.float32)
+      dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
+      fns = {}
+      for v in VARIANTS:
+        cfg = dflt if v is None else dataclasses.replace(
+            dflt, block_m=v[0], num_warps=v[1], num_programs=v[2] * sms)
+        name = "default" if v is None else f"bm{v[0]} w{v[1]} {v[2]}/SM"
+        fns[name] = (jax.jit(lambda dy, cfg=cfg: B.norm_backward(
+            dy, x8, w, mean, rstd, config=cfg, x_scale=xs, dx_dtype=jnp.bfloat16, **kw)),
+            cfg)
+      bf = jax.jit(lambda dy: B.norm_backward(
+          dy, xb, w, mean, rstd, config=C.backward_config(m, n, jnp.bfloat16,
+                                                          subtract_mean=layer), **kw))
+      ref = jax.block_until_ready(fns["default"][0](dys[0]))
+      rows = {}
+      for name, (f, cfg) in fns.items():
+        try:
+          got = jax.block_until_ready(f(dys[0]))
+          diff = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                  for a, b in zip(got, ref) if a is not None]
+          rows[name] = dict(config=str(cfg), max_abs_diff=diff, rounds=[])
+        except Exception as e:  # a config that does not compile: recorded
+          rows[name] = dict(config=str(cfg), error=f"{type(e).__name__}: {str(e)[:300]}")
+      rows["bf16 x, default"] = dict(config="backward_config(bf16)", rounds=[])
+      for _ in range(ROUNDS):
+        for name, row in rows.items():
+          if "error" in row:
+            continue
+          f = bf if name.startswith("bf16") else fns[name][0]
+          row["rounds"].append(timing.cupti_time(f, [(d,) for d in dys], 10).get("us"))
+      nbytes = m * n * (2 + 1 + 4 / G + 2)
+      for name, row in rows.items():
+        if row.get("rounds"):
+          us = sorted(row["rounds"])[len(row["rounds"]) // 2]
+          row["us"] = us
+          row["gbs"] = nbytes / (us * 1e-6) / 1e9
+          row["pct_copy"] = 100 * row["gbs"] / copy if copy else None
+        print(f"{'layer' if layer else 'rms':5s} {m}x{n} {name:18s} "
+              f"{row.get('us') or 0:7.1f} us {row.get('pct_copy') or 0:5.1f}% "
+              f"{row.get('max_abs_diff', '')} {row.get('error', '')}", flush=True)
+      results.append(dict(op="layer" if layer else "rms", m=m, n=n, rows=rows))
+  json.dump(dict(device=C.device_info().name, copy_gbs=copy, rounds=ROUNDS,
+                 results=results), open(out_path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
