@@ -7,7 +7,8 @@ over 3 rotated x, the median of ``ROUNDS`` rounds; % of torch ``copy_`` on the b
 model read x (1) and its scales (4/16), write y (2) a element; y checked against the
 default config's (max |diff|).
 
-Usage (GPU machine): python benchmarks/fp8_input_fwd_ab.py OUT.json
+Usage (GPU machine): python benchmarks/fp8_input_fwd_ab.py OUT.json [bf16|f32]  (scale's
+and bias's dtype; default f32)
 """
 import dataclasses
 import json
@@ -38,7 +39,7 @@ def main(out_path):
         k = jax.random.split(jax.random.key(i), 2)
         sets.append(((2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn),
                      jax.random.uniform(k[1], (m, n // G), minval=0.5, maxval=2.0)))
-      w = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,))
+      w = (1 + 0.1 * jax.random.normal(jax.random.key(7), (n,))).astype(PARAM)
       dflt = C.forward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
       rows = {}
       for v in VARIANTS:
@@ -71,9 +72,10 @@ def main(out_path):
               f"{row.get('pct_copy') or 0:5.1f}% {row.get('max_abs_diff', '')} "
               f"{row.get('error', '')}", flush=True)
       results.append(dict(op="layer" if layer else "rms", m=m, n=n, rows=rows))
-  json.dump(dict(device=C.device_info().name, copy_gbs=copy, rounds=ROUNDS,
+  json.dump(dict(device=C.device_info().name, copy_gbs=copy, rounds=ROUNDS, param=str(PARAM),
                  results=results), open(out_path, "w"), indent=1)
 
 
 if __name__ == "__main__":
+  PARAM = jnp.bfloat16 if sys.argv[2:] == ["bf16"] else jnp.float32
   main(sys.argv[1])
