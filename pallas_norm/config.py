@@ -378,6 +378,14 @@ _RES_NO_PERSISTENT_TILE_MAX_N = 8192
 # [2, 4096] x 4; 16384x4096: 136.1/142.2); the backward takes the plain rule
 # ([T#bwd-ln-4096]).
 _RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
+
+# ---- FP8 x (x_scale=), RMSNorm forward at N' = 4096: [2, 4096] x 4 warps, not the
+# one-row tile. H200, 2026-11-26, e4m3 x, bf16 scale and y, us with the residuals
+# (mean/rstd, under jax.vjp) / without: 8192x4096 31.0/31.0 against 38.9/30.9,
+# 16384x4096 59.9/59.3 against 75.0/58.8 (float32 scale: 36.3/35.0 against 44.8/39.9).
+# The H100 is not measured. [T#fp8-in-fwd]
+_FP8_RMS_FWD_BLOCK_N = 4096
+_FP8_RMS_FWD_TILE = (2, 4)  # (block_m, num_warps)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16).
 _RES_LN_8192_BWD_WARPS = 32
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
@@ -655,6 +663,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if (res_rules and subtract_mean and not chunked and block_n == 4096
       and n > _LN_ONE_ROW_MAX_N):
     block_m, num_warps = _RES_LN_4096_FWD
+  if (np.dtype(dtype).itemsize == 1 and not subtract_mean and not chunked
+      and block_n == _FP8_RMS_FWD_BLOCK_N and block_m == 1 and backend == "pallas"):
+    block_m, num_warps = _FP8_RMS_FWD_TILE
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
