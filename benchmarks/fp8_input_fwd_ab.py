@@ -7,11 +7,12 @@ over 3 rotated x, the median of ``ROUNDS`` rounds; % of torch ``copy_`` on the b
 model read x (1) and its scales (4/16), write y (2) a element; y checked against the
 default config's (max |diff|).
 
-Usage (GPU machine): python benchmarks/fp8_input_fwd_ab.py OUT.json [bf16|f32]  (scale's
+Usage (GPU machine): [N8192=1] python benchmarks/fp8_input_fwd_ab.py OUT.json [bf16|f32]  (scale's
 and bias's dtype; default f32)
 """
 import dataclasses
 import json
+import os
 import sys
 
 import jax
@@ -24,8 +25,13 @@ from pallas_norm.kernels import forward as F
 ROUNDS = 5
 G = 16
 SHAPES = [(8192, 4096), (16384, 4096)]
-# (block_m, num_warps); None = forward_config's pick
+# (block_m, num_warps[, mode]); None = forward_config's pick
 VARIANTS = [None, (1, 8), (1, 2), (2, 4), (2, 8), (4, 8), (1, 16)]
+if os.environ.get("N8192"):  # N = 8192: the persistent default against multi_wave_cached
+  SHAPES = [(8192, 8192)]
+  VARIANTS = [None, (1, 8, "multi_wave_cached"), (2, 8, "multi_wave_cached"),
+              (2, 16, "multi_wave_cached"), (1, 16, "multi_wave_cached"),
+              (4, 16, "multi_wave_cached"), (2, 8), (2, 16)]
 
 
 def main(out_path):
@@ -44,8 +50,11 @@ def main(out_path):
       rows = {}
       for v in VARIANTS:
         cfg = dflt if v is None else dataclasses.replace(dflt, block_m=v[0], num_warps=v[1])
+        if v is not None and v[2:]:
+          cfg = dataclasses.replace(cfg, mode=v[2], num_programs=0)
         for res in (False, True):
-          name = ("default" if v is None else f"bm{v[0]} w{v[1]}") + (" +res" if res else "")
+          name = ("default" if v is None else f"bm{v[0]} w{v[1]}{' ' + v[2] if v[2:] else ''}"
+                  ) + (" +res" if res else "")
           f = jax.jit(lambda x8, xs, cfg=cfg, res=res: F.norm_forward(
               x8, w, w if layer else None, eps=1e-5, scale_offset=0.0, subtract_mean=layer,
               config=cfg, interpret=False, x_scale=xs, y_dtype=jnp.bfloat16,
@@ -68,7 +77,7 @@ def main(out_path):
         if row["rounds"]:
           row["us"] = sorted(row["rounds"])[len(row["rounds"]) // 2]
           row["pct_copy"] = 100 * nbytes / (row["us"] * 1e-6) / 1e9 / copy if copy else None
-        print(f"{'layer' if layer else 'rms':5s} {m}x{n} {name:14s} {row.get('us') or 0:7.1f} us "
+        print(f"{'layer' if layer else 'rms':5s} {m}x{n} {name:36s} {row.get('us') or 0:7.1f} us "
               f"{row.get('pct_copy') or 0:5.1f}% {row.get('max_abs_diff', '')} "
               f"{row.get('error', '')}", flush=True)
       results.append(dict(op="layer" if layer else "rms", m=m, n=n, rows=rows))
