@@ -386,6 +386,10 @@ _RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
 # The H100 is not measured. [T#fp8-in-fwd]
 _FP8_RMS_FWD_BLOCK_N = 4096
 _FP8_RMS_FWD_TILE = (2, 4)  # (block_m, num_warps)
+# N' = 8192 (static_persistent, 2 programs a SM): [2, 8192] x 16 warps, not [1, 8192] x
+# 16. H200, 2026-11-26, 8192x8192, with / without residuals: 63.5/76.0 against
+# 84.0/79.1 us (multi_wave_cached [2, 8192] x 8: 67.7/67.2). [T#fp8-in-fwd]
+_FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16).
 _RES_LN_8192_BWD_WARPS = 32
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
@@ -642,7 +646,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
-    block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else 1
+    block_m = 1
+    if (np.dtype(dtype).itemsize == 1 and not subtract_mean and block_n == 8192
+        and backend == "pallas"):
+      block_m, num_warps = _FP8_RMS_PERSISTENT_8192
+    block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else block_m
     num_programs = max(1, min(per_sm * device.num_sms, cdiv(m, block_m)))
     return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
   bn_full = next_power_of_2(n)
