@@ -26,7 +26,13 @@ FWD = [None, dict(warp_rows=True), dict(warp_rows=True, a_sm=3),
        dict(warp_rows=True, num_warpgroups=4, block_w=128, a_sm=1),
        dict(warp_rows=True, num_warpgroups=4, block_w=128),
        dict(warp_rows=True, num_warpgroups=4, a_sm=1),
-       dict(warp_rows=True, num_warpgroups=2, a_sm=1)]
+       dict(warp_rows=True, num_warpgroups=2, a_sm=1),
+       # warp-specialised: a producer warpgroup issues the loads (y in a tile of its own)
+       dict(warp_specialized=True, y_in_place=False, a_sm=1),
+       dict(warp_specialized=True, y_in_place=False, a_sm=1, num_stages=3),
+       dict(warp_specialized=True, y_in_place=False, a_sm=1, warp_rows=True,
+            num_warpgroups=2),
+       dict(warp_specialized=True, y_in_place=False, a_sm=2, num_stages=1)]
 # backward: G <= 256 (the partials' TMA box)
 BWD = [None, dict(warp_rows=True), dict(warp_rows=True, num_warpgroups=2),
        dict(warp_rows=True, num_warpgroups=4),

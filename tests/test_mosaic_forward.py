@@ -65,6 +65,11 @@ _CASES = [  # m, n, dtype, layer, has_scale, has_bias, scale_offset, config
      mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
                                         num_programs=3, num_warpgroups=2,
                                         warp_rows=True)),
+    # warp-specialised: a producer warpgroup loads, one consumer computes (2 stages over
+    # 3 row blocks a program: a slot released and refilled)
+    (23, 256, jnp.bfloat16, True, True, True, 0.0,
+     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=2,
+                                        num_programs=2, warp_specialized=True)),
 ]
 
 
@@ -114,6 +119,10 @@ def test_errors():
   with pytest.raises(ValueError, match="num_warpgroups"):
     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
                                        num_programs=1, num_warpgroups=3, warp_rows=True)
+  with pytest.raises(ValueError, match="warp_specialized needs"):
+    mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=2,
+                                       num_programs=1, y_in_place=True,
+                                       warp_specialized=True)
   with pytest.raises(ValueError, match="warp_rows=True"):  # rows over the warpgroup race
     mosaic_forward.MosaicForwardConfig(block_m=4, block_w=128, num_stages=1,
                                        num_programs=1, num_warpgroups=2)
@@ -182,7 +191,11 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
               mosaic_forward.MosaicForwardConfig(4, 128, 2, 2 * sms, y_in_place=True,
                                                  num_warpgroups=2, warp_rows=True),
               mosaic_forward.MosaicForwardConfig(4, 128, 2, sms, y_in_place=True,
-                                                 num_warpgroups=4, warp_rows=True)):
+                                                 num_warpgroups=4, warp_rows=True),
+              # warp-specialised: a producer warpgroup, one or two consumers
+              mosaic_forward.MosaicForwardConfig(4, 128, 2, sms, warp_specialized=True),
+              mosaic_forward.MosaicForwardConfig(4, 128, 2, sms, num_warpgroups=2,
+                                                 warp_rows=True, warp_specialized=True)):
     if cfg is not None and (n // cfg.block_w) % cfg.num_warpgroups:
       continue  # the warpgroups need whole chunks each (test_errors)
     y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)

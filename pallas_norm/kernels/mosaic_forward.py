@@ -86,6 +86,9 @@ class MosaicForwardConfig:
       shuffles) instead of each row spread over the warpgroup (row sums through Mosaic
       GPU's shared-memory reduction scratch, which is one buffer a program: several
       warpgroups would race on it).
+    warp_specialized: one more warpgroup a program, the producer, issues every TMA
+      load; the num_warpgroups consumers compute and store, and release each slot
+      through an mbarrier. Needs a y tile of its own (not y_in_place).
   """
 
   block_m: int
@@ -95,6 +98,7 @@ class MosaicForwardConfig:
   y_in_place: bool = False
   num_warpgroups: int = 1
   warp_rows: bool = False
+  warp_specialized: bool = False
 
   def __post_init__(self):
     if self.block_m % _STATS_ALIGN or not _STATS_ALIGN <= self.block_m <= 32:
@@ -108,6 +112,9 @@ class MosaicForwardConfig:
       raise ValueError(f"{self.num_programs=} must be in [1, {_MAX_PROGRAMS}]")
     if self.num_warpgroups not in (1, 2, 4):
       raise ValueError(f"{self.num_warpgroups=} must be 1, 2 or 4")
+    if self.warp_specialized and self.y_in_place:
+      raise ValueError("warp_specialized needs y_in_place=False (the consumers release "
+                       "a slot once they have read it)")
     if self.num_warpgroups > 1 and not self.warp_rows:
       raise ValueError(f"{self.num_warpgroups=} needs warp_rows=True (Mosaic GPU's "
                        "reduction scratch is shared by the warpgroups of a program)")
@@ -166,11 +173,14 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
                 block_m, block_w, num_stages, num_programs, y_in_place, num_warpgroups,
-                warp_rows, interpret):
+                warp_rows, warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of y (and mean/rstd). With k warpgroups, each
   loads, normalises and stores its own N / k columns of every row block, and the row
   sums are exchanged through shared memory (summed in warpgroup order: every warpgroup
-  gets the same bits)."""
+  gets the same bits). ``warp_specialized``: one more warpgroup, the producer, issues
+  every TMA load (scale/bias, then each row block into a slot once the k consumers have
+  released it through the slot's ``free`` barrier); the consumers only compute and
+  store."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -189,36 +199,31 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   k = num_warpgroups
   red = refs.pop(0) if k > 1 else None  # [2, k, block_m] f32: the row-sum exchange
   xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
+  free = refs.pop(0) if warp_specialized else None  # [S], k arrivals: a slot released
   assert not refs
 
   num_chunks = n // block_w
   per_wg = num_chunks // k
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
-  wg = lax.axis_index("wg") if k > 1 else 0
+  wg = lax.axis_index("wg") if k > 1 or warp_specialized else 0
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
   mine = [wg * per_wg + c if k > 1 else c for c in range(per_wg)]  # this wg's chunks
 
   def chunk(c):
     return pl.ds(c * block_w, block_w)
 
-  def fetch(step, slot):  # this warpgroup's chunks of row block r + step * G into slot
+  def fetch(step, slot, chunks):  # chunks of row block r + step * G into slot
     rows = pl.ds((r + step * num_programs) * block_m, block_m)
-    for c in mine:
+    for c in chunks:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
 
-  if pbar is not None:  # scale and bias, once a program
-    for c in mine:
+  def fetch_params(chunks):
+    for c in chunks:
       if has_scale:
         plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], pbar)
       if has_bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[chunk(c)], bs.at[c], pbar)
-    plgpu.barrier_wait(pbar)
-
-  for s in range(num_stages):  # prologue: the first num_stages row blocks
-    @pl.when(s < num_steps)
-    def _():
-      fetch(s, s)
 
   def x_of(slot, c):
     return lay.cast(xs[slot, c], lay.tile).astype(_F32)  # [block_m, W] f32
@@ -261,7 +266,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     if y_in_place:  # its slot is free: refill it, num_stages - 1 row blocks ahead
       @pl.when(jnp.logical_and(step >= 1, step - 1 + num_stages < num_steps))
       def _():
-        fetch(step - 1 + num_stages, lax.rem(step - 1 + num_stages, num_stages))
+        fetch(step - 1 + num_stages, lax.rem(step - 1 + num_stages, num_stages), mine)
     out_tile = xs.at[slot] if y_in_place else ys
     for c in mine:
       x = x_of(slot, c)
@@ -274,6 +279,8 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
       if has_bias:
         y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
       out_tile[c] = y.astype(out_tile.dtype)
+    if free is not None:  # x's slot has been read: the producer may refill it
+      plgpu.barrier_arrive(free.at[slot])
     first = wg == 0  # the statistics leave from warpgroup 0
     if rs is not None:
       @pl.when(first)
@@ -296,17 +303,56 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
         plgpu.copy_smem_to_gmem(ms, mean_ref.at[rows])
     plgpu.commit_smem_to_gmem_group()
 
-    if not y_in_place:
+    if not y_in_place and free is None:
       # refill this slot with the row block num_stages ahead (its reads are done: the
       # copy waits for the warpgroup)
       @pl.when(step + num_stages < num_steps)
       def _():
-        fetch(step + num_stages, slot)
+        fetch(step + num_stages, slot, mine)
 
     return carry
 
-  lax.fori_loop(0, num_steps, body, 0)
-  plgpu.wait_smem_to_gmem(0)
+  def consume():
+    if pbar is not None:
+      plgpu.barrier_wait(pbar)
+    lax.fori_loop(0, num_steps, body, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  if free is None:
+    if pbar is not None:  # scale and bias, once a program
+      fetch_params(mine)
+    for s in range(num_stages):  # prologue: the first num_stages row blocks
+      @pl.when(s < num_steps)
+      def _():
+        fetch(s, s, mine)
+    consume()
+    return
+
+  @pl.when(wg == k)
+  def _producer():
+    if pbar is not None:
+      fetch_params(range(num_chunks))
+
+    def load(step, carry):
+      slot = lax.rem(step, num_stages)
+
+      @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      fetch(step, slot, range(num_chunks))
+      return carry
+
+    lax.fori_loop(0, num_steps, load, 0)
+
+    def drain(step, carry):  # the last slots' releases: every phase observed
+      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
+      return carry
+
+    lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
+
+  @pl.when(wg < k)
+  def _consumers():
+    consume()
 
 
 def _check(m, n, dtypes, cfg: MosaicForwardConfig):
@@ -398,15 +444,18 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   k = cfg.num_warpgroups
   if k > 1:
     scratch += [plgpu.SMEM((2, k, bm), _F32), plgpu.Barrier(num_arrivals=k, num_barriers=2)]
+  if cfg.warp_specialized:
+    scratch.append(plgpu.Barrier(num_arrivals=k, num_barriers=stages))
   body = functools.partial(
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
       stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
       y_in_place=cfg.y_in_place, num_warpgroups=k, warp_rows=cfg.warp_rows,
-      interpret=interpret)
+      warp_specialized=cfg.warp_specialized, interpret=interpret)
   inputs = [a for a in (x, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
-                      name="pallas_norm_mgpu_fwd", num_threads=k)(*inputs))
+                      name="pallas_norm_mgpu_fwd",
+                      num_threads=k + int(cfg.warp_specialized))(*inputs))
   outs = [o[:m] if o.shape[0] != m else o for o in outs]
   y = outs.pop(0)
   mean = outs.pop(0) if want_mean else None
