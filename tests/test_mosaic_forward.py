@@ -198,6 +198,8 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
                                                  warp_rows=True, warp_specialized=True)):
     if cfg is not None and (n // cfg.block_w) % cfg.num_warpgroups:
       continue  # the warpgroups need whole chunks each (test_errors)
+    if cfg is not None and cfg.warp_specialized and n * x.dtype.itemsize > 8192:
+      continue  # its y tile of its own does not fit beside 2 stages (test_errors)
     y, mean, rstd = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
     _ulp_close(y, yp, dtype, f"y {cfg}")
     _ulp_close(rstd, rp, jnp.float32, f"rstd {cfg}")
