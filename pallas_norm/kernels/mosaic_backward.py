@@ -59,16 +59,19 @@ does; the interpreter has no ``layout_cast``, so register layouts are only given
 compiled kernel (``_Layouts``). Its import lives in ``_interpret_params`` here, not in
 ``_compat.py``.
 
-Several warpgroups a program (``MosaicBackwardConfig.num_warpgroups``, 2026-11-25): each
-loads x and dy, computes dx and keeps the partials of its own N / k columns; c1 (and
-c2) meet in shared memory behind an mbarrier, summed in warpgroup order, and warpgroup 0
-loads the mean/rstd windows. Interpreter-tested with 2 and lowered for CUDA with 4; not
-yet compiled or timed on a GPU, so the default stays at one.
+Several warpgroups a program (``MosaicBackwardConfig.num_warpgroups``): each loads x and
+dy, computes dx and keeps the partials of its own N / k columns; c1 (and c2) meet in
+shared memory behind an mbarrier, summed in warpgroup order, and warpgroup 0 loads the
+mean/rstd windows. They need ``warp_rows`` (Mosaic GPU's reduction scratch is one buffer
+a program: with rows spread over the warpgroup, two warpgroups raced on it, wrong dx on
+an H100, 2026-11-26), whose partials are kept a row of the block at a time. Correct on
+the GPU, and 1.1-4x slower than one warpgroup (docs/mosaic.md#warp-rows): the default
+stays at one.
 
-Not yet here (issue #29): warp specialisation (a producer warpgroup issuing the TMA
-loads, consumer warpgroups computing), cluster multicast of scale, and the residual /
-cast / FP8 variants of ``backward.py`` (``ops`` refuses them for this backend before
-they reach this module).
+Not here (issue #29): warp specialisation of the backward (the forward's measured slower,
+docs/mosaic.md#warp-specialized), cluster multicast of scale, and the residual / cast /
+FP8 variants of ``backward.py`` (``ops`` refuses them for this backend before they reach
+this module).
 """
 
 from __future__ import annotations
