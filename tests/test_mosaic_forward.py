@@ -134,11 +134,14 @@ def test_errors():
 
 
 def test_default_config():
-  """Two programs a SM where they fit; else one, with two warpgroups of whole rows a
-  warp (H100 figures in forward_config's docstring)."""
+  """Three or two programs a SM where they fit; else one, with two warpgroups; whole
+  rows a warp (figures in forward_config's docstring)."""
   h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
   cfg = mosaic_forward.forward_config(8192, 4096, jnp.bfloat16, True, h100)
   assert (cfg.num_programs, cfg.num_warpgroups, cfg.y_in_place) == (264, 1, True)
+  assert cfg.warp_rows
+  cfg = mosaic_forward.forward_config(8192, 2048, jnp.bfloat16, True, h100)
+  assert (cfg.num_programs, cfg.num_stages) == (396, 3)  # three a SM
   cfg = mosaic_forward.forward_config(4096, 8192, jnp.bfloat16, True, h100)
   assert (cfg.num_programs, cfg.num_warpgroups, cfg.warp_rows) == (132, 2, True)
   assert cfg.num_stages == 2 and cfg.y_in_place

@@ -135,6 +135,7 @@ def _smem_bytes(n, block_m, num_stages, x_bytes, y_bytes, param_bytes,
 # reserved a block, and headroom for the barriers and the reduction scratch Mosaic GPU
 # allocates itself).
 _SMEM_TWO_A_SM = 108 * 1024
+_SMEM_THREE_A_SM = 72 * 1024  # the same for three
 
 
 def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
@@ -143,32 +144,39 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
   """The default launch config for x [M, N] of ``dtype`` (``param_bytes``: scale's and
   bias's bytes an element together; float32 both by default).
 
-  4-row blocks, y staged in place, and the most stages (3 or 2) with which two programs
-  fit a SM, at G = 2 x the SM count (at most the row blocks). Where two do not fit (N
-  = 8192 in bf16), one program a SM with two warpgroups of whole rows a warp (2
-  stages), else one stage with a y tile of its own. Measured (H100, bf16, float32
-  scale/bias, benchmarks/mosaic_sweep.py): against the earlier default (one program a
-  SM, one warpgroup, 3 stages, a y tile), RMSNorm 8192x4096 55.8 -> 53.2 us, LayerNorm
-  8192x4096 60.6 -> 55.8, LayerNorm 8192x2048 32.0 -> 27.1, LayerNorm 4096x8192 75.6
-  -> 64.3 (2026-11-25, h100_2026-11-25_mosaic_sweep.txt); then at 4096x8192 two
-  warpgroups a program: LayerNorm 64.7 -> 54.3, RMSNorm 54.0 -> 53.6 (2026-11-26,
-  h100_2026-11-26_mosaic_sweep_wr.txt). ``subtract_mean`` is accepted for tuning to
-  come."""
+  4-row blocks, y staged in place, whole rows a warp (``warp_rows``), and the most
+  stages (3 or 2) with which two programs fit a SM, at G = 3 x the SM count where three
+  fit (N = 2048 in bf16), else 2 x (at most the row blocks). Where two do not fit (N =
+  8192 in bf16), one program a SM with two warpgroups (2 stages), else one stage with a
+  y tile of its own. Measured (bf16, float32 scale/bias, benchmarks/mosaic_sweep.py):
+  against the first default (one program a SM, rows over the warpgroup, 3 stages, a y
+  tile), H100 RMSNorm 8192x4096 55.8 -> 53.2 us, LayerNorm 8192x4096 60.6 -> 55.8,
+  LayerNorm 8192x2048 32.0 -> 27.1, LayerNorm 4096x8192 75.6 -> 64.3 (2026-11-25,
+  h100_2026-11-25_mosaic_sweep.txt); then two warpgroups at 4096x8192: LayerNorm 64.7
+  -> 54.3 (H100), 46.7 (H200); whole rows a warp: H200 LayerNorm 8192x4096 40.6 ->
+  39.3, H100 55.8 -> 56.1 (a tie); three programs a SM at N = 2048: H200 LayerNorm
+  24.2 -> 20.8, H100 27.4 -> 26.7, RMSNorm 25.9 -> 25.1 (2026-11-26,
+  h100_2026-11-26_mosaic_sweep_wr_af3a940.txt, h200_2026-11-26_mosaic_sweep_ws_f16e2c6.txt).
+  ``subtract_mean`` is accepted for tuning to come."""
   del subtract_mean
   device = device or device_info()
   b = jnp.dtype(dtype).itemsize
   block_w = 256 if n % 256 == 0 else 128
   row_blocks = cdiv(max(m, 1), _STATS_ALIGN)
-  g = max(1, min(2 * device.num_sms, row_blocks))
   for stages in (3, 2):
-    if _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True) <= _SMEM_TWO_A_SM:
-      return MosaicForwardConfig(_STATS_ALIGN, block_w, stages, g, y_in_place=True)
+    need = _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True)
+    if need <= _SMEM_TWO_A_SM:
+      per_sm = 3 if need <= _SMEM_THREE_A_SM else 2
+      g = max(1, min(per_sm * device.num_sms, row_blocks))
+      return MosaicForwardConfig(_STATS_ALIGN, block_w, stages, g, y_in_place=True,
+                                 warp_rows=True)
+  g = max(1, min(2 * device.num_sms, row_blocks))
   if _smem_bytes(n, _STATS_ALIGN, 2, b, b, param_bytes, True) <= _SMEM_BYTES:
     k = 2 if (n // block_w) % 2 == 0 else 1
     return MosaicForwardConfig(_STATS_ALIGN, block_w, 2,
                                max(1, min(device.num_sms, row_blocks)), y_in_place=True,
-                               num_warpgroups=k, warp_rows=k > 1)
-  return MosaicForwardConfig(_STATS_ALIGN, block_w, 1, g)
+                               num_warpgroups=k, warp_rows=True)
+  return MosaicForwardConfig(_STATS_ALIGN, block_w, 1, g, warp_rows=True)
 
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
