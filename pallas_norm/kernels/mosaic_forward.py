@@ -36,6 +36,12 @@ in bf16). Tested through the interpreter (2 warpgroups; 4 would need more CPU co
 than CI's 2, since the interpreter runs each in a thread), and compiled on the GPU
 (``tests/test_mosaic_forward.py::test_gpu_matches_pallas``).
 
+Warp specialisation (``MosaicForwardConfig.warp_specialized``): one more warpgroup, the
+producer, issues every TMA load and refills a slot once the consumers release it (an
+mbarrier a slot); y has a staging tile of its own. Correct through the interpreter and
+on an H200, and slower or equal there (docs/mosaic.md#warp-specialized): no default
+takes it.
+
 Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
 chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
 program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage);
