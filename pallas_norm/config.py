@@ -646,10 +646,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
-    block_m = 1
-    if (backend == "pallas" and not subtract_mean and block_n == 8192
-        and np.dtype(dtype).itemsize == 1):
-      block_m, num_warps = _FP8_RMS_PERSISTENT_8192
+    block_m, num_warps = (_fp8_rms_tile(True, block_n, dtype, subtract_mean, backend)
+                          or (1, num_warps))
     block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else block_m
     num_programs = max(1, min(per_sm * device.num_sms, cdiv(m, block_m)))
     return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
@@ -671,17 +669,29 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if (res_rules and subtract_mean and not chunked and block_n == 4096
       and n > _LN_ONE_ROW_MAX_N):
     block_m, num_warps = _RES_LN_4096_FWD
-  if (backend == "pallas" and not subtract_mean and not chunked  # (the Triton
-      # backend's tests pass torch dtypes: np.dtype only on the Pallas backend)
-      and block_n == _FP8_RMS_FWD_BLOCK_N and block_m == 1
-      and np.dtype(dtype).itemsize == 1):
-    block_m, num_warps = _FP8_RMS_FWD_TILE
+  if not chunked and block_m == 1:
+    block_m, num_warps = (_fp8_rms_tile(False, block_n, dtype, subtract_mean, backend)
+                          or (block_m, num_warps))
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
   if mode == "static_persistent":
     num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
   return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
+
+
+def _fp8_rms_tile(persistent: bool, block_n: int, dtype, subtract_mean: bool,
+                  backend: str) -> tuple[int, int] | None:
+  """(block_m, num_warps) of the FP8-x RMSNorm forward's two-row tiles on the Pallas
+  backend (persistent: the one-tile static_persistent forward at N' = 8192; else the
+  whole-row tile at N' = 4096), or None. [T#fp8-in-fwd]"""
+  if backend != "pallas" or subtract_mean:  # before np.dtype: the Triton backend's
+    return None                               # tests pass torch dtypes
+  if np.dtype(dtype).itemsize != 1:
+    return None
+  if persistent:
+    return _FP8_RMS_PERSISTENT_8192 if block_n == 8192 else None
+  return _FP8_RMS_FWD_TILE if block_n == _FP8_RMS_FWD_BLOCK_N else None
 
 
 def _bwd_split_rule(n: int, subtract_mean: bool, device: DeviceInfo):

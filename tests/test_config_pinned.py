@@ -310,3 +310,20 @@ def test_residual_rules():
     for m, n, ln in ((8192, 8192, False), (8192, 4096, True), (8192, 8192, True)):
       assert fwd(m, n, ln, d, **kw) == fwd(m, n, ln, d, res=False, **kw)
       assert bwd(m, n, ln, d, **kw) == bwd(m, n, ln, d, res=False, **kw)
+
+
+def test_fp8_rms_forward_tiles():
+  """FP8 x, RMSNorm, Pallas ([T#fp8-in-fwd]): two-row tiles at N' = 4096 (whole-row
+  tile) and 8192 (the persistent one); LayerNorm, bf16 x and the Triton backend keep
+  their picks."""
+  h200 = DEVICES["h200"]
+  fwd = lambda m, n, dt, ln=False, be="pallas": pn_config.forward_config(
+      m, n, dt, None, h200, subtract_mean=ln, backend=be)
+  fp8 = jnp.float8_e4m3fn
+  got = fwd(8192, 4096, fp8)
+  assert (got.mode, got.block_m, got.num_warps) == ("multi_wave_cached", 2, 4)
+  got = fwd(8192, 8192, fp8)
+  assert (got.mode, got.block_m, got.num_warps) == ("static_persistent", 2, 16)
+  assert fwd(8192, 4096, jnp.bfloat16).block_m == 1
+  assert fwd(8192, 8192, jnp.bfloat16).block_m == 1
+  assert fwd(8192, 4096, fp8, be="triton").block_m == 1

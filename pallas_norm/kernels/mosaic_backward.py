@@ -319,6 +319,30 @@ def _sum(terms):
   return functools.reduce(lambda a, b: a + b, terms)
 
 
+def _my_chunks(k: int, num_chunks: int):
+  """(wg, the block_w-column chunks this warpgroup of k owns: N / k consecutive ones);
+  wg is 0 with one warpgroup, else the "wg" axis index (traced)."""
+  per_wg = num_chunks // k
+  if k == 1:
+    return 0, list(range(per_wg))
+  wg = lax.axis_index("wg")
+  return wg, [wg * per_wg + c for c in range(per_wg)]
+
+
+def _exchange_row_sums(sums, red, xbar, b, wg, k, lay):
+  """This warpgroup's [block_m] partial row sums -> the whole rows', through buffer b of
+  ``red`` ([2, Q, k, block_m] f32 shared memory, Q >= len(sums)) behind mbarrier
+  ``xbar[b]`` (k arrivals), summed in warpgroup order (every warpgroup gets the same
+  bits). A warpgroup may write buffer b again only after every warpgroup has passed
+  the exchange through the other buffer, so after it read this one."""
+  for q, v in enumerate(sums):
+    red[b, q, wg] = v
+  plgpu.barrier_arrive(xbar.at[b])
+  plgpu.barrier_wait(xbar.at[b])
+  return [_sum([lay.cast(red[b, q, j], lay.row) for j in range(k)])
+          for q in range(len(sums))]
+
+
 # --------------------------------------------------------------------------- stage 1
 
 
@@ -352,12 +376,11 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   assert not refs
 
   num_chunks = _padded(n) // block_w
-  per_wg = num_chunks // k
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
-  wg = lax.axis_index("wg") if k > 1 else 0
+  wg, mine = _my_chunks(k, num_chunks)
+  per_wg = len(mine)
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
-  mine = [wg * per_wg + c if k > 1 else c for c in range(per_wg)]  # this wg's chunks
 
   zero = r * 0  # traced: a column start past N is then not checked at trace time
 
@@ -401,13 +424,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     passed the next step's exchange, so after it read this one)."""
     if k == 1:
       return sums
-    b = lax.rem(step, 2)
-    for q, v in enumerate(sums):
-      red[b, q, wg] = v
-    plgpu.barrier_arrive(xbar.at[b])
-    plgpu.barrier_wait(xbar.at[b])
-    return [_sum([lay.cast(red[b, q, j], lay.row) for j in range(k)])
-            for q in range(len(sums))]
+    return _exchange_row_sums(sums, red, xbar, lax.rem(step, 2), wg, k, lay)
 
   for s in range(num_stages):  # prologue: the first num_stages row blocks
     @pl.when(s < num_steps)

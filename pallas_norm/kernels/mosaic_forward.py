@@ -62,7 +62,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
-                                                 _WARPGROUP, _Layouts, _kernel, _sum,
+                                                 _WARPGROUP, _exchange_row_sums,
+                                                 _Layouts, _kernel, _my_chunks, _sum,
                                                  _vec)
 
 __all__ = ["MosaicForwardConfig", "forward_config", "checked_config", "norm_forward"]
@@ -211,18 +212,18 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   bar = refs.pop(0)  # [S]
   pbar = refs.pop(0) if has_scale or has_bias else None
   k = num_warpgroups
-  red = refs.pop(0) if k > 1 else None  # [2, k, block_m] f32: the row-sum exchange
+  red = refs.pop(0) if k > 1 else None  # [2, 1, k, block_m] f32: the row-sum exchange
   xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
   free = refs.pop(0) if warp_specialized else None  # [S], k arrivals: a slot released
   assert not refs
 
   num_chunks = n // block_w
-  per_wg = num_chunks // k
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
-  wg = lax.axis_index("wg") if k > 1 or warp_specialized else 0
+  wg, mine = _my_chunks(k, num_chunks)
+  if warp_specialized:  # the producer is warpgroup k
+    wg = lax.axis_index("wg")
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
-  mine = [wg * per_wg + c if k > 1 else c for c in range(per_wg)]  # this wg's chunks
 
   def chunk(c):
     return pl.ds(c * block_w, block_w)
@@ -250,11 +251,8 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     again only after every warpgroup has passed the next exchange, so after it read)."""
     if k == 1:
       return part
-    b = lax.rem(step * exchanges + i, 2)
-    red[b, wg] = part
-    plgpu.barrier_arrive(xbar.at[b])
-    plgpu.barrier_wait(xbar.at[b])
-    return _sum([lay.cast(red[b, j], lay.row) for j in range(k)])
+    return _exchange_row_sums([part], red, xbar, lax.rem(step * exchanges + i, 2), wg, k,
+                              lay)[0]
 
   def body(step, carry):
     slot = lax.rem(step, num_stages)
@@ -457,7 +455,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     scratch.append(plgpu.Barrier(num_arrivals=num_params * num_chunks))
   k = cfg.num_warpgroups
   if k > 1:
-    scratch += [plgpu.SMEM((2, k, bm), _F32), plgpu.Barrier(num_arrivals=k, num_barriers=2)]
+    scratch += [plgpu.SMEM((2, 1, k, bm), _F32),
+                plgpu.Barrier(num_arrivals=k, num_barriers=2)]
   if cfg.warp_specialized:
     scratch.append(plgpu.Barrier(num_arrivals=k, num_barriers=stages))
   body = functools.partial(
