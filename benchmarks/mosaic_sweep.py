@@ -10,9 +10,8 @@ Usage (GPU machine): python benchmarks/mosaic_sweep.py [--out FILE.json]
 """
 import dataclasses
 import json
-import subprocess
-import sys
-import traceback
+
+import _per_shape
 
 SHAPES = [("rms", 8192, 2048), ("layer", 8192, 2048), ("rms", 8192, 4096),
           ("layer", 8192, 4096), ("rms", 4096, 8192), ("layer", 4096, 8192)]
@@ -131,33 +130,11 @@ def run_shape(op, m, n):
   return dict(device=CF.device_info().name, copy_gbs=copy, rows=rows)
 
 
+def _line(op, m, n, row):
+  return (f"{op:5s} {m}x{n} {row['kind']} {row['impl']:6s} "
+          f"{row.get('us') or 0:8.1f} us {row.get('pct_copy') or 0:5.1f}% "
+          f"{row.get('config', '')} {row.get('error', '')}")
+
+
 if __name__ == "__main__":
-  if len(sys.argv) > 1 and sys.argv[1] != "--out":
-    op, m, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    try:
-      r = dict(ok=True, **run_shape(op, m, n))
-    except Exception:
-      r = dict(ok=False, error=traceback.format_exc()[-1800:])
-    print("RESULT " + json.dumps(dict(op=op, m=m, n=n, **r)), flush=True)
-  else:
-    out = sys.argv[2] if len(sys.argv) > 2 else None
-    results = []
-    for c in SHAPES:
-      p = subprocess.run([sys.executable, __file__, *map(str, c)], capture_output=True,
-                         text=True, timeout=300)
-      lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
-      if lines:
-        results.append(json.loads(lines[-1][7:]))
-      else:
-        rows = [json.loads(l[4:]) for l in p.stdout.splitlines() if l.startswith("ROW ")]
-        results.append(dict(op=c[0], m=c[1], n=c[2], ok=False, rows=rows,
-                            error=f"rc={p.returncode} {p.stderr[-1500:]}"))
-      r = results[-1]
-      for row in r.get("rows", []):
-        print(f"{c[0]:5s} {c[1]}x{c[2]} {row['kind']} {row['impl']:6s} "
-              f"{row.get('us') or 0:8.1f} us {row.get('pct_copy') or 0:5.1f}% "
-              f"{row.get('config', '')} {row.get('error', '')}", flush=True)
-      if not r.get("ok"):
-        print("  FAILED", r.get("error", "")[-600:], flush=True)
-    if out:
-      json.dump(results, open(out, "w"), indent=1)
+  _per_shape.main(__file__, run_shape, SHAPES, _line, timeout=300)

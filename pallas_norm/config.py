@@ -308,6 +308,18 @@ _LN_PERSISTENT_TILES = (
     (4096, 5120, 4, 3, 2, "H200"),     # 8192x5120: 46.1/46.9; f32 and the H100 lose
 )
 
+# ---- Forward, Pallas, H200: float32 scale/bias with a 2-byte x (the functional API
+# called with float32 parameters; the Flax layers cast them to x's dtype). The
+# multi-wave tiles re-read 4-byte scale/bias from L2 every row; static_persistent [2, N']
+# tiles load them once a program. {(LayerNorm, N'): (block_m, num_warps, programs a
+# SM)}. H200, 2026-11-26, us, float32 params default -> this pick (bf16 params default):
+# LayerNorm 4096x8192 62.4 -> 38.5 (37.5), 8192x4096 41.6 -> 36.5 (36.2); RMSNorm
+# 8192x4096 37.1 -> 34.3 (35.1). RMSNorm N' = 8192 already takes its persistent tile
+# (34.4); N' = 2048 was within 3% of its best variant: unchanged. [T#f32-params]
+_F32_PARAMS_TILES = {(True, 8192): (2, 8, 1), (True, 4096): (2, 16, 2),
+                     (False, 4096): (2, 16, 2)}
+_F32_PARAMS_DEVICE = "H200"
+
 # ---- Forward, Pallas: rows split over programs that exchange partial statistics.
 # RMSNorm N > 16384: multi_wave_cached over cdiv(N, 8192) programs of 4 warps, while
 # cdiv(N, 8192) <= SMs (1024x262144: 361.2/419.7 persistent). [T#rms-split]
@@ -529,8 +541,22 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
   return None
 
 
+def _f32_params_tile(n: int, dtype, param_dtype, subtract_mean: bool, backend: str,
+                     device: DeviceInfo, residual: bool) -> tuple[int, int, int] | None:
+  """(block_m, num_warps, programs a SM) of the static_persistent [block_m, N'] tile
+  for float32 scale/bias with a 2-byte x on the Pallas backend (H200), or None where
+  that rule does not apply. [T#f32-params]"""
+  if (param_dtype is None or residual or backend != "pallas"
+      or _F32_PARAMS_DEVICE not in device.name):
+    return None
+  if np.dtype(param_dtype).itemsize != 4 or np.dtype(dtype).itemsize != 2:
+    return None
+  return _F32_PARAMS_TILES.get((bool(subtract_mean), next_power_of_2(n)))
+
+
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
-                backend: str = "pallas", residual: bool = False) -> str:
+                backend: str = "pallas", residual: bool = False,
+                param_dtype=None) -> str:
   """The forward mode the heuristic picks for x viewed as [m, n] (the fastest measured).
 
   Args:
@@ -543,9 +569,13 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       Pallas-only.
     residual: the fused residual add (``residual=``): on an H200 in 2-byte dtypes,
       RMSNorm's one-tile persistent rows up to N = 8192 take multi_wave_cached.
+    param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
+      2-byte x take static_persistent at N' = 4096 (both ops) and LayerNorm's 8192
+      (Pallas, H200).
 
   Returns:
     One of ``MODES``, first match wins:
+      static_persistent (f32 params)   as param_dtype says
       static_persistent (split rows)   LayerNorm, Pallas, 16384 < N <= 4096 x SMs
       static_persistent (one tile)     Pallas: LayerNorm 8192 < N <= 16384; H200 only,
                                        RMSNorm 6144 < N <= 8192 and 12288 < N <= 16384,
@@ -558,6 +588,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     and ln-persistent-split.
   """
   del m
+  if _f32_params_tile(n, dtype, param_dtype, subtract_mean, backend, device, residual):
+    return "static_persistent"
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
   if _persistent_tile(n, dtype, subtract_mean, backend, device, residual):
@@ -596,7 +628,7 @@ def _fwd_tile(m: int, n: int, block_n: int, chunked: bool, subtract_mean: bool,
 def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    device: DeviceInfo | None = None, *,
                    subtract_mean: bool = False, backend: str = "pallas",
-                   residual: bool = False) -> ForwardConfig:
+                   residual: bool = False, param_dtype=None) -> ForwardConfig:
   """Default forward launch config for x viewed as [m, n] of ``dtype``.
 
   Args:
@@ -610,6 +642,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       Pallas-only tiles).
     residual: the fused residual add (``residual=``): its own picks on an H200 in
       2-byte dtypes (``choose_mode``; LayerNorm N' = 4096 at [1, 4096] x 8 warps).
+    param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
+      2-byte x have their own static_persistent tiles (``choose_mode``).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -622,7 +656,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   """
   device = device or device_info()
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
-                             backend=backend, residual=residual)
+                             backend=backend, residual=residual, param_dtype=param_dtype)
   res_rules = _residual_rules(residual, dtype, backend, device)
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
@@ -634,6 +668,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     num_programs = max(1, min(per_sm * device.num_sms // cdiv(n, w), cdiv(m, block_m)))
     return ForwardConfig(mode, block_m, w, 1, num_programs, split_rows=True,
                          split_lag=_LN_PSPLIT_LAG, split_early_publish=True)
+  f32p = _f32_params_tile(n, dtype, param_dtype, subtract_mean, backend, device, residual)
+  if mode == "static_persistent" and f32p:  # float32 scale/bias, loaded once a program
+    block_m, num_warps, per_sm = f32p
+    num_programs = max(1, min(per_sm * device.num_sms, cdiv(m, block_m)))
+    return ForwardConfig(mode, block_m, next_power_of_2(n), num_warps, num_programs)
   split_min_n, split_n, split_warps, split_chunk_n = _split_rule(subtract_mean)
   if mode == "multi_wave_cached" and backend == "pallas" and n > split_min_n:
     if not _splits_rows(n, subtract_mean, backend, device):

@@ -271,8 +271,12 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   m, n = x2.shape
   backend = _auto_backend("fwd", x2, scale, bias, st, fused=residual is not None
                           or combine_stats is not None or x_scale is not None)
-  cfg = _config.forward_config(m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean,
-                               backend=backend, residual=residual is not None)
+  params = [p.dtype for p in (scale, bias) if p is not None]
+  cfg = _config.forward_config(
+      m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean, backend=backend,
+      residual=residual is not None,
+      # float32 scale/bias have their own tiles (measured on the plain norm only)
+      param_dtype=params[0] if params and combine_stats is None else None)
   fwd, _ = _backend_module(backend)
   if backend == "mosaic" and combine_stats is not None:
     raise NotImplementedError(

@@ -907,3 +907,40 @@ def test_stream_cache_modifier_lowers_for_cuda():
         interpret=False))
     text = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "pallas_norm_fwd" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, m, n", [("layer", 4096, 8192), ("layer", 8192, 4096),
+                                      ("rms", 8192, 4096), ("layer", 1000, 3000)])
+def test_gpu_f32_params_with_bf16_x(op, m, n):
+  """float32 scale/bias with bf16 x ([T#f32-params]: static_persistent [2, N'] tiles on
+  the H200): y and the grads against the same call in multi_wave_reload (another
+  kernel) and the float64 formula."""
+  ln = op == "layer"
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (m, n), jnp.bfloat16)
+  s = 1 + 0.1 * jax.random.normal(k[1], (n,), jnp.float32)
+  b = 0.1 * jax.random.normal(k[2], (n,), jnp.float32) if ln else None
+  dy = jax.random.normal(k[3], (m, n), jnp.bfloat16)
+  fn = pallas_norm.layer_norm if ln else pallas_norm.rms_norm
+  params = (s, b) if ln else (s,)
+  if "H200" in pn_config.device_info().name:
+    cfg = pn_config.forward_config(m, n, x.dtype, subtract_mean=ln, param_dtype=s.dtype)
+    assert (cfg.mode, cfg.block_m) == ("static_persistent", 2)
+
+  def run(mode):
+    y, vjp = jax.vjp(lambda x, *p: fn(x, *p, eps=1e-5, mode=mode), x, *params)
+    return (y, *vjp(dy))
+
+  got, other = jax.jit(lambda: run(None))(), jax.jit(lambda: run("multi_wave_reload"))()
+  ulp = float(jnp.finfo(jnp.bfloat16).eps)
+  np.testing.assert_allclose(_f64(got[0]), _f64(other[0]), rtol=ulp, atol=ulp)
+  # the same backward kernel, from statistics equal up to float32 rounding
+  np.testing.assert_allclose(_f64(got[1]), _f64(other[1]), rtol=ulp, atol=ulp)
+  for g, o in zip(got[2:], other[2:]):
+    np.testing.assert_allclose(_f64(g), _f64(o), rtol=1e-4, atol=1e-3)
+  xf = _f64(x)
+  mu = xf.mean(-1, keepdims=True) if ln else 0.0
+  rstd = 1 / np.sqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+  want = (xf - mu) * rstd * _f64(s) + (_f64(b) if ln else 0.0)
+  np.testing.assert_allclose(_f64(got[0]), want, rtol=1e-2, atol=2e-2)
