@@ -219,13 +219,17 @@ def _resolve_interpret(interpret: bool | None) -> bool:
 def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool) -> str:
   """backend=None: ``config.choose_backend``'s pick for this kernel, if that backend
   serves the call; else "pallas". ``fused``: a residual, FP8 x or a sharded hidden dim
-  (which only the Pallas and Triton backends serve, and the rules do not cover)."""
+  (which only the Pallas and Triton backends serve, and the rules do not cover). Also
+  "pallas" for scale/bias in another dtype than x's: the rules were measured with
+  them in x's (the Pallas backend has its own float32-parameter tiles)."""
   if st.backend is not None:
     return st.backend
   m, n = x2.shape
   backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean)
   if backend == "pallas" or st.interpret or fused or st.llama is not None:
     return "pallas"
+  if any(p is not None and p.dtype != x2.dtype for p in (scale, bias)):
+    return "pallas"  # the rules were measured with scale/bias in x's dtype
   if backend == "triton":
     import importlib.util
     return "triton" if importlib.util.find_spec("jax_triton") else "pallas"
@@ -587,8 +591,8 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       (the jnp reference), "mosaic" (Pallas Mosaic GPU: N a multiple of 128; mode None
       or "static_persistent"; no residual, cast="llama", FP8 x or sharded hidden dim
       yet; docs/mosaic.md), or None: per kernel (forward, backward), the backend that
-      measured faster on this GPU and serves the call, else "pallas"
-      (``config.choose_backend``, docs/tuning.md#backend); "pallas" on CPU.
+      measured faster on this GPU and serves the call, with scale/bias in x's dtype;
+      else "pallas" (``config.choose_backend``, docs/tuning.md#backend; on CPU too).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
     axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over
       which x's last axis is split, as flax's ``axis_name``: the statistics are those
