@@ -308,17 +308,21 @@ _LN_PERSISTENT_TILES = (
     (4096, 5120, 4, 3, 2, "H200"),     # 8192x5120: 46.1/46.9; f32 and the H100 lose
 )
 
-# ---- Forward, Pallas, H200: float32 scale/bias with a 2-byte x (the functional API
-# called with float32 parameters; the Flax layers cast them to x's dtype). The
-# multi-wave tiles re-read 4-byte scale/bias from L2 every row; static_persistent [2, N']
-# tiles load them once a program. {(LayerNorm, N'): (block_m, num_warps, programs a
-# SM)}. H200, 2026-11-26, us, float32 params default -> this pick (bf16 params default):
-# LayerNorm 4096x8192 62.4 -> 38.5 (37.5), 8192x4096 41.6 -> 36.5 (36.2); RMSNorm
-# 8192x4096 37.1 -> 34.3 (35.1). RMSNorm N' = 8192 already takes its persistent tile
-# (34.4); N' = 2048 was within 3% of its best variant: unchanged. [T#f32-params]
-_F32_PARAMS_TILES = {(True, 8192): (2, 8, 1), (True, 4096): (2, 16, 2),
-                     (False, 4096): (2, 16, 2)}
-_F32_PARAMS_DEVICE = "H200"
+# ---- Forward, Pallas: float32 scale/bias with a 2-byte x (the functional API called
+# with float32 parameters; the Flax layers cast them to x's dtype). The multi-wave tiles
+# re-read 4-byte scale/bias from L2 every row; static_persistent [2, N'] tiles load them
+# once a program. (LayerNorm, N', block_m, num_warps, programs a SM, devices). 2026-11-26,
+# us, float32 params default -> this tile (bf16 params default): LayerNorm 4096x8192
+# H200 62.4 -> 38.5 (37.5), H100 65.0 -> 48.4 (47.9); LayerNorm 8192x4096 H200 41.6 ->
+# 36.6 (36.2), H100 51.0 -> 47.6 (46.7); RMSNorm 8192x4096 H200 37.1 -> 34.5 (35.1), H100
+# 48.0 -> 47.6 (46.5); RMSNorm 4096x8192 H100 49.6 -> 46.9 (45.8), where the H200 keeps its
+# persistent tile (34.4). [T#f32-params]
+_F32_PARAMS_TILES = (
+    (True, 8192, 2, 8, 1, ("H100", "H200")),
+    (True, 4096, 2, 8, 2, ("H100", "H200")),
+    (False, 4096, 2, 8, 2, ("H100", "H200")),
+    (False, 8192, 2, 16, 2, ("H100",)),
+)
 
 # ---- Forward, Pallas: rows split over programs that exchange partial statistics.
 # RMSNorm N > 16384: multi_wave_cached over cdiv(N, 8192) programs of 4 warps, while
@@ -544,14 +548,17 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
 def _f32_params_tile(n: int, dtype, param_dtype, subtract_mean: bool, backend: str,
                      device: DeviceInfo, residual: bool) -> tuple[int, int, int] | None:
   """(block_m, num_warps, programs a SM) of the static_persistent [block_m, N'] tile
-  for float32 scale/bias with a 2-byte x on the Pallas backend (H200), or None where
-  that rule does not apply. [T#f32-params]"""
-  if (param_dtype is None or residual or backend != "pallas"
-      or _F32_PARAMS_DEVICE not in device.name):
+  for float32 scale/bias with a 2-byte x on the Pallas backend (H100, H200), or None
+  where that rule does not apply. [T#f32-params]"""
+  if param_dtype is None or residual or backend != "pallas":
     return None
   if np.dtype(param_dtype).itemsize != 4 or np.dtype(dtype).itemsize != 2:
     return None
-  return _F32_PARAMS_TILES.get((bool(subtract_mean), next_power_of_2(n)))
+  for ln, bn, block_m, num_warps, per_sm, devices in _F32_PARAMS_TILES:
+    if (ln == bool(subtract_mean) and bn == next_power_of_2(n)
+        and any(d in device.name for d in devices)):
+      return block_m, num_warps, per_sm
+  return None
 
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
@@ -570,8 +577,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     residual: the fused residual add (``residual=``): on an H200 in 2-byte dtypes,
       RMSNorm's one-tile persistent rows up to N = 8192 take multi_wave_cached.
     param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
-      2-byte x take static_persistent at N' = 4096 (both ops) and LayerNorm's 8192
-      (Pallas, H200).
+      2-byte x take static_persistent at N' = 4096 and 8192 (Pallas; H100 and H200,
+      RMSNorm's 8192 on the H100 only).
 
   Returns:
     One of ``MODES``, first match wins:

@@ -331,31 +331,38 @@ def test_fp8_rms_forward_tiles():
 
 def test_f32_params_tiles():
   """float32 scale/bias with a 2-byte x ([T#f32-params]): static_persistent [2, N']
-  tiles on the H200's Pallas backend at N' = 4096 (both ops) and LayerNorm's 8192;
-  elsewhere (bf16 params, float32 x, FP8 x, a residual, the Triton backend, the H100,
-  other N') param_dtype changes nothing."""
-  h200, h100 = DEVICES["h200"], DEVICES["h100"]
+  tiles on the Pallas backend of the H100 and H200 at N' = 4096 and 8192 (RMSNorm's 8192
+  on the H100 only); elsewhere (bf16 params, float32 x, FP8 x, a residual, the Triton
+  backend, another GPU, other N') param_dtype changes nothing."""
+  h200, h100, a100 = DEVICES["h200"], DEVICES["h100"], DEVICES["a100"]
   f32, bf16 = jnp.float32, jnp.bfloat16
   fwd = lambda m, n, ln, dt=bf16, p=f32, d=h200, **kw: pn_config.forward_config(
       m, n, dt, kw.pop("mode", None), d, subtract_mean=ln, param_dtype=p, **kw)
-  for m, n, ln, want in ((4096, 8192, True, (2, 8, 132)), (8192, 4096, True, (2, 16, 264)),
-                         (8192, 4096, False, (2, 16, 264)), (8192, 3000, True, (2, 16, 264)),
-                         (100, 4096, False, (2, 16, 50))):
-    got = fwd(m, n, ln)
+  for d, m, n, ln, want in ((h200, 4096, 8192, True, (2, 8, 132)),
+                            (h100, 4096, 8192, True, (2, 8, 132)),
+                            (h200, 8192, 4096, True, (2, 8, 264)),
+                            (h100, 8192, 4096, False, (2, 8, 264)),
+                            (h200, 8192, 3000, True, (2, 8, 264)),
+                            (h200, 100, 4096, False, (2, 8, 50)),
+                            (h100, 4096, 8192, False, (2, 16, 264))):
+    got = fwd(m, n, ln, d=d)
     assert (got.mode, got.block_n) == ("static_persistent", pn_config.next_power_of_2(n))
-    assert (got.block_m, got.num_warps, got.num_programs) == want, (m, n, ln, got)
-    assert pn_config.choose_mode(m, n, bf16, h200, subtract_mean=ln,
+    assert (got.block_m, got.num_warps, got.num_programs) == want, (d, m, n, ln, got)
+    assert pn_config.choose_mode(m, n, bf16, d, subtract_mean=ln,
                                  param_dtype=f32) == "static_persistent"
-    assert fwd(m, n, ln, dt=jnp.float16) == got
-    assert fwd(m, n, ln, mode="static_persistent") == got  # the mode asked explicitly
-    assert fwd(m, n, ln, mode="multi_wave_cached").mode == "multi_wave_cached"
+    assert fwd(m, n, ln, d=d, dt=jnp.float16) == got
+    assert fwd(m, n, ln, d=d, mode="static_persistent") == got  # the mode asked for
+    assert fwd(m, n, ln, d=d, mode="multi_wave_cached").mode == "multi_wave_cached"
   for m, n, ln in ((4096, 8192, True), (8192, 4096, True), (8192, 4096, False),
                    (4096, 8192, False), (8192, 2048, True), (8192, 16384, True)):
-    plain = fwd(m, n, ln, p=None)
-    assert fwd(m, n, ln, p=bf16) == plain
-    assert fwd(m, n, ln, dt=f32, p=f32) == fwd(m, n, ln, dt=f32, p=None)
-    assert fwd(m, n, ln, dt=jnp.float8_e4m3fn) == fwd(m, n, ln, dt=jnp.float8_e4m3fn, p=None)
-    assert fwd(m, n, ln, d=h100) == fwd(m, n, ln, d=h100, p=None)
-    assert fwd(m, n, ln, backend="triton") == fwd(m, n, ln, p=None, backend="triton")
-    assert fwd(m, n, ln, residual=True) == fwd(m, n, ln, p=None, residual=True)
+    for d in (h200, h100):
+      plain = fwd(m, n, ln, d=d, p=None)
+      assert fwd(m, n, ln, d=d, p=bf16) == plain
+      assert fwd(m, n, ln, d=d, dt=f32, p=f32) == fwd(m, n, ln, d=d, dt=f32, p=None)
+      fp8 = jnp.float8_e4m3fn
+      assert fwd(m, n, ln, d=d, dt=fp8) == fwd(m, n, ln, d=d, dt=fp8, p=None)
+      assert fwd(m, n, ln, d=d, backend="triton") == fwd(m, n, ln, d=d, p=None,
+                                                          backend="triton")
+      assert fwd(m, n, ln, d=d, residual=True) == fwd(m, n, ln, d=d, p=None, residual=True)
+    assert fwd(m, n, ln, d=a100) == fwd(m, n, ln, d=a100, p=None)
   assert fwd(4096, 8192, False) == fwd(4096, 8192, False, p=None)  # its own tile already

@@ -914,7 +914,7 @@ def test_stream_cache_modifier_lowers_for_cuda():
                                       ("rms", 8192, 4096), ("layer", 1000, 3000)])
 def test_gpu_f32_params_with_bf16_x(op, m, n):
   """float32 scale/bias with bf16 x ([T#f32-params]: static_persistent [2, N'] tiles on
-  the H200): y and the grads against the same call in multi_wave_reload (another
+  the H100 and H200): y and the grads against the same call in multi_wave_reload (another
   kernel) and the float64 formula."""
   ln = op == "layer"
   k = jax.random.split(jax.random.key(3), 4)
@@ -924,7 +924,7 @@ def test_gpu_f32_params_with_bf16_x(op, m, n):
   dy = jax.random.normal(k[3], (m, n), jnp.bfloat16)
   fn = pallas_norm.layer_norm if ln else pallas_norm.rms_norm
   params = (s, b) if ln else (s,)
-  if "H200" in pn_config.device_info().name:
+  if any(d in pn_config.device_info().name for d in ("H100", "H200")):
     cfg = pn_config.forward_config(m, n, x.dtype, subtract_mean=ln, param_dtype=s.dtype)
     assert (cfg.mode, cfg.block_m) == ("static_persistent", 2)
 
