@@ -7,9 +7,12 @@ bytes model (forward: read x, write y; backward: read x and dy, write dx), max |
 against the Pallas result. One process a shape (a fault loses that shape only).
 
 Usage (GPU machine): python benchmarks/mosaic_sweep.py [--out FILE.json]
+                 or, one shape: python benchmarks/mosaic_sweep.py OP M N
+MOSAIC_SWEEP=fwd or =bwd runs one pass's variants only.
 """
 import dataclasses
 import json
+import os
 
 import _per_shape
 
@@ -38,7 +41,13 @@ BWD = [None, dict(warp_rows=True), dict(warp_rows=True, num_warpgroups=2),
        dict(warp_rows=True, num_warpgroups=4, block_w=128),
        dict(warp_rows=True, num_warpgroups=2, block_w=128),
        dict(warp_rows=True, num_warpgroups=4, num_stages=3),
-       dict(warp_rows=True, num_warpgroups=4, num_programs=256, num_stages=1)]
+       dict(warp_rows=True, num_warpgroups=4, num_programs=256, num_stages=1),
+       # warp-specialised: a producer warpgroup issues the loads
+       dict(warp_specialized=True), dict(warp_specialized=True, num_stages=3),
+       dict(warp_specialized=True, warp_rows=True, num_warpgroups=2, block_w=128),
+       dict(warp_specialized=True, block_m=8, num_stages=2)]
+# MOSAIC_SWEEP=bwd (or fwd): one pass only
+PASSES = os.environ.get("MOSAIC_SWEEP", "fwd,bwd").split(",")
 
 
 def _variant(dflt, c, sms, cap):
@@ -84,7 +93,7 @@ def run_shape(op, m, n):
   us = timing.cupti_time(fp, [(x,) for x in xs], 20).get("us")
   rows.append(dict(kind="fwd", impl="pallas", us=us, pct_copy=pct(us, 2)))
   dflt = MF.forward_config(m, n, jnp.bfloat16, layer)
-  for c in FWD:
+  for c in FWD if "fwd" in PASSES else []:
     row = dict(kind="fwd", impl="mosaic")
     try:
       cfg = _variant(dflt, c, sms, 1024)
@@ -111,7 +120,7 @@ def run_shape(op, m, n):
   us = timing.cupti_time(bp, sets, 20).get("us")
   rows.append(dict(kind="bwd", impl="pallas", us=us, pct_copy=pct(us, 3)))
   dfltb = MB.backward_config(m, n, jnp.bfloat16, layer)
-  for c in BWD:
+  for c in BWD if "bwd" in PASSES else []:
     row = dict(kind="bwd", impl="mosaic")
     try:
       cfg = _variant(dfltb, c, sms, 256)

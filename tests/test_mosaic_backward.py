@@ -102,6 +102,14 @@ _CASES = [
     (13, 384, "bfloat16", True, True, True, 0.0,
      mosaic_backward.MosaicBackwardConfig(block_m=8, block_w=128, num_stages=2,
                                           num_programs=2, warp_rows=True)),
+    # warp-specialised: a producer warpgroup loads, one consumer computes (2 stages over
+    # 3 row blocks a program: a slot released and refilled; 2 threads in the interpreter)
+    (23, 256, "bfloat16", True, True, True, 0.0,
+     mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=2,
+                                          num_programs=2, warp_specialized=True)),
+    (9, 384, "float32", False, True, False, 1.0,  # RMSNorm, one stage
+     mosaic_backward.MosaicBackwardConfig(block_m=4, block_w=128, num_stages=1,
+                                          num_programs=2, warp_specialized=True)),
 ]
 
 
@@ -165,9 +173,14 @@ def test_lowers_for_cuda():
   bench's LayerNorm 8192 x 4096 bf16 and a ragged f32 RMSNorm."""
   four = mosaic_backward.MosaicBackwardConfig(4, 256, 2, 132, num_warpgroups=4,
                                               warp_rows=True)
+  ws = mosaic_backward.MosaicBackwardConfig(4, 256, 2, 132, warp_specialized=True)
+  ws2 = mosaic_backward.MosaicBackwardConfig(4, 128, 2, 132, num_warpgroups=2,
+                                             warp_rows=True, warp_specialized=True)
   for m, n, dtype, layer, cfg in ((8192, 4096, jnp.bfloat16, True, None),
                                   (40, 760, jnp.float32, False, None),
-                                  (8192, 4096, jnp.bfloat16, True, four)):
+                                  (8192, 4096, jnp.bfloat16, True, four),
+                                  (8192, 4096, jnp.bfloat16, True, ws),
+                                  (8192, 2048, jnp.bfloat16, False, ws2)):
     dy, x, scale, mean, rstd, kw, _, _ = _inputs(8, n, dtype, layer=layer)
     kw = dict(kw, interpret=False, config=cfg)
     specs = [jax.ShapeDtypeStruct((m, n), dtype)] * 2 + [
@@ -245,6 +258,11 @@ def test_gpu_matches_pallas(m, n, dtype, layer):
     chunks = mosaic_backward._padded(n) // 128
     cfgs += [dataclasses.replace(dflt, block_w=128, num_warpgroups=k, warp_rows=True)
              for k in (1, 2, 4) if chunks % k == 0 and n // k <= 2048]
+  # warp-specialised (a producer warpgroup): on the default, and with two consumers
+  cfgs.append(dataclasses.replace(dflt, warp_specialized=True))
+  if dflt.block_m > 1 and (mosaic_backward._padded(n) // 128) % 2 == 0 and n <= 4096:
+    cfgs.append(dataclasses.replace(dflt, block_w=128, num_warpgroups=2, warp_rows=True,
+                                    warp_specialized=True))
   for cfg in cfgs:
     got = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)
     again = mosaic_backward.norm_backward(dy, x, scale, mean, rstd, config=cfg, **kw)

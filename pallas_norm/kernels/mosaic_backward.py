@@ -125,6 +125,11 @@ class MosaicBackwardConfig:
       time ([block_m, W] f32 a chunk in registers: N / (32 k) floats a thread each)
       and summed over the block's rows once, at the end, one warpgroup after the
       other (Mosaic GPU's reduction scratch is one buffer a program).
+    warp_specialized: one more warpgroup a program, the producer, issues every TMA
+      load (x, dy and the mean/rstd windows of each row block, into a slot once the
+      num_warpgroups consumers have released it through the slot's mbarrier); the
+      consumers only compute dx, store it and keep the partials (nvFuser's LayerNorm
+      backward, issue #29).
   """
 
   block_m: int
@@ -133,6 +138,7 @@ class MosaicBackwardConfig:
   num_programs: int
   num_warpgroups: int = 1
   warp_rows: bool = False
+  warp_specialized: bool = False
 
   def __post_init__(self):
     if self.num_warpgroups not in (1, 2, 4):
@@ -348,11 +354,13 @@ def _exchange_row_sums(sums, red, xbar, b, wg, k, lay):
 
 def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
                    block_m, block_w, num_stages, num_programs, num_warpgroups, warp_rows,
-                   interpret):
+                   warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows. With k
   warpgroups, each loads x and dy, computes dx and holds the partials of its own N / k
   columns; the row sums c1 (and c2) are exchanged through shared memory (summed in
-  warpgroup order), and warpgroup 0 loads the mean/rstd windows."""
+  warpgroup order), and warpgroup 0 loads the mean/rstd windows. ``warp_specialized``:
+  warpgroup k, the producer, issues every load instead (a slot's next row block once
+  the k consumers have released it through the slot's ``free`` barrier)."""
   refs = list(refs)
   # inputs
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -373,12 +381,15 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   red = refs.pop(0) if k > 1 else None  # [2, 2, k, block_m] f32: the row-sum exchange
   xbar = refs.pop(0) if k > 1 else None  # [2], k arrivals
   fbar = refs.pop(0) if k > 1 else None  # k arrivals: the partials' turns
+  free = refs.pop(0) if warp_specialized else None  # [S], k arrivals: a slot released
   assert not refs
 
   num_chunks = _padded(n) // block_w
   lay = _Layouts(_vec(block_w, x_ref.dtype.itemsize, warp_rows), interpret, warp_rows)
   r = lax.axis_index("g")
   wg, mine = _my_chunks(k, num_chunks)
+  if warp_specialized:  # the producer is warpgroup k
+    wg = lax.axis_index("wg")
   per_wg = len(mine)
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
 
@@ -390,26 +401,34 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       return pl.ds(start, block_w)
     return pl.ds(start + zero if start + block_w > n else start, block_w)
 
-  def fetch(step, slot):  # row block r + step * G into slot (this wg's chunks)
+  def fetch(step, slot, chunks=mine, stats=False):
+    """Row block r + step * G into slot: the x and dy ``chunks`` (this wg's), and the
+    mean/rstd windows where ``stats`` (warpgroup 0's by default)."""
     row0 = (r + step * num_programs) * block_m
     rows = pl.ds(row0, block_m)
-    for c in mine:
+    for c in chunks:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
       plgpu.copy_gmem_to_smem(dy_ref.at[rows, chunk(c)], dys.at[slot, c], bar.at[slot])
     # a TMA source must be 16-byte aligned: the window starts at the boundary at or
     # before row0 (one row: row0 % 4 elements before it; a multiple of 4 rows: at it)
     window = pl.ds(row0 - lax.rem(row0, _STATS_ALIGN), _STATS_WINDOW)
 
-    # warpgroup 0 loads the windows; it refills a slot only after the step's exchange,
-    # which every warpgroup reaches after reading the slot's mean/rstd into registers
-    @pl.when(wg == 0)
-    def _():
+    def windows():
       if subtract_mean:
         plgpu.copy_gmem_to_smem(mean_ref.at[window], ms.at[slot], bar.at[slot])
       plgpu.copy_gmem_to_smem(rstd_ref.at[window], rs.at[slot], bar.at[slot])
 
-  w = None  # scale_offset + scale: [W] f32 a chunk of this wg's, in registers
-  if has_scale:
+    if stats:
+      windows()
+    else:
+      # warpgroup 0 loads the windows; it refills a slot only after the step's
+      # exchange, which every warpgroup reaches after reading the slot's mean/rstd
+      pl.when(wg == 0)(windows)
+
+  def load_w():
+    """scale_offset + scale: [W] f32 a chunk of this wg's, in registers (or None)."""
+    if not has_scale:
+      return None
     for c in mine:
       plgpu.copy_gmem_to_smem(scale_ref.at[chunk(c)], ws.at[c], wbar)
     plgpu.barrier_wait(wbar)
@@ -417,6 +436,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     for c in mine:
       wc = lay.cast(ws[c], lay.col).astype(_F32)
       w.append(wc + _F32(scale_offset) if scale_offset else wc)
+    return w
 
   def row_totals(step, sums):
     """This wg's [block_m] row sums -> the whole rows' (one exchange a step, through
@@ -426,12 +446,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       return sums
     return _exchange_row_sums(sums, red, xbar, lax.rem(step, 2), wg, k, lay)
 
-  for s in range(num_stages):  # prologue: the first num_stages row blocks
-    @pl.when(s < num_steps)
-    def _():
-      fetch(s, s)
-
-  def parts(slot, i, mean, rstd):
+  def parts(slot, i, mean, rstd, w):
     """(x_hat, dy, g) of this wg's chunk i: [block_m, W] f32 each."""
     c = mine[i]
     x = lay.cast(xs[slot, c], lay.tile).astype(_F32)
@@ -442,7 +457,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     g = dy if w is None else dy * lay.cols(w[i], block_m)
     return x_hat, dy, g
 
-  def body(step, accs):
+  def body(step, accs, w):
     slot = lax.rem(step, num_stages)
     rb = r + step * num_programs
     plgpu.barrier_wait(bar.at[slot])
@@ -452,7 +467,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     # pass 1: the row sums, chunk by chunk, summed across the warpgroup once
     s1, s2 = [], []
     for i in range(per_wg):
-      x_hat, _, g = parts(slot, i, mean, rstd)
+      x_hat, _, g = parts(slot, i, mean, rstd, w)
       s1.append(x_hat * g)
       s2.append(g)
     sums = [jnp.sum(_sum(s1), axis=1)] + ([jnp.sum(_sum(s2), axis=1)]
@@ -465,7 +480,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     # pass 2: dx and the partials
     new = []
     for i, c in enumerate(mine):
-      x_hat, dy, g = parts(slot, i, mean, rstd)
+      x_hat, dy, g = parts(slot, i, mean, rstd, w)
       dx = g - x_hat * lay.rows(c1, block_w)
       if c2 is not None:
         dx = dx - lay.rows(c2, block_w)
@@ -478,17 +493,20 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       else:
         new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
                     None if db is None else db + jnp.sum(dy, axis=0)))
+    if free is not None:  # the slot has been read: the producer may refill it
+      plgpu.barrier_arrive(free.at[slot])
     plgpu.commit_smem()
     rows = pl.ds(rb * block_m, block_m)
     for c in mine:
       plgpu.copy_smem_to_gmem(dxs.at[c], dx_ref.at[rows, chunk(c)])
     plgpu.commit_smem_to_gmem_group()
 
-    # refill this slot with the row block num_stages ahead (its reads are done: the
-    # copy waits for the warpgroup)
-    @pl.when(step + num_stages < num_steps)
-    def _():
-      fetch(step + num_stages, slot)
+    if free is None:
+      # refill this slot with the row block num_stages ahead (its reads are done: the
+      # copy waits for the warpgroup)
+      @pl.when(step + num_stages < num_steps)
+      def _():
+        fetch(step + num_stages, slot)
 
     return tuple(new)
 
@@ -499,26 +517,59 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       return lay.cast(jnp.zeros((block_m, block_w), _F32), lay.tile)
     return lay.cast(jnp.zeros((block_w,), _F32), lay.col)
 
-  init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(per_wg))
-  accs = lax.fori_loop(0, num_steps, body, init)
-  plgpu.wait_smem_to_gmem(0)
+  def consume():
+    w = load_w()
+    init = tuple((zeros(has_scale), zeros(has_bias)) for _ in range(per_wg))
+    accs = lax.fori_loop(0, num_steps, lambda step, a: body(step, a, w), init)
+    plgpu.wait_smem_to_gmem(0)
 
-  def store_partials():
-    for c, (dw, db) in zip(mine, accs):
-      cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
-      for acc, ref in ((dw, dw_ref), (db, db_ref)):
-        if acc is not None:  # warp_rows: the sum over the block's rows crosses warps
-          ref[r, cols] = jnp.sum(acc, axis=0) if warp_rows else acc
+    def store_partials():
+      for c, (dw, db) in zip(mine, accs):
+        cols = pl.ds(c * block_w, block_w)  # the partials have whole chunks
+        for acc, ref in ((dw, dw_ref), (db, db_ref)):
+          if acc is not None:  # warp_rows: the sum over the block's rows crosses warps
+            ref[r, cols] = jnp.sum(acc, axis=0) if warp_rows else acc
 
-  if fbar is None:
-    store_partials()
-  else:  # one warpgroup at a time through the reduction scratch
-    for j in range(k):
-      @pl.when(wg == j)
+    if fbar is None:
+      store_partials()
+    else:  # one warpgroup at a time through the reduction scratch
+      for j in range(k):
+        @pl.when(wg == j)
+        def _():
+          store_partials()
+        plgpu.barrier_arrive(fbar)
+        plgpu.barrier_wait(fbar)
+
+  if free is None:
+    for s in range(num_stages):  # prologue: the first num_stages row blocks
+      @pl.when(s < num_steps)
       def _():
-        store_partials()
-      plgpu.barrier_arrive(fbar)
-      plgpu.barrier_wait(fbar)
+        fetch(s, s)
+    consume()
+    return
+
+  @pl.when(wg == k)
+  def _producer():
+    def load(step, carry):
+      slot = lax.rem(step, num_stages)
+
+      @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      fetch(step, slot, range(num_chunks), stats=True)
+      return carry
+
+    lax.fori_loop(0, num_steps, load, 0)
+
+    def drain(step, carry):  # the last slots' releases: every phase observed
+      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
+      return carry
+
+    lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
+
+  @pl.when(wg < k)
+  def _consumers():
+    consume()
 
 
 # --------------------------------------------------------------------------- stage 2
@@ -675,15 +726,18 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   if k > 1:
     scratch += [plgpu.SMEM((2, 2, k, bm), _F32),
                 plgpu.Barrier(num_arrivals=k, num_barriers=2), plgpu.Barrier(num_arrivals=k)]
+  if cfg.warp_specialized:
+    scratch.append(plgpu.Barrier(num_arrivals=k, num_barriers=stages))
   body = functools.partial(
       _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias, block_m=bm,
       block_w=bw, num_stages=stages, num_programs=g, num_warpgroups=k,
-      warp_rows=cfg.warp_rows, interpret=interpret)
+      warp_rows=cfg.warp_rows, warp_specialized=cfg.warp_specialized, interpret=interpret)
   inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd)
             if a is not None]
   dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,
-                       name="pallas_norm_mgpu_bwd", num_threads=k)(*inputs)
+                       name="pallas_norm_mgpu_bwd",
+                       num_threads=k + int(cfg.warp_specialized))(*inputs)
   if (m_out, n_out) != (m, n):
     dx = dx[:m, :n]
   dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
