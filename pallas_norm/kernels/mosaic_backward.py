@@ -5,8 +5,9 @@ interpreter (the CPU tests) and compiled on an H200 with jax 0.11.2 (``pytest --
 tests/test_mosaic_backward.py``: 19 passed, against the compiled Pallas backend at
 8192x4096 and ragged shapes). Two fixes got it there: Lane lowering semantics
 (``_lane_semantics``) and 16-byte aligned mean/rstd TMA windows (``_STATS_ALIGN``).
-Tuned at a few shapes only: 0.69-0.99x the Pallas backend's speed (RMSNorm 8192x2048
-34.4 against 34.1 us, 8192x4096 80.0 against 57.0). The backward of
+Tuned at a few shapes only: 0.45-0.90x the Pallas backend's speed on an H200 with the
+warp-specialised default (2026-11-26: LayerNorm 8192x2048 38.2 against 34.3 us,
+8192x4096 90.3 against 66.5, 4096x8192 150.4 against 67.0). The backward of
 ``backend="mosaic"`` in ``ops``, with ``mosaic_forward.py``.
 
 Math, per row, as in ``backward.py`` (x_hat = (x - mean) * rstd, w = scale_offset +
@@ -23,7 +24,7 @@ and the column sums are reductions in another order (one Mosaic GPU warpgroup's)
 dx agrees with the Pallas (Triton lowering) backend to about 1 ulp, not bitwise.
 
 Stage 1, ``pallas_norm_mgpu_bwd`` (``plgpu.kernel``, grid (G,), one warpgroup a
-program): program r is persistent over row blocks r, r + G, ... (G about the SM
+program, plus the producer below): program r is persistent over row blocks r, r + G, ... (G about the SM
 count). A row block of ``block_m`` rows arrives in shared memory by TMA, as
 ``N / block_w`` copies of [block_m, block_w] x and dy chunks (TMA boxes are at most 256
 elements a side) plus a 32-element window of mean and rstd, into one of
@@ -68,9 +69,14 @@ an H100, 2026-11-26), whose partials are kept a row of the block at a time. Corr
 the GPU, and 1.1-4x slower than one warpgroup (docs/mosaic.md#warp-rows): the default
 stays at one.
 
-Not here (issue #29): warp specialisation of the backward (the forward's measured slower,
-docs/mosaic.md#warp-specialized), cluster multicast of scale, and the residual / cast /
-FP8 variants of ``backward.py`` (``ops`` refuses them for this backend before they reach
+Warp specialisation (``MosaicBackwardConfig.warp_specialized``, the default): one more
+warpgroup a program, the producer, issues every TMA load (x, dy and the mean/rstd
+windows of each row block into a slot, once the consumers have released it through the
+slot's mbarrier); the consumers compute dx, store it and keep the partials. On an H200
+it took 6-22% off the one-warpgroup kernel (docs/mosaic.md#warp-specialized-backward).
+
+Not here (issue #29): cluster multicast of scale, and the residual / cast / FP8
+variants of ``backward.py`` (``ops`` refuses them for this backend before they reach
 this module).
 """
 
@@ -181,8 +187,12 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
   block_m: as many rows as keep a block at <= 4096 elements up to N = 1024, 4 rows up
   to N = 4096, 1 beyond, within the program's shared memory (``_SMEM_BYTES``) with 2
   stages; 1 or a multiple of 4; stages: 3 when they fit. G: the SM count (4 on CPU), at
-  most the row blocks. Measured at a few shapes only (the comment at the rule).
-  ``subtract_mean`` is accepted for the tuning to come.
+  most the row blocks. Warp-specialised (a producer warpgroup issues the loads): H200,
+  2026-11-26, us against the same config without it, LayerNorm 8192x4096 97.4 -> 90.3,
+  8192x2048 40.4 -> 38.2, 4096x8192 192.3 -> 150.4, RMSNorm 8192x4096 80.1 -> 72.5
+  (benchmarks/results/h200_2026-11-26_mosaic_sweep_bwd_ws_5d761f8.txt). Measured at a few
+  shapes only (the comment at the rule). ``subtract_mean`` is accepted for the tuning
+  to come.
   """
   del subtract_mean
   device = device or device_info()
@@ -201,7 +211,7 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
   stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
   g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), block_m)))
   return MosaicBackwardConfig(block_m=block_m, block_w=block_w, num_stages=stages,
-                              num_programs=g)
+                              num_programs=g, warp_specialized=True)
 
 
 # --------------------------------------------------------------------------- shims
