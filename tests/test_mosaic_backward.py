@@ -191,6 +191,17 @@ def test_lowers_for_cuda():
 
     text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+  # the fused residual add: h and dh in float32, dx in bf16 and dresidual in float32
+  h = jax.ShapeDtypeStruct((8192, 2048), jnp.float32)
+  dy = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+  st = jax.ShapeDtypeStruct((8192,), jnp.float32)
+  g = lambda dy, h, dh, s, r: mosaic_backward.norm_backward(
+      dy, h, s, r, r, has_bias=True, scale_offset=0.0, subtract_mean=True,
+      interpret=False, scale_dtype=jnp.float32, bias_dtype=jnp.float32, dh=dh,
+      dx_dtype=jnp.bfloat16, residual_dtype=jnp.float32)
+  text = jax.jit(g).trace(dy, h, h, jax.ShapeDtypeStruct((2048,), jnp.float32), st).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("n,dtype,match", [
@@ -237,6 +248,51 @@ def test_errors():
         dy, x, scale, mean, rstd, config=mosaic_backward.MosaicBackwardConfig(
             block_m=4, block_w=128, num_stages=1, num_programs=1, num_warpgroups=2,
             warp_rows=True), **kw)
+
+
+_RES_CASES = [  # m, n, h dtype, x dtype (dx's), layer, config
+    (10, 256, "bfloat16", "bfloat16", True, None),
+    (9, 384, "float32", "bfloat16", False, None),  # fp32 residual stream: dresidual f32
+    (23, 256, "bfloat16", "float16", True,  # warp-specialised
+     mosaic_backward.MosaicBackwardConfig(4, 128, 2, 2, warp_specialized=True)),
+    (10, 512, "bfloat16", "bfloat16", True,  # two warpgroups
+     mosaic_backward.MosaicBackwardConfig(4, 128, 2, 2, num_warpgroups=2, warp_rows=True)),
+    (9, 512, "float32", "bfloat16", True,  # one-row blocks, one stage
+     mosaic_backward.MosaicBackwardConfig(1, 256, 1, 3)),
+]
+if not _INTERPRET:  # real shapes, compiled
+  _RES_CASES += [(8192, 4096, "bfloat16", "bfloat16", True, None),
+                 (8192, 2048, "float32", "bfloat16", False, None),
+                 (1000, 768, "bfloat16", "bfloat16", True, None)]
+
+
+@pytest.mark.parametrize("m,n,hdt,xdt,layer,cfg", _RES_CASES)
+def test_residual_matches_pallas(m, n, hdt, xdt, layer, cfg):
+  """The fused residual add's backward (x is h = x + residual; dh, h's cotangent, added
+  to dx in float32; dx in x's dtype and dresidual in the residual's) against the Pallas
+  backend's."""
+  k = jax.random.split(jax.random.key(6), 5)
+  h = (jax.random.normal(k[0], (m, n)) * 2 + 0.5).astype(hdt)
+  dy = jax.random.normal(k[1], (m, n)).astype(xdt)
+  dh = jax.random.normal(k[2], (m, n)).astype(hdt)
+  s = 1 + 0.1 * jax.random.normal(k[3], (n,))
+  b = 0.1 * jax.random.normal(k[4], (n,)) if layer else None
+  ref_kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer)
+  _, mean, rstd = reference.norm(h, s, b, **ref_kw)
+  kw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=_INTERPRET,
+            scale_dtype=jnp.float32, bias_dtype=jnp.float32 if layer else None, dh=dh,
+            dx_dtype=jnp.dtype(xdt), residual_dtype=jnp.dtype(hdt))
+  mean = mean if layer else None
+  got = mosaic_backward.norm_backward(dy, h, s, mean, rstd, config=cfg, **kw)
+  want = backward.norm_backward(
+      dy, h, s, mean, rstd, config=pn_config.backward_config(
+          m, n, jnp.dtype(hdt), subtract_mean=layer, residual=True), **kw)
+  assert got[0].dtype == jnp.dtype(xdt) and got[1].dtype == jnp.dtype(hdt)
+  _check_dx(got[0], want[0], xdt)
+  _check_dx(got[1], want[1], hdt)
+  for g, p in zip(got[2:], want[2:]):
+    if p is not None:
+      _check_sum(g, p, m, "float32")
 
 
 @pytest.mark.gpu

@@ -167,6 +167,53 @@ def test_lowers_for_cuda():
 
     text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+  # the fused residual add, h in float32 (a tile of its own)
+  spec = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+  g = lambda x, r, s: mosaic_forward.norm_forward(
+      x, s, s, eps=1e-5, scale_offset=0.0, subtract_mean=True, interpret=False,
+      residual=r, residual_dtype=jnp.float32)
+  text = jax.jit(g).trace(spec, spec, jax.ShapeDtypeStruct((2048,), jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+_RES_CASES = [  # m, n, x dtype, residual dtype, h dtype (None: residual's), layer, config
+    (10, 256, jnp.bfloat16, jnp.bfloat16, None, True, None),
+    (9, 384, jnp.bfloat16, jnp.float32, jnp.float32, False, None),  # fp32 residual stream
+    (41, 256, jnp.bfloat16, jnp.bfloat16, None, True,  # y in place, slots refilled
+     mosaic_forward.MosaicForwardConfig(4, 128, 2, 3, y_in_place=True)),
+    (9, 512, jnp.bfloat16, jnp.bfloat16, None, True,  # two warpgroups
+     mosaic_forward.MosaicForwardConfig(4, 128, 1, 3, num_warpgroups=2, warp_rows=True)),
+    (23, 256, jnp.float16, jnp.bfloat16, jnp.float32, True,  # warp-specialised
+     mosaic_forward.MosaicForwardConfig(4, 128, 2, 2, warp_specialized=True)),
+]
+if ON_GPU:  # real shapes, compiled
+  _RES_CASES += [(8192, 4096, jnp.bfloat16, jnp.bfloat16, None, True, None),
+                 (8192, 2048, jnp.bfloat16, jnp.float32, jnp.float32, False, None),
+                 (1000, 768, jnp.bfloat16, jnp.bfloat16, jnp.float32, True, None)]
+
+
+@pytest.mark.parametrize("m,n,dtype,rdt,hdt,layer,cfg", _RES_CASES)
+def test_residual_matches_pallas(m, n, dtype, rdt, hdt, layer, cfg):
+  """residual= (the fused residual add): y, h, mean and rstd against the Pallas
+  backend's fused kernel (h bitwise: the same float32 sum, one rounding)."""
+  k = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(k[0], (m, n)).astype(dtype)
+  r = (2 * jax.random.normal(k[1], (m, n)) + 1).astype(rdt)
+  s = 1 + 0.1 * jax.random.normal(k[2], (n,))
+  b = 0.1 * jax.random.normal(k[3], (n,)) if layer else None
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=not ON_GPU,
+            residual=r, residual_dtype=hdt)
+  y, mean, rstd, h = mosaic_forward.norm_forward(x, s, b, config=cfg, **kw)
+  yp, mp, rp, hp = forward.norm_forward(
+      x, s, b, config=pn_config.forward_config(m, n, dtype, subtract_mean=layer,
+                                               residual=True), **kw)
+  assert h.dtype == jnp.dtype(hdt or rdt) and y.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(hp, np.float32))
+  _ulp_close(y, yp, dtype, "y")
+  _ulp_close(rstd, rp, jnp.float32, "rstd")
+  if layer:
+    _ulp_close(mean, mp, jnp.float32, "mean")
 
 
 @pytest.mark.gpu
@@ -252,7 +299,6 @@ def test_ops_backend_mosaic_refuses():
   x = jnp.ones((4, 256), jnp.bfloat16)
   s = jnp.ones((256,))
   for kw, match in ((dict(mode="multi_wave_cached"), "static_persistent"),
-                    (dict(residual=x), "residual"),
                     (dict(cast="llama"), "llama")):
     with pytest.raises(NotImplementedError, match=match):
       pallas_norm.rms_norm(x, s, backend="mosaic", **kw)
@@ -261,3 +307,53 @@ def test_ops_backend_mosaic_refuses():
                          x_scale=jnp.ones((4, 16)))
   with pytest.raises(NotImplementedError, match="multiple of 128"):
     pallas_norm.rms_norm(jnp.ones((4, 200), jnp.bfloat16), backend="mosaic")
+  wide = jnp.ones((4, 8192), jnp.float32)
+  with pytest.raises(NotImplementedError, match="shared memory"):  # x, r, y and h tiles
+    pallas_norm.rms_norm(wide, backend="mosaic", residual=wide)
+
+
+@pytest.mark.parametrize("op,shape,dtype,residual_dtype,res_in", [
+    ("layer", (2, 5, 256), jnp.bfloat16, None, jnp.bfloat16),
+    ("rms", (9, 384), jnp.bfloat16, jnp.float32, jnp.float32),  # an fp32 residual stream
+    ("rms", (7, 256), jnp.float16, jnp.float32, jnp.bfloat16),  # h in a third dtype
+])
+def test_ops_backend_mosaic_residual(op, shape, dtype, residual_dtype, res_in):
+  """residual= (the fused residual add) on backend="mosaic": y, h and the grads of x,
+  residual, scale (and bias) of a jitted vjp with cotangents on y and h, against
+  backend="pallas" (Mosaic GPU interpreter on CPU, compiled with --gpu)."""
+  import pallas_norm
+  layer = op == "layer"
+  n = shape[-1]
+  k = jax.random.split(jax.random.key(4), 6)
+  x = jax.random.normal(k[0], shape).astype(dtype)
+  r = (2 * jax.random.normal(k[1], shape) + 0.5).astype(res_in)
+  s = 1 + 0.1 * jax.random.normal(k[2], (n,))
+  b = 0.1 * jax.random.normal(k[3], (n,))
+  h_dt = jnp.dtype(residual_dtype or res_in)
+  dy = jax.random.normal(k[4], shape).astype(dtype)
+  dh = jax.random.normal(k[5], shape).astype(h_dt)
+
+  def run(backend):
+    def f(x, r, s, b):
+      if layer:
+        return pallas_norm.layer_norm(x, s, b, residual=r, residual_dtype=residual_dtype,
+                                      backend=backend)
+      return pallas_norm.rms_norm(x, s, residual=r, residual_dtype=residual_dtype,
+                                  backend=backend)
+    (y, h), pull = jax.vjp(f, x, r, s, b)
+    return (y, h, *pull((dy, dh)))
+
+  got, want = jax.jit(lambda: run("mosaic"))(), jax.jit(lambda: run("pallas"))()
+  assert got[1].dtype == h_dt and got[3].dtype == r.dtype and got[2].dtype == x.dtype
+  _ulp_close(got[0], want[0], dtype, "y")
+  np.testing.assert_array_equal(np.asarray(got[1], np.float32),
+                                np.asarray(want[1], np.float32), err_msg="h")
+  for name, g, w, dt in (("dx", got[2], want[2], dtype), ("dresidual", got[3], want[3], r.dtype)):
+    eps = 2 * float(jnp.finfo(dt).eps)
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                               rtol=eps, atol=eps * float(jnp.abs(w.astype(jnp.float32)).max()),
+                               err_msg=name)
+  for name, g, w in (("dscale", got[4], want[4]), ("dbias", got[5], want[5])):
+    if layer or name == "dscale":
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5,
+                                 atol=1e-5 * float(jnp.abs(w).max()), err_msg=name)

@@ -75,9 +75,14 @@ windows of each row block into a slot, once the consumers have released it throu
 slot's mbarrier); the consumers compute dx, store it and keep the partials. On an H200
 it took 6-22% off the one-warpgroup kernel (docs/mosaic.md#warp-specialized-backward).
 
-Not here (issue #29): cluster multicast of scale, and the residual / cast / FP8
-variants of ``backward.py`` (``ops`` refuses them for this backend before they reach
-this module).
+The fused residual add (``dh``, ``dx_dtype``, ``residual_dtype``, as in
+``backward.py``; 2026-11-26): dh arrives with x (here h) and dy into slots of its own,
+is added to dx in float32, and dx leaves in x's dtype, dresidual (where the residual's
+dtype differs) through a second staging tile.
+
+Not here (issue #29): cluster multicast of scale, and the cast="llama" / FP8 variants
+of ``backward.py`` (``ops`` refuses them for this backend before they reach this
+module).
 """
 
 from __future__ import annotations
@@ -173,16 +178,22 @@ def _padded(n: int) -> int:
 
 
 def _smem_bytes(n: int, block_m: int, num_stages: int, x_bytes: int, dy_bytes: int,
-                dx_bytes: int, scale_bytes: int) -> int:
-  """Shared memory of one stage-1 program: the x and dy slots, mean/rstd windows, the
-  dx staging tile and scale."""
-  slots = num_stages * (block_m * n * (x_bytes + dy_bytes) + 2 * _STATS_WINDOW * 4)
-  return slots + block_m * n * dx_bytes + n * scale_bytes
+                dx_bytes: int, scale_bytes: int, dh_bytes: int = 0,
+                dres_bytes: int = 0) -> int:
+  """Shared memory of one stage-1 program: the x and dy slots (and dh's, with the
+  fused residual add), mean/rstd windows, the dx staging tile (and dresidual's, in
+  another dtype) and scale."""
+  slots = num_stages * (block_m * n * (x_bytes + dy_bytes + dh_bytes)
+                        + 2 * _STATS_WINDOW * 4)
+  return slots + block_m * n * (dx_bytes + dres_bytes) + n * scale_bytes
 
 
 def backward_config(m: int, n: int, dtype, subtract_mean: bool,
-                    device: DeviceInfo | None = None) -> MosaicBackwardConfig:
-  """The default launch config for x [M, N] of ``dtype``.
+                    device: DeviceInfo | None = None,
+                    fused_bytes: tuple[int, int, int] = (0, 0, 0)) -> MosaicBackwardConfig:
+  """The default launch config for x [M, N] of ``dtype`` (``fused_bytes``: dh's, dx's
+  and dresidual's bytes an element with the fused residual add, counted in the shared
+  memory the rules fit; not measured with it).
 
   block_m: as many rows as keep a block at <= 4096 elements up to N = 1024, 4 rows up
   to N = 4096, 1 beyond, within the program's shared memory (``_SMEM_BYTES``) with 2
@@ -205,10 +216,12 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
   # 71.3 at one row, the Pallas backend's 34.4; 8192x4096 80.6 at 4 rows x 2 stages
   # against 126.4 at 1 row x 3 stages, the Pallas backend's 57)
   cap = 4096 // n if n <= 1024 else (_STATS_ALIGN if n <= 4096 else 1)
+  dh_b, dx_b, dres_b = fused_bytes
+  smem = lambda bm, stages: _smem_bytes(n, bm, stages, b, b, dx_b or b, 4, dh_b, dres_b)
   fits = [bm for bm in range(_STATS_WINDOW, 0, -_STATS_ALIGN) if bm <= cap
-          and _smem_bytes(n, bm, 2, b, b, b, 4) <= _SMEM_BYTES]
+          and smem(bm, 2) <= _SMEM_BYTES]
   block_m = fits[0] if fits else 1
-  stages = 3 if _smem_bytes(n, block_m, 3, b, b, b, 4) <= _SMEM_BYTES else 2
+  stages = 3 if smem(block_m, 3) <= _SMEM_BYTES else 2
   g = max(1, min(device.num_sms, _MAX_BOX, cdiv(max(m, 1), block_m)))
   return MosaicBackwardConfig(block_m=block_m, block_w=block_w, num_stages=stages,
                               num_programs=g, warp_specialized=True)
@@ -363,29 +376,37 @@ def _exchange_row_sums(sums, red, xbar, b, wg, k, lay):
 
 
 def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
-                   block_m, block_w, num_stages, num_programs, num_warpgroups, warp_rows,
-                   warp_specialized, interpret):
+                   has_dh, has_dres, block_m, block_w, num_stages, num_programs,
+                   num_warpgroups, warp_rows, warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows. With k
   warpgroups, each loads x and dy, computes dx and holds the partials of its own N / k
   columns; the row sums c1 (and c2) are exchanged through shared memory (summed in
   warpgroup order), and warpgroup 0 loads the mean/rstd windows. ``warp_specialized``:
   warpgroup k, the producer, issues every load instead (a slot's next row block once
-  the k consumers have released it through the slot's ``free`` barrier)."""
+  the k consumers have released it through the slot's ``free`` barrier). ``has_dh``
+  (the fused residual add; x is then h): dh, h's cotangent, is loaded with x and dy and
+  added to dx in float32; ``has_dres``: dx is written once more in the residual's
+  dtype (dresidual)."""
   refs = list(refs)
   # inputs
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
+  dh_ref = refs.pop(0) if has_dh else None
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
   # outputs
   dx_ref = refs.pop(0)
+  dres_ref = refs.pop(0) if has_dres else None
   dw_ref = refs.pop(0) if has_scale else None
   db_ref = refs.pop(0) if has_bias else None
   # scratch
   xs, dys = refs.pop(0), refs.pop(0)  # [S, C, block_m, W] x's / dy's dtype
+  dhs = refs.pop(0) if has_dh else None  # [S, C, block_m, W] dh's dtype
   ws = refs.pop(0) if has_scale else None  # [C, W] scale's dtype
   ms = refs.pop(0) if subtract_mean else None  # [S, 32] f32
-  rs, dxs, bar = refs.pop(0), refs.pop(0), refs.pop(0)  # [S, 32] f32, [C, bm, W], [S]
+  rs, dxs = refs.pop(0), refs.pop(0)  # [S, 32] f32, [C, bm, W] dx's dtype
+  dress = refs.pop(0) if has_dres else None  # [C, bm, W] dresidual's dtype
+  bar = refs.pop(0)  # [S]
   wbar = refs.pop(0) if has_scale else None
   k = num_warpgroups
   red = refs.pop(0) if k > 1 else None  # [2, 2, k, block_m] f32: the row-sum exchange
@@ -419,6 +440,8 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     for c in chunks:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
       plgpu.copy_gmem_to_smem(dy_ref.at[rows, chunk(c)], dys.at[slot, c], bar.at[slot])
+      if has_dh:
+        plgpu.copy_gmem_to_smem(dh_ref.at[rows, chunk(c)], dhs.at[slot, c], bar.at[slot])
     # a TMA source must be 16-byte aligned: the window starts at the boundary at or
     # before row0 (one row: row0 % 4 elements before it; a multiple of 4 rows: at it)
     window = pl.ds(row0 - lax.rem(row0, _STATS_ALIGN), _STATS_WINDOW)
@@ -495,7 +518,11 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       if c2 is not None:
         dx = dx - lay.rows(c2, block_w)
       dx = dx * lay.rows(rstd, block_w)
+      if dhs is not None:  # the fused residual add: h's cotangent, in float32
+        dx = dx + lay.cast(dhs[slot, c], lay.tile).astype(_F32)
       dxs[c] = dx.astype(dxs.dtype)
+      if dress is not None:
+        dress[c] = dx.astype(dress.dtype)
       dw, db = accs[i]
       if warp_rows:  # a row of the block at a time: summed over rows at the end
         new.append((None if dw is None else dw + dy * x_hat,
@@ -509,6 +536,8 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     rows = pl.ds(rb * block_m, block_m)
     for c in mine:
       plgpu.copy_smem_to_gmem(dxs.at[c], dx_ref.at[rows, chunk(c)])
+      if dress is not None:
+        plgpu.copy_smem_to_gmem(dress.at[c], dres_ref.at[rows, chunk(c)])
     plgpu.commit_smem_to_gmem_group()
 
     if free is None:
@@ -631,8 +660,11 @@ def _reduce_partials(parts, dtypes, n, interpret):
 # --------------------------------------------------------------------------- launcher
 
 
-def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
-  """NotImplementedError / ValueError for what this backend cannot run."""
+def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums,
+           fused_bytes=(0, 0, 0)):
+  """NotImplementedError / ValueError for what this backend cannot run.
+  ``fused_bytes``: dh's, dx's and dresidual's bytes an element with the fused residual
+  add (dx's 0: x's)."""
   if combine_row_sums is not None:
     raise NotImplementedError("backend='mosaic' does not implement combine_row_sums "
                               "(the hidden dim sharded, tensor parallel) yet")
@@ -654,8 +686,9 @@ def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
         f"{num_accs} x N/128 = {num_accs * n_pad // _WARPGROUP} f32 a thread > "
         f"{_ACC_REGS} (N={n})")
   x_b, dy_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
-  need = _smem_bytes(n_pad, cfg.block_m, cfg.num_stages, x_b, dy_b, x_b,
-                     rest[0] if rest else 0)
+  dh_b, dx_b, dres_b = fused_bytes
+  need = _smem_bytes(n_pad, cfg.block_m, cfg.num_stages, x_b, dy_b, dx_b or x_b,
+                     rest[0] if rest else 0, dh_b, dres_b)
   if need > _SMEM_BYTES:
     raise NotImplementedError(
         f"backend='mosaic' backward: one program needs {need} bytes of shared memory "
@@ -663,22 +696,26 @@ def _check(n, dtypes, cfg: MosaicBackwardConfig, num_accs, combine_row_sums):
 
 
 def checked_config(m: int, n: int, x_dtype, dy_dtype, scale_dtype, has_bias: bool,
-                   subtract_mean: bool, config=None,
-                   combine_row_sums=None) -> MosaicBackwardConfig:
+                   subtract_mean: bool, config=None, combine_row_sums=None,
+                   fused_dtypes=None) -> MosaicBackwardConfig:
   """``config`` if a MosaicBackwardConfig, else ``backward_config``'s, checked against
-  x and dy [M, N] and a scale of ``scale_dtype`` (None: no scale)
+  x and dy [M, N], a scale of ``scale_dtype`` (None: no scale) and, with the fused
+  residual add, ``fused_dtypes`` (dh's, dx's, dresidual's or None)
   (NotImplementedError / ValueError, as ``norm_backward`` raises them). ``ops`` asks it
   whether this backend serves a call."""
+  fused = (0, 0, 0) if fused_dtypes is None else tuple(
+      0 if d is None else jnp.dtype(d).itemsize for d in fused_dtypes)
   cfg = config if isinstance(config, MosaicBackwardConfig) else backward_config(
-      m, n, x_dtype, subtract_mean)
+      m, n, x_dtype, subtract_mean, fused_bytes=fused)
   _check(n, [x_dtype, dy_dtype] + ([scale_dtype] if scale_dtype is not None else []),
-         cfg, int(scale_dtype is not None) + int(has_bias), combine_row_sums)
+         cfg, int(scale_dtype is not None) + int(has_bias), combine_row_sums, fused)
   return cfg
 
 
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config=None, interpret: bool,
-                  scale_dtype=None, bias_dtype=None, combine_row_sums=None):
+                  scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
+                  dx_dtype=None, residual_dtype=None):
   """Two-stage backward on Pallas Mosaic GPU; ``backward.norm_backward``'s contract.
 
   Args:
@@ -693,9 +730,16 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     interpret: run both stages through JAX's Mosaic GPU interpreter.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
     combine_row_sums: must be None (tensor-parallel row sums are not implemented here).
+    dh, dx_dtype, residual_dtype: the fused residual add, as in
+      ``backward.norm_backward`` (x then being h = x + residual): dh [M, N] (h's
+      cotangent) or None is added to dx in float32; dx is written in ``dx_dtype``
+      (default x's dtype) and, given a different ``residual_dtype``, once more in that
+      dtype (dresidual).
 
   Returns:
-    (dx [M, N] x's dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None).
+    (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
+    with a ``residual_dtype``, (dx, dresidual, dscale, dbias), dresidual being dx
+    itself when the dtypes agree.
 
   Raises:
     NotImplementedError: rows not a multiple of 16 bytes; partials or shared memory
@@ -704,12 +748,26 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   """
   m, n = x.shape
   has_scale = scale is not None
+  dx_dtype = jnp.dtype(dx_dtype or x.dtype)
+  has_dres = residual_dtype is not None and jnp.dtype(residual_dtype) != dx_dtype
+  if dh is not None and dh.shape != x.shape:
+    raise ValueError(f"dh.shape={dh.shape} must be x's {x.shape}")
+  fused = None
+  if dh is not None or residual_dtype is not None or dx_dtype != x.dtype:
+    fused = (None if dh is None else dh.dtype, dx_dtype,
+             residual_dtype if has_dres else None)
   cfg = checked_config(m, n, x.dtype, dy.dtype, scale.dtype if has_scale else None,
-                       has_bias, subtract_mean, config, combine_row_sums)
+                       has_bias, subtract_mean, config, combine_row_sums, fused)
+
+  def result(dx, dres, dscale, dbias):
+    if residual_dtype is None:
+      return dx, dscale, dbias
+    return dx, dres if has_dres else dx, dscale, dbias
+
   if m == 0 or n == 0:
-    return (jnp.zeros_like(x),
-            jnp.zeros((n,), scale_dtype) if has_scale else None,
-            jnp.zeros((n,), bias_dtype) if has_bias else None)
+    return result(jnp.zeros(x.shape, dx_dtype), jnp.zeros(x.shape, residual_dtype),
+                  jnp.zeros((n,), scale_dtype) if has_scale else None,
+                  jnp.zeros((n,), bias_dtype) if has_bias else None)
   bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
   num_row_blocks = cdiv(m, bm)
   g = max(1, min(cfg.num_programs, num_row_blocks))
@@ -718,18 +776,25 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   # The interpreter raises on TMA stores past M or N (the GPU drops them): dx has whole
   # row blocks and chunks there, sliced after.
   m_out, n_out = (num_row_blocks * bm, n_pad) if interpret else (m, n)
-  out = [out_struct((m_out, n_out), x.dtype, x)]
+  out = [out_struct((m_out, n_out), dx_dtype, x)]
+  if has_dres:
+    out.append(out_struct((m_out, n_out), residual_dtype, x))
   out += [out_struct((g, n_pad), _F32, x)] * (int(has_scale) + int(has_bias))
   scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype),
              plgpu.SMEM((stages, num_chunks, bm, bw), dy.dtype)]
+  if dh is not None:
+    scratch.append(plgpu.SMEM((stages, num_chunks, bm, bw), dh.dtype))
   if has_scale:
     scratch.append(plgpu.SMEM((num_chunks, bw), scale.dtype))
   if subtract_mean:
     scratch.append(plgpu.SMEM((stages, _STATS_WINDOW), _F32))
   scratch += [plgpu.SMEM((stages, _STATS_WINDOW), _F32),
-              plgpu.SMEM((num_chunks, bm, bw), x.dtype),
-              plgpu.Barrier(num_arrivals=2 * num_chunks + 1 + int(subtract_mean),
-                            num_barriers=stages)]
+              plgpu.SMEM((num_chunks, bm, bw), dx_dtype)]
+  if has_dres:
+    scratch.append(plgpu.SMEM((num_chunks, bm, bw), residual_dtype))
+  scratch.append(plgpu.Barrier(
+      num_arrivals=(2 + int(dh is not None)) * num_chunks + 1 + int(subtract_mean),
+      num_barriers=stages))
   if has_scale:
     scratch.append(plgpu.Barrier(num_arrivals=num_chunks))
   k = cfg.num_warpgroups
@@ -740,18 +805,21 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     scratch.append(plgpu.Barrier(num_arrivals=k, num_barriers=stages))
   body = functools.partial(
       _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
-      subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias, block_m=bm,
+      subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias,
+      has_dh=dh is not None, has_dres=has_dres, block_m=bm,
       block_w=bw, num_stages=stages, num_programs=g, num_warpgroups=k,
       warp_rows=cfg.warp_rows, warp_specialized=cfg.warp_specialized, interpret=interpret)
-  inputs = [a for a in (dy, x, scale, mean if subtract_mean else None, rstd)
+  inputs = [a for a in (dy, x, dh, scale, mean if subtract_mean else None, rstd)
             if a is not None]
   dx, *parts = _kernel(body, out, scratch, grid=(g,), interpret=interpret,
                        name="pallas_norm_mgpu_bwd",
                        num_threads=k + int(cfg.warp_specialized))(*inputs)
+  dres = parts.pop(0) if has_dres else None
   if (m_out, n_out) != (m, n):
     dx = dx[:m, :n]
+    dres = None if dres is None else dres[:m, :n]
   dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
   sums = _reduce_partials(parts, dtypes, n, interpret) if parts else []
   dscale = sums.pop(0) if has_scale else None
   dbias = sums.pop(0) if has_bias else None
-  return dx, dscale, dbias
+  return result(dx, dres, dscale, dbias)

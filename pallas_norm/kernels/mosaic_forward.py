@@ -44,9 +44,15 @@ takes it.
 
 Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
 chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
-program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage);
-``cast="llama"``, the fused residual add, FP8 x and the tensor-parallel statistics pass
-are not implemented for this backend (``ops`` refuses them).
+program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage; with a
+residual, its slots and h's staging tile count too: N up to 4096 in bf16);
+``cast="llama"``, FP8 x and the tensor-parallel statistics pass are not implemented for
+this backend (``ops`` refuses them).
+
+The fused residual add (``residual=``, issue #26's, 2026-11-26): the residual's chunks
+arrive by TMA into slots of their own beside x's (one mbarrier for both), every read of
+x is h = x + residual summed in float32 (y from that sum, as the Pallas backend), and h
+leaves through a staging tile of its own in ``residual_dtype``.
 """
 
 from __future__ import annotations
@@ -131,10 +137,11 @@ _MAX_PROGRAMS = 1024
 
 
 def _smem_bytes(n, block_m, num_stages, x_bytes, y_bytes, param_bytes,
-                y_in_place=False) -> int:
+                y_in_place=False, r_bytes=0, h_bytes=0) -> int:
   """x slots, the y staging tile (none in place), scale and bias, the mean/rstd
-  staging vectors."""
-  return (num_stages * block_m * n * x_bytes + (0 if y_in_place else block_m * n * y_bytes)
+  staging vectors; with a residual (``r_bytes``), its slots and the h staging tile."""
+  return (num_stages * block_m * n * (x_bytes + r_bytes)
+          + (0 if y_in_place else block_m * n * y_bytes) + block_m * n * h_bytes
           + n * param_bytes + 2 * 4 * block_m)
 
 
@@ -146,10 +153,12 @@ _SMEM_THREE_A_SM = 72 * 1024  # the same for three
 
 
 def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
-                   device: DeviceInfo | None = None, param_bytes: int = 8
-                   ) -> MosaicForwardConfig:
+                   device: DeviceInfo | None = None, param_bytes: int = 8,
+                   residual_bytes: tuple[int, int] = (0, 0)) -> MosaicForwardConfig:
   """The default launch config for x [M, N] of ``dtype`` (``param_bytes``: scale's and
-  bias's bytes an element together; float32 both by default).
+  bias's bytes an element together; float32 both by default; ``residual_bytes``: the
+  residual's and h's bytes an element with ``residual=``, their shared memory counted
+  as the rules below count x's and y's; not measured with a residual).
 
   4-row blocks, y staged in place, whole rows a warp (``warp_rows``), and the most
   stages (3 or 2) with which two programs fit a SM, at G = 3 x the SM count where three
@@ -170,15 +179,16 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
   b = jnp.dtype(dtype).itemsize
   block_w = 256 if n % 256 == 0 else 128
   row_blocks = cdiv(max(m, 1), _STATS_ALIGN)
+  rb, hb = residual_bytes
   for stages in (3, 2):
-    need = _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True)
+    need = _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True, rb, hb)
     if need <= _SMEM_TWO_A_SM:
       per_sm = 3 if need <= _SMEM_THREE_A_SM else 2
       g = max(1, min(per_sm * device.num_sms, row_blocks))
       return MosaicForwardConfig(_STATS_ALIGN, block_w, stages, g, y_in_place=True,
                                  warp_rows=True)
   g = max(1, min(2 * device.num_sms, row_blocks))
-  if _smem_bytes(n, _STATS_ALIGN, 2, b, b, param_bytes, True) <= _SMEM_BYTES:
+  if _smem_bytes(n, _STATS_ALIGN, 2, b, b, param_bytes, True, rb, hb) <= _SMEM_BYTES:
     k = 2 if (n // block_w) % 2 == 0 else 1
     return MosaicForwardConfig(_STATS_ALIGN, block_w, 2,
                                max(1, min(device.num_sms, row_blocks)), y_in_place=True,
@@ -187,24 +197,29 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
 
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
-                block_m, block_w, num_stages, num_programs, y_in_place, num_warpgroups,
-                warp_rows, warp_specialized, interpret):
+                has_residual, block_m, block_w, num_stages, num_programs, y_in_place,
+                num_warpgroups, warp_rows, warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of y (and mean/rstd). With k warpgroups, each
   loads, normalises and stores its own N / k columns of every row block, and the row
   sums are exchanged through shared memory (summed in warpgroup order: every warpgroup
   gets the same bits). ``warp_specialized``: one more warpgroup, the producer, issues
   every TMA load (scale/bias, then each row block into a slot once the k consumers have
   released it through the slot's ``free`` barrier); the consumers only compute and
-  store."""
+  store. ``has_residual``: x's tiles are h = x + residual (float32 sums of the x and
+  residual slots), and h is also written, through a staging tile of its own."""
   refs = list(refs)
   x_ref = refs.pop(0)
+  res_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   y_ref = refs.pop(0)
+  h_ref = refs.pop(0) if has_residual else None
   mean_ref = refs.pop(0) if stats and subtract_mean else None
   rstd_ref = refs.pop(0) if stats else None
   xs = refs.pop(0)  # [S, C, block_m, W] x's dtype
+  res_s = refs.pop(0) if has_residual else None  # [S, C, block_m, W] residual's dtype
   ys = None if y_in_place else refs.pop(0)  # [C, block_m, W] y's dtype
+  hs = refs.pop(0) if has_residual else None  # [C, block_m, W] h's dtype
   ws = refs.pop(0) if has_scale else None  # [C, W] scale's dtype
   bs = refs.pop(0) if has_bias else None  # [C, W] bias's dtype
   ms = refs.pop(0) if mean_ref is not None else None  # [block_m] f32 staging
@@ -232,6 +247,9 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     rows = pl.ds((r + step * num_programs) * block_m, block_m)
     for c in chunks:
       plgpu.copy_gmem_to_smem(x_ref.at[rows, chunk(c)], xs.at[slot, c], bar.at[slot])
+      if has_residual:
+        plgpu.copy_gmem_to_smem(res_ref.at[rows, chunk(c)], res_s.at[slot, c],
+                                bar.at[slot])
 
   def fetch_params(chunks):
     for c in chunks:
@@ -240,8 +258,11 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
       if has_bias:
         plgpu.copy_gmem_to_smem(bias_ref.at[chunk(c)], bs.at[c], pbar)
 
-  def x_of(slot, c):
-    return lay.cast(xs[slot, c], lay.tile).astype(_F32)  # [block_m, W] f32
+  def x_of(slot, c):  # [block_m, W] f32: x, or h = x + residual summed in float32
+    x = lay.cast(xs[slot, c], lay.tile).astype(_F32)
+    if has_residual:
+      x = x + lay.cast(res_s[slot, c], lay.tile).astype(_F32)
+    return x
 
   exchanges = 2 if subtract_mean else 1  # row sums a step
 
@@ -282,6 +303,8 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     out_tile = xs.at[slot] if y_in_place else ys
     for c in mine:
       x = x_of(slot, c)
+      if hs is not None:
+        hs[c] = x.astype(hs.dtype)
       if mean is not None:
         x = x - lay.rows(mean, block_w)
       y = x * lay.rows(rstd, block_w)
@@ -306,6 +329,8 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     rows = pl.ds(rb * block_m, block_m)
     for c in mine:
       plgpu.copy_smem_to_gmem(out_tile.at[c], y_ref.at[rows, chunk(c)])
+      if hs is not None:
+        plgpu.copy_smem_to_gmem(hs.at[c], h_ref.at[rows, chunk(c)])
 
     @pl.when(first)
     def _():
@@ -367,7 +392,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     consume()
 
 
-def _check(m, n, dtypes, cfg: MosaicForwardConfig):
+def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0)):
   """NotImplementedError / ValueError for what this backend cannot run."""
   if n % _WARPGROUP:
     raise NotImplementedError(
@@ -379,7 +404,8 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig):
     raise ValueError(f"config.num_warpgroups={cfg.num_warpgroups} must divide the "
                      f"{n // cfg.block_w} chunks of {cfg.block_w} columns (N={n})")
   x_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
-  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest), cfg.y_in_place)
+  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest), cfg.y_in_place,
+                     *residual_bytes)
   if need > _SMEM_BYTES:
     raise NotImplementedError(
         f"backend='mosaic' forward: one program needs {need} bytes of shared memory > "
@@ -388,22 +414,25 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig):
 
 
 def checked_config(m: int, n: int, x_dtype, param_dtypes, subtract_mean: bool,
-                   config=None) -> MosaicForwardConfig:
+                   config=None, residual_dtypes=None) -> MosaicForwardConfig:
   """``config`` if a MosaicForwardConfig, else ``forward_config``'s, checked against
-  x [M, N] of ``x_dtype`` and scale/bias of ``param_dtypes`` (NotImplementedError /
-  ValueError, as ``norm_forward`` raises them). ``ops`` asks it whether this backend
-  serves a call."""
+  x [M, N] of ``x_dtype``, scale/bias of ``param_dtypes`` and, with a residual,
+  ``residual_dtypes`` (the residual's, h's) (NotImplementedError / ValueError, as
+  ``norm_forward`` raises them). ``ops`` asks it whether this backend serves a call."""
+  rb = (0, 0) if residual_dtypes is None else tuple(
+      jnp.dtype(d).itemsize for d in residual_dtypes)
   cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
       m, n, x_dtype, subtract_mean,
-      param_bytes=sum(jnp.dtype(d).itemsize for d in param_dtypes))
-  _check(m, n, [x_dtype, *param_dtypes], cfg)
+      param_bytes=sum(jnp.dtype(d).itemsize for d in param_dtypes), residual_bytes=rb)
+  _check(m, n, [x_dtype, *param_dtypes], cfg, rb)
   return cfg
 
 
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
-                 config=None, interpret: bool, return_residuals: bool = True):
+                 config=None, interpret: bool, return_residuals: bool = True,
+                 residual=None, residual_dtype=None):
   """RMSNorm / LayerNorm forward on Pallas Mosaic GPU; ``forward.norm_forward``'s
-  contract for cast="torch" without a residual or FP8 x.
+  contract for cast="torch" without FP8 x.
 
   Args:
     x: [M, N] float32, bfloat16 or float16, N a multiple of 128.
@@ -413,21 +442,32 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       configs) is ignored and ``forward_config`` picks one.
     interpret: run through JAX's Mosaic GPU interpreter.
     return_residuals: also return mean (LayerNorm) and rstd.
+    residual: None, or [M, N] float (rows of a multiple of 16 bytes): the kernel
+      normalises h = x + residual (summed in float32; y from the float32 sum) and also
+      writes h, in ``residual_dtype`` (default: residual's dtype).
 
   Returns:
-    (y [M, N] x's dtype, mean [M] f32 or None, rstd [M] f32 or None).
+    (y [M, N] x's dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N]
+    last with a residual.
 
   Raises:
     NotImplementedError: N not a multiple of 128; shared memory beyond one program.
     ValueError: a config whose block_w does not divide N.
   """
   m, n = x.shape
+  h_dtype = None
+  if residual is not None:
+    if residual.shape != x.shape:
+      raise ValueError(f"residual.shape={residual.shape} must be x's {x.shape}")
+    h_dtype = jnp.dtype(residual_dtype or residual.dtype)
   cfg = checked_config(m, n, x.dtype, [p.dtype for p in (scale, bias) if p is not None],
-                       subtract_mean, config)
+                       subtract_mean, config,
+                       None if residual is None else (residual.dtype, h_dtype))
   want_mean = return_residuals and subtract_mean
   if m == 0:
-    return (jnp.zeros_like(x), jnp.zeros((0,), _F32) if want_mean else None,
-            jnp.zeros((0,), _F32) if return_residuals else None)
+    out = (jnp.zeros_like(x), jnp.zeros((0,), _F32) if want_mean else None,
+           jnp.zeros((0,), _F32) if return_residuals else None)
+    return out if residual is None else (*out, jnp.zeros(x.shape, h_dtype))
   bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
   num_row_blocks = cdiv(m, bm)
   g = max(1, min(cfg.num_programs, num_row_blocks))
@@ -440,16 +480,23 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   m_out = num_row_blocks * bm if interpret else m
   m_stats = num_row_blocks * bm
   out = [out_struct((m_out, n), x.dtype, x)]
+  if residual is not None:
+    out.append(out_struct((m_out, n), h_dtype, x))
   if want_mean:
     out.append(out_struct((m_stats,), _F32, x))
   if return_residuals:
     out.append(out_struct((m_stats,), _F32, x))
   scratch = [plgpu.SMEM((stages, num_chunks, bm, bw), x.dtype)]
+  if residual is not None:
+    scratch.append(plgpu.SMEM((stages, num_chunks, bm, bw), residual.dtype))
   if not cfg.y_in_place:
     scratch.append(plgpu.SMEM((num_chunks, bm, bw), x.dtype))
+  if residual is not None:
+    scratch.append(plgpu.SMEM((num_chunks, bm, bw), h_dtype))
   scratch += [plgpu.SMEM((num_chunks, bw), p.dtype) for p in (scale, bias) if p is not None]
   scratch += [plgpu.SMEM((bm,), _F32)] * (int(want_mean) + int(return_residuals))
-  scratch.append(plgpu.Barrier(num_arrivals=num_chunks, num_barriers=stages))
+  scratch.append(plgpu.Barrier(num_arrivals=num_chunks * (1 + int(residual is not None)),
+                               num_barriers=stages))
   num_params = int(scale is not None) + int(bias is not None)
   if num_params:
     scratch.append(plgpu.Barrier(num_arrivals=num_params * num_chunks))
@@ -462,15 +509,17 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   body = functools.partial(
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
-      stats=return_residuals, block_m=bm, block_w=bw, num_stages=stages, num_programs=g,
+      stats=return_residuals, has_residual=residual is not None, block_m=bm, block_w=bw,
+      num_stages=stages, num_programs=g,
       y_in_place=cfg.y_in_place, num_warpgroups=k, warp_rows=cfg.warp_rows,
       warp_specialized=cfg.warp_specialized, interpret=interpret)
-  inputs = [a for a in (x, scale, bias) if a is not None]
+  inputs = [a for a in (x, residual, scale, bias) if a is not None]
   outs = list(_kernel(body, out, scratch, grid=(g,), interpret=interpret,
                       name="pallas_norm_mgpu_fwd",
                       num_threads=k + int(cfg.warp_specialized))(*inputs))
   outs = [o[:m] if o.shape[0] != m else o for o in outs]
   y = outs.pop(0)
+  h = outs.pop(0) if residual is not None else None
   mean = outs.pop(0) if want_mean else None
   rstd = outs.pop(0) if return_residuals else None
-  return y, mean, rstd
+  return (y, mean, rstd) if residual is None else (y, mean, rstd, h)
