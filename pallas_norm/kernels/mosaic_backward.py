@@ -372,6 +372,40 @@ def _exchange_row_sums(sums, red, xbar, b, wg, k, lay):
           for q in range(len(sums))]
 
 
+def _warp_specialized(wg, k, num_steps, num_stages, free, fetch_step, consume,
+                      prologue=None):
+  """A warp-specialised program: warpgroup k, the producer, runs ``prologue`` and then
+  ``fetch_step(step, slot)`` for each row block, into slot step % num_stages once the k
+  consumers have released the slot's previous block (``free[slot]``, k arrivals), and
+  at the end waits for the last releases (the interpreter wants every thread to observe
+  every phase of a barrier it waits on); warpgroups 0..k-1 run ``consume``."""
+  @pl.when(wg == k)
+  def _producer():
+    if prologue is not None:
+      prologue()
+
+    def load(step, carry):
+      slot = lax.rem(step, num_stages)
+
+      @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      fetch_step(step, slot)
+      return carry
+
+    lax.fori_loop(0, num_steps, load, 0)
+
+    def drain(step, carry):  # the last slots' releases: every phase observed
+      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
+      return carry
+
+    lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
+
+  @pl.when(wg < k)
+  def _consumers():
+    consume()
+
+
 # --------------------------------------------------------------------------- stage 1
 
 
@@ -587,28 +621,9 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     consume()
     return
 
-  @pl.when(wg == k)
-  def _producer():
-    def load(step, carry):
-      slot = lax.rem(step, num_stages)
-
-      @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-      fetch(step, slot, range(num_chunks), stats=True)
-      return carry
-
-    lax.fori_loop(0, num_steps, load, 0)
-
-    def drain(step, carry):  # the last slots' releases: every phase observed
-      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
-      return carry
-
-    lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
-
-  @pl.when(wg < k)
-  def _consumers():
-    consume()
+  _warp_specialized(wg, k, num_steps, num_stages, free,
+                    lambda step, slot: fetch(step, slot, range(num_chunks), stats=True),
+                    consume)
 
 
 # --------------------------------------------------------------------------- stage 2

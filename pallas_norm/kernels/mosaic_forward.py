@@ -70,7 +70,7 @@ from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
                                                  _WARPGROUP, _exchange_row_sums,
                                                  _Layouts, _kernel, _my_chunks, _sum,
-                                                 _vec)
+                                                 _vec, _warp_specialized)
 
 __all__ = ["MosaicForwardConfig", "forward_config", "checked_config", "norm_forward"]
 
@@ -365,31 +365,10 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     consume()
     return
 
-  @pl.when(wg == k)
-  def _producer():
-    if pbar is not None:
-      fetch_params(range(num_chunks))
-
-    def load(step, carry):
-      slot = lax.rem(step, num_stages)
-
-      @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-      fetch(step, slot, range(num_chunks))
-      return carry
-
-    lax.fori_loop(0, num_steps, load, 0)
-
-    def drain(step, carry):  # the last slots' releases: every phase observed
-      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
-      return carry
-
-    lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
-
-  @pl.when(wg < k)
-  def _consumers():
-    consume()
+  _warp_specialized(wg, k, num_steps, num_stages, free,
+                    lambda step, slot: fetch(step, slot, range(num_chunks)), consume,
+                    prologue=(lambda: fetch_params(range(num_chunks))) if pbar is not None
+                    else None)
 
 
 def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0)):
