@@ -412,10 +412,9 @@ _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
 
 # ---- backend=None: the backend of each kernel (forward, backward), where one measured
 # faster than the Pallas backend side by side; everywhere else "pallas". Entries:
-# (device name substring, pass "fwd"/"bwd", op "rms"/"layer", N low, N high, backend),
-# 2-byte dtypes, the plain norms (ops checks that the backend serves the call, else
-# "pallas"). No forward rule: the Pallas forward was the fastest or within 1% in every
-# cell. [T#backend]
+# (device name substring, pass "fwd"/"bwd", op "rms"/"layer" or, with the fused
+# residual add, "rms_res"/"layer_res", N low, N high, backend), 2-byte dtypes (ops
+# checks that the backend serves the call, else "pallas"). [T#backend]
 _BACKEND_RULES = (
     # H100, 2026-11-25, bf16 backward (fwd+bwd minus fwd, us, triton/pallas): 8192x1024
     # 21.2/23.2, 8192x2048 38.8/42.8, 32768x2048 138.9/152.3, 8192x4096 72.2/75.3,
@@ -432,6 +431,18 @@ _BACKEND_RULES = (
     # 4096x8192 1.024/1.028, 8192x8192 1.072/1.063; at N = 2048 a tie or slower
     # (32768x2048 1.008/1.001, 8192x2048 0.957)
     ("H200", "fwd", "layer", 2049, 8192, "triton"),
+    # H200, the fused residual add (x, residual and h in x's dtype), us triton/pallas in
+    # two runs (2026-11-23 a4f17a0, 2026-11-26 42c360e). Forward: RMSNorm 8192x4096
+    # 66.1/67.7, 67.3/69.0; 16384x4096 131.3/132.9, 132.0/133.8; 8192x8192 131.5/133.7;
+    # 4096x8192 67.6/69.5; 32768x2048 a tie (130.3/130.2, 130.8/130.8). LayerNorm
+    # 8192x4096 67.6/68.5, 68.4/69.4; 16384x4096 132.6/134.0, 133.9/135.7; 8192x8192
+    # 132.5/137.8; 4096x8192 68.4/71.2; 32768x2048 131.9/134.1, 132.5/135.1. RMSNorm
+    # backward (both stages): 8192x4096 72.0/74.2, 72.1/74.6; 16384x4096 133.3/138.1,
+    # 133.8/138.8; 8192x8192 140.4/141.6; 4096x8192 74.9/76.0; 32768x2048 140.9/146.5,
+    # 141.5/147.7. (LayerNorm's backward: Pallas, 8192x4096 82.5, 82.9 against 101.1, 102.3.)
+    ("H200", "fwd", "rms_res", 2049, 8192, "triton"),
+    ("H200", "fwd", "layer_res", 1025, 8192, "triton"),
+    ("H200", "bwd", "rms_res", 1025, 8192, "triton"),
 )
 _BACKEND_MAX_ITEMSIZE = 2
 
@@ -443,17 +454,18 @@ _CPU_MIN_BLOCK_M = 64
 
 
 def choose_backend(pass_: str, n: int, dtype, subtract_mean: bool = False,
-                   device: DeviceInfo | None = None) -> str:
+                   device: DeviceInfo | None = None, residual: bool = False) -> str:
   """The backend ``backend=None`` gives one kernel: "pallas", or the backend of the
   first ``_BACKEND_RULES`` entry that matches (``device``'s name, ``pass_`` "fwd" or
-  "bwd", the op (``subtract_mean``: LayerNorm), N, a dtype of at most 2 bytes). On CPU
-  (interpret mode) always "pallas". Whether that backend serves the call (a residual,
-  a cast, FP8 x, a mode, jax-triton installed, shared memory) is ``ops``' check; where
-  it does not, ``ops`` takes "pallas". [T#backend]"""
+  "bwd", the op (``subtract_mean``: LayerNorm; ``residual``: the fused residual add),
+  N, a dtype of at most 2 bytes). On CPU (interpret mode) always "pallas". Whether that
+  backend serves the call (a cast, FP8 x, a mode, jax-triton installed, shared memory,
+  the residual's dtypes) is ``ops``' check; where it does not, ``ops`` takes "pallas".
+  [T#backend]"""
   device = device or device_info()
   if device.platform != "gpu" or np.dtype(dtype).itemsize > _BACKEND_MAX_ITEMSIZE:
     return "pallas"
-  op = "layer" if subtract_mean else "rms"
+  op = ("layer" if subtract_mean else "rms") + ("_res" if residual else "")
   for name, p, o, lo, hi, backend in _BACKEND_RULES:
     if name in device.name and p == pass_ and o == op and lo <= n <= hi:
       return backend

@@ -214,25 +214,30 @@ def _resolve_interpret(interpret: bool | None) -> bool:
 # --------------------------------------------------------------------------- launchers
 
 
-def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool) -> str:
+def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
+                  residual: bool = False) -> str:
   """backend=None: ``config.choose_backend``'s pick for this kernel, if that backend
-  serves the call; else "pallas". ``fused``: a residual, FP8 x or a sharded hidden dim
-  (which only the Pallas and Triton backends serve, and the rules do not cover). Also
-  "pallas" for scale/bias in another dtype than x's: the rules were measured with
-  them in x's (the Pallas backend has its own float32-parameter tiles)."""
+  serves the call; else "pallas". ``fused``: FP8 x or a sharded hidden dim (which the
+  rules do not cover). ``residual``: the fused residual add, whose rules were measured
+  with x, the residual and h in one dtype (others: "pallas"). Also "pallas" for
+  scale/bias in another dtype than x's: the rules were measured with them in x's (the
+  Pallas backend has its own float32-parameter tiles)."""
   if st.backend is not None:
     return st.backend
   m, n = x2.shape
-  backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean)
+  backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean,
+                                   residual=residual)
   if backend == "pallas" or st.interpret or fused or st.llama is not None:
     return "pallas"
+  if residual and len({st.x_dtype, st.residual_dtype, st.residual_in_dtype}) != 1:
+    return "pallas"  # an fp32 residual stream, say: not measured
   if any(p is not None and p.dtype != x2.dtype for p in (scale, bias)):
     return "pallas"  # the rules were measured with scale/bias in x's dtype
   if backend == "triton":
     import importlib.util
     return "triton" if importlib.util.find_spec("jax_triton") else "pallas"
   if backend == "mosaic":  # its launchers' own checks, on shapes only
-    if st.mode not in MOSAIC_MODES:
+    if st.mode not in MOSAIC_MODES or residual:  # (no residual rule picks it)
       return "pallas"
     from pallas_norm.kernels import mosaic_backward as mb
     from pallas_norm.kernels import mosaic_forward as mf
@@ -271,8 +276,9 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   ([M, N // G] f32 or None): FP8 x2's scales, y in ``st.out_dtype``.
   """
   m, n = x2.shape
-  backend = _auto_backend("fwd", x2, scale, bias, st, fused=residual is not None
-                          or combine_stats is not None or x_scale is not None)
+  backend = _auto_backend("fwd", x2, scale, bias, st,
+                          fused=combine_stats is not None or x_scale is not None,
+                          residual=residual is not None)
   params = [p.dtype for p in (scale, bias) if p is not None]
   cfg = _config.forward_config(
       m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean, backend=backend,
@@ -318,8 +324,9 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   dim). With a residual (``st.residual_dtype``) x2 is h and dh its cotangent. With FP8
   x2, ``x_scale`` its [M, N // G] scales, and dx is in ``st.out_dtype``."""
   m, n = x2.shape
-  backend = _auto_backend("bwd", x2, scale, bias, st, fused=st.residual_dtype is not None
-                          or combine_row_sums is not None or x_scale is not None)
+  backend = _auto_backend("bwd", x2, scale, bias, st,
+                          fused=combine_row_sums is not None or x_scale is not None,
+                          residual=st.residual_dtype is not None)
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=backend, residual=st.residual_dtype is not None)
   _, bwd = _backend_module(backend)

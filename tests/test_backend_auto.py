@@ -33,9 +33,21 @@ CPU = config.DeviceInfo("cpu", "cpu", 4)
     ("bwd", "layer", 2048, jnp.float32, H100, "pallas"),    # 4-byte dtypes: unmeasured
     ("bwd", "layer", 2048, jnp.bfloat16, H200, "pallas"),   # another device
     ("bwd", "rms", 2048, jnp.bfloat16, CPU, "pallas"),      # interpret mode
+    # the fused residual add (H200): its own rules, not the plain norms'
+    ("fwd", "rms_res", 4096, jnp.bfloat16, H200, "triton"),
+    ("fwd", "rms_res", 2048, jnp.bfloat16, H200, "pallas"),   # a tie there
+    ("fwd", "layer_res", 2048, jnp.bfloat16, H200, "triton"),
+    ("fwd", "layer_res", 8192, jnp.float16, H200, "triton"),
+    ("bwd", "rms_res", 2048, jnp.bfloat16, H200, "triton"),
+    ("bwd", "rms_res", 16384, jnp.bfloat16, H200, "pallas"),
+    ("bwd", "layer_res", 4096, jnp.bfloat16, H200, "pallas"),  # Pallas's is faster
+    ("bwd", "layer_res", 2048, jnp.bfloat16, H100, "pallas"),  # not the plain norm's rule
+    ("fwd", "layer_res", 4096, jnp.bfloat16, H100, "pallas"),  # the H100: no rule
+    ("fwd", "layer_res", 4096, jnp.float32, H200, "pallas"),
 ])
 def test_choose_backend(pass_, op, n, dtype, device, want):
-  assert config.choose_backend(pass_, n, dtype, op == "layer", device) == want
+  layer, residual = op.startswith("layer"), op.endswith("_res")
+  assert config.choose_backend(pass_, n, dtype, layer, device, residual=residual) == want
 
 
 def _st(**kw):
@@ -49,7 +61,7 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   before any kernel): the fused paths, cast="llama", a mode it lacks, its launchers'
   limits; an explicit backend is never changed."""
   picks = {}
-  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt, sm: picks[p])
+  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt, sm, residual=False: picks[p])
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
   s = jax.ShapeDtypeStruct((256,), jnp.bfloat16)
   picks.update(fwd="mosaic", bwd="mosaic")
@@ -60,6 +72,19 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   assert ops._auto_backend("fwd", x, s32, None, _st(), fused=False) == "pallas"
   assert ops._auto_backend("bwd", x, s, s32, _st(subtract_mean=True), fused=False) == "pallas"
   assert ops._auto_backend("bwd", x, s, None, _st(), fused=True) == "pallas"
+  # the fused residual add: the rule's backend with x, residual and h in one dtype
+  res = dict(x_dtype="bfloat16", residual_dtype="bfloat16", residual_in_dtype="bfloat16")
+  picks.update(fwd="triton", bwd="triton")
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # jax-triton
+  assert ops._auto_backend("fwd", x, s, None, _st(**res), fused=False,
+                           residual=True) == "triton"
+  for other in (dict(res, residual_dtype="float32"), dict(res, residual_in_dtype="float32")):
+    assert ops._auto_backend("bwd", x, s, None, _st(**other), fused=False,
+                             residual=True) == "pallas"  # an fp32 residual stream
+  picks.update(fwd="mosaic", bwd="mosaic")
+  assert ops._auto_backend("fwd", x, s, None, _st(**res), fused=False,
+                           residual=True) == "pallas"  # no residual rule picks it
   assert ops._auto_backend("fwd", x, s, None, _st(llama=("bfloat16", "float32")),
                            fused=False) == "pallas"
   assert ops._auto_backend("fwd", x, s, None, _st(mode="multi_wave_reload"),
@@ -71,7 +96,6 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   assert ops._auto_backend("bwd", wide, None, None, _st(), fused=False) == "pallas"
   assert ops._auto_backend("fwd", x, s, None, _st(backend="triton"), fused=True) == "triton"
   picks.update(fwd="triton")
-  import importlib.util
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
   assert ops._auto_backend("fwd", x, s, None, _st(), fused=False) == "pallas"
 
@@ -143,3 +167,32 @@ def test_gpu_none_matches_pallas(op, shape):
       continue
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                atol=tol, rtol=2e-2, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms", "layer"])
+@pytest.mark.parametrize("shape", [(8192, 4096), (1000, 2048)])
+def test_gpu_none_matches_pallas_residual(op, shape):
+  """The fused residual add under backend=None (an H200 takes the Triton forward of
+  both ops and the Triton RMSNorm backward): y, h, dx, dresidual within bf16 rounding
+  of backend="pallas", dscale/dbias within 2% or sqrt(M) float32 roundings."""
+  m, n = shape
+  x, s, b, dy = _inputs(shape, 3)
+  r = jax.random.normal(jax.random.key(9), shape, jnp.bfloat16)
+  dh = jax.random.normal(jax.random.key(10), shape, jnp.bfloat16)
+
+  def run(backend):
+    if op == "rms":
+      fn = lambda x, r, s, b: pallas_norm.rms_norm(x, s, residual=r, backend=backend)
+    else:
+      fn = lambda x, r, s, b: pallas_norm.layer_norm(x, s, b, residual=r, backend=backend)
+    (y, h), vjp = jax.vjp(fn, x, r, s, b)
+    return (y, h, *vjp((dy, dh)))
+
+  got, want = jax.jit(lambda: run(None))(), jax.jit(lambda: run("pallas"))()
+  for name, g, w, tol in zip(("y", "h", "dx", "dresidual", "dscale", "dbias"), got, want,
+                             (2e-2, 0.0, 2e-2, 2e-2, 2e-5 * m ** 0.5, 2e-5 * m ** 0.5)):
+    if op == "rms" and name == "dbias":
+      continue
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=tol, rtol=2e-2 if tol else 0.0, err_msg=name)
