@@ -52,7 +52,7 @@ _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
 _BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
 # The implementations that serve the fused residual add (the others: n/a): ours (both
 # backends), XLA's fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
-_RES_IMPLS = ("pallas", "triton", "mosaic", "xla", "flax")
+_RES_IMPLS = ("pallas", "triton", "mosaic", "auto", "xla", "flax")
 # FP8 output: ours (Pallas, the heuristic config) and the jnp chain under jit (norm in
 # float32, amax, quantise, transpose: pallas_norm's backend="xla").
 _FP8_IMPLS = ("pallas", "xla")
@@ -85,7 +85,7 @@ IMPLS = (
     # in the FP8 impl lists); it refuses N % 128 != 0 and rows beyond its shared
     # memory (a "skip" cell)
     Impl("mosaic", "pallas_norm", "jax", 0, "mos", backend="mosaic"),
-    # backend=None: per kernel, the backend config.choose_backend picks (plain norms)
+    # backend=None: per kernel, the backend config.choose_backend picks (plain and fused)
     Impl("auto", "pallas_norm", "jax", 0, "auto", backend=None),
     Impl("xla", "peer", "jax", 0, "xla"),
     Impl("flax", "peer", "jax", 0, "flax"),
@@ -159,7 +159,7 @@ def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
 
 def serves(impl: Impl, op: str) -> bool:
   """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, Triton and
-  Mosaic GPU, XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA; FP8 input: ours
+  Mosaic GPU and backend=None, XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA; FP8 input: ours
   on Pallas and Triton, every mode, and XLA)."""
   if fp8_variant(op) is not None:
     return impl.mode is None and (impl.backend or impl.name) in _FP8_IMPLS
