@@ -158,9 +158,9 @@ def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
 
 
 def serves(impl: Impl, op: str) -> bool:
-  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, Triton and
-  Mosaic GPU and backend=None, XLA, flax; FP8 output: ours on Pallas with its own kernels, and XLA; FP8 input: ours
-  on Pallas and Triton, every mode, and XLA)."""
+  """Whether ``impl`` runs ``op`` (the fused residual add: ours on Pallas, Triton,
+  Mosaic GPU and backend=None, XLA, flax; FP8 output: ours on Pallas with its own
+  kernels, and XLA; FP8 input: ours on Pallas and Triton, every mode, and XLA)."""
   if fp8_variant(op) is not None:
     return impl.mode is None and (impl.backend or impl.name) in _FP8_IMPLS
   if fp8_input(op):
