@@ -1,4 +1,5 @@
-"""Workarounds for JAX's Pallas Triton lowering, and the kernels' output types.
+"""Workarounds for JAX's Pallas Triton lowering, the kernels' output types, and the
+Pallas Mosaic GPU API across jax 0.10-0.12.
 
 ``out_struct(shape, dtype, like)`` / ``varying_axes`` / ``to_varying``: inside a
 ``jax.shard_map`` with ``check_vma=True`` (its default) every value's type names the
@@ -29,6 +30,12 @@ dotted spellings to that table, then checks by lowering a one-load kernel for CU
 (which works on a CPU-only machine too). If the table is not there, or the lowering
 still fails, the kernels load without a cache modifier (``None``): slower on the GPU,
 same results.
+
+Mosaic GPU (``kernels/mosaic_*.py``, issue #29): ``mosaic_interpret_params()`` (the
+interpreter's parameters; its module is private, jax >= 0.10), ``mosaic_kernel_kwargs()``
+(``plgpu.kernel``'s ``out_type`` / ``scratch_types``, ``out_shape`` / ``scratch_shapes``
+in older JAX) and ``mosaic_lane_semantics()`` (Lane lowering semantics, no longer the
+default from jax 0.11).
 """
 
 from __future__ import annotations
@@ -120,3 +127,39 @@ def to_varying(a, axes):
   if pcast is not None:
     return pcast(a, missing, to="varying")
   return jax.lax.pvary(a, missing)
+
+
+def mosaic_interpret_params():
+  """InterpretGPUParams for JAX's Mosaic GPU interpreter: out-of-bounds reads give
+  zeros (TMA's zero fill), as do uninitialised buffers. Raises NotImplementedError
+  where this JAX has no such interpreter."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError as e:  # pragma: no cover (jax < 0.10)
+    raise NotImplementedError(
+        "backend='mosaic' in interpret mode needs JAX's Mosaic GPU interpreter "
+        "(jax._src.pallas.mosaic_gpu.interpret, jax >= 0.10)") from e
+  return InterpretGPUParams(out_of_bounds_reads="uninitialized",
+                            uninitialized_memory="zero")
+
+
+@functools.cache
+def mosaic_kernel_kwargs() -> tuple[str, str]:
+  """plgpu.kernel's names for the output and scratch types (``out_type`` /
+  ``scratch_types``; ``out_shape`` / ``scratch_shapes`` in older JAX)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  params = inspect.signature(plgpu.kernel).parameters
+  if "out_type" in params:
+    return "out_type", "scratch_types"
+  return "out_shape", "scratch_shapes"
+
+
+def mosaic_lane_semantics():
+  """CompilerParams with Lane lowering semantics: jax 0.11 made Warpgroup the default,
+  whose layout inference fails on these kernels ("A satisfiable system should not have
+  remaining unsatisfied constraints", H200, jax 0.11.2, even at 100x1024); 0.10's
+  default was Lane (git diff jax-v0.10.2 jax-v0.11.0 --
+  jax/_src/pallas/mosaic_gpu/core.py). The kernels give their register layouts
+  themselves (``mosaic_backward._Layouts``)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)

@@ -4,7 +4,7 @@ Status (2026-11-24, issue #29; docs/mosaic.md): runs through JAX's Mosaic GPU
 interpreter (the CPU tests) and compiled on an H200 with jax 0.11.2 (``pytest --gpu
 tests/test_mosaic_backward.py``: 19 passed, against the compiled Pallas backend at
 8192x4096 and ragged shapes). Two fixes got it there: Lane lowering semantics
-(``_lane_semantics``) and 16-byte aligned mean/rstd TMA windows (``_STATS_ALIGN``).
+(``_compat.mosaic_lane_semantics``) and 16-byte aligned mean/rstd TMA windows (``_STATS_ALIGN``).
 Tuned at a few shapes only: 0.45-0.90x the Pallas backend's speed on an H200 with the
 warp-specialised default (2026-11-26: LayerNorm 8192x2048 38.2 against 34.3 us,
 8192x4096 90.3 against 66.5, 4096x8192 150.4 against 67.0). The backward of
@@ -57,8 +57,9 @@ with whole row blocks and chunks and sliced.
 Interpret mode runs the kernels through JAX's Mosaic GPU interpreter
 (``InterpretGPUParams``, jax >= 0.10) with out-of-bounds reads returning zeros, as TMA
 does; the interpreter has no ``layout_cast``, so register layouts are only given to the
-compiled kernel (``_Layouts``). Its import lives in ``_interpret_params`` here, not in
-``_compat.py``.
+compiled kernel (``_Layouts``). The API differences across jax 0.10-0.12 that these
+kernels meet (the interpreter's import, ``plgpu.kernel``'s keyword names, the lowering
+semantics) are shimmed in ``_compat.py``.
 
 Several warpgroups a program (``MosaicBackwardConfig.num_warpgroups``): each loads x and
 dy, computes dx and keeps the partials of its own N / k columns; c1 (and c2) meet in
@@ -89,7 +90,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +98,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_norm.config import DeviceInfo, cdiv, device_info
-from pallas_norm.kernels._compat import out_struct
+from pallas_norm.kernels._compat import (mosaic_interpret_params, mosaic_kernel_kwargs,
+                                          mosaic_lane_semantics, out_struct)
 
 __all__ = ["MosaicBackwardConfig", "backward_config", "checked_config", "norm_backward"]
 
@@ -227,51 +228,18 @@ def backward_config(m: int, n: int, dtype, subtract_mean: bool,
                               num_programs=g, warp_specialized=True)
 
 
-# --------------------------------------------------------------------------- shims
-
-
-def _interpret_params():
-  """InterpretGPUParams for JAX's Mosaic GPU interpreter: out-of-bounds reads give
-  zeros (TMA's zero fill), as do uninitialised buffers. Raises NotImplementedError
-  where this JAX has no such interpreter."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  except ImportError as e:  # pragma: no cover (jax < 0.10)
-    raise NotImplementedError(
-        "backend='mosaic' in interpret mode needs JAX's Mosaic GPU interpreter "
-        "(jax._src.pallas.mosaic_gpu.interpret, jax >= 0.10)") from e
-  return InterpretGPUParams(out_of_bounds_reads="uninitialized",
-                            uninitialized_memory="zero")
-
-
-@functools.cache
-def _kernel_kwargs() -> tuple[str, str]:
-  """plgpu.kernel's names for the output and scratch types (``out_type`` /
-  ``scratch_types``; ``out_shape`` / ``scratch_shapes`` in older JAX)."""
-  params = inspect.signature(plgpu.kernel).parameters
-  if "out_type" in params:
-    return "out_type", "scratch_types"
-  return "out_shape", "scratch_shapes"
+# --------------------------------------------------------------------------- launch
 
 
 def _kernel(body, out, scratch, *, grid, interpret, name, num_threads=1):
   """plgpu.kernel over ``grid`` (axis "g"), ``num_threads`` warpgroups a program (axis
   "wg" when more than one)."""
-  out_kw, scratch_kw = _kernel_kwargs()
+  out_kw, scratch_kw = mosaic_kernel_kwargs()
   threads = {} if num_threads == 1 else dict(num_threads=num_threads, thread_name="wg")
   return plgpu.kernel(body, **{out_kw: out, scratch_kw: scratch}, grid=grid,
-                      grid_names=("g",), interpret=_interpret_params() if interpret else None,
-                      kernel_name=name, compiler_params=_lane_semantics(), **threads)
-
-
-def _lane_semantics():
-  """CompilerParams with Lane lowering semantics: jax 0.11 made Warpgroup the default,
-  whose layout inference fails on these kernels ("A satisfiable system should not have
-  remaining unsatisfied constraints", H200, jax 0.11.2, even at 100x1024); 0.10's
-  default was Lane (git diff jax-v0.10.2 jax-v0.11.0 --
-  jax/_src/pallas/mosaic_gpu/core.py). The kernels give their register layouts
-  themselves (``_Layouts``)."""
-  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+                      grid_names=("g",),
+                      interpret=mosaic_interpret_params() if interpret else None,
+                      kernel_name=name, compiler_params=mosaic_lane_semantics(), **threads)
 
 
 class _Layouts:
