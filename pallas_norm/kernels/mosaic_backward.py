@@ -24,8 +24,8 @@ and the column sums are reductions in another order (one Mosaic GPU warpgroup's)
 dx agrees with the Pallas (Triton lowering) backend to about 1 ulp, not bitwise.
 
 Stage 1, ``pallas_norm_mgpu_bwd`` (``plgpu.kernel``, grid (G,), one warpgroup a
-program, plus the producer below): program r is persistent over row blocks r, r + G, ... (G about the SM
-count). A row block of ``block_m`` rows arrives in shared memory by TMA, as
+program, plus the producer below): program r is persistent over row blocks r, r + G,
+... (G about the SM count). A row block of ``block_m`` rows arrives in shared memory by TMA, as
 ``N / block_w`` copies of [block_m, block_w] x and dy chunks (TMA boxes are at most 256
 elements a side) plus a 32-element window of mean and rstd, into one of
 ``num_stages`` slots with an mbarrier each: the next ``num_stages - 1`` row blocks are
