@@ -188,7 +188,7 @@ def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
   return float(scale_offset)
 
 
-def _check_mosaic(op: str, mode, cast: str, out_dtype) -> None:
+def _check_mosaic(op: str, mode, out_dtype) -> None:
   """NotImplementedError for what backend="mosaic" does not serve yet (before any
   kernel runs). Its kernels' own limits (N a multiple of 128, shared memory) are
   checked by the launchers at trace time."""
@@ -196,8 +196,6 @@ def _check_mosaic(op: str, mode, cast: str, out_dtype) -> None:
   if mode not in MOSAIC_MODES:
     what = (f"{mode=}: its forward is static_persistent (a persistent grid over row "
             f"blocks); valid modes for it: {MOSAIC_MODES}")
-  elif cast == "llama":
-    what = 'cast="llama"'
   elif out_dtype is not None:
     what = "FP8 x (x_scale=)"
   if what:
@@ -471,7 +469,7 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
     x_scale = jnp.asarray(x_scale)
   names, groups = _axis_groups(axis_name, axis_index_groups)
   if backend == "mosaic":
-    _check_mosaic(op, mode, cast, out_dtype)
+    _check_mosaic(op, mode, out_dtype)
   x = jnp.asarray(x)
   if residual is not None:
     residual = jnp.asarray(residual)
@@ -594,8 +592,7 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       "static_persistent".
     backend: "pallas" (default), "triton" (plain Triton through jax-triton), "xla"
       (the jnp reference), "mosaic" (Pallas Mosaic GPU: N a multiple of 128; mode None
-      or "static_persistent"; no cast="llama", FP8 x or sharded hidden dim yet;
-      docs/mosaic.md), or None: per kernel (forward, backward), the backend that
+      or "static_persistent"; no FP8 x or sharded hidden dim yet; docs/mosaic.md), or None: per kernel (forward, backward), the backend that
       measured faster on this GPU and serves the call, with scale/bias in x's dtype;
       else "pallas" (``config.choose_backend``, docs/tuning.md#backend; on CPU too).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.

@@ -202,6 +202,14 @@ def test_lowers_for_cuda():
   text = jax.jit(g).trace(dy, h, h, jax.ShapeDtypeStruct((2048,), jnp.float32), st).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+  # cast="llama": bf16 x, float32 dy (y's dtype), the roundings transposed
+  x = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+  ll = lambda dy, x, s, r: mosaic_backward.norm_backward(
+      dy, x, s, None, r, has_bias=False, scale_offset=0.0, subtract_mean=False,
+      interpret=False, scale_dtype=jnp.float32, cast=("bfloat16", "float32"))
+  text = jax.jit(ll).trace(h, x, jax.ShapeDtypeStruct((2048,), jnp.float32), st).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("n,dtype,match", [

@@ -175,6 +175,13 @@ def test_lowers_for_cuda():
   text = jax.jit(g).trace(spec, spec, jax.ShapeDtypeStruct((2048,), jnp.float32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+  # cast="llama" with float32 scale: y in float32, a tile of its own
+  ll = lambda x, s: mosaic_forward.norm_forward(
+      x, s, None, eps=1e-5, scale_offset=0.0, subtract_mean=False, interpret=False,
+      cast="llama")
+  text = jax.jit(ll).trace(spec, jax.ShapeDtypeStruct((2048,), jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 _RES_CASES = [  # m, n, x dtype, residual dtype, h dtype (None: residual's), layer, config
@@ -298,8 +305,7 @@ def test_ops_backend_mosaic_refuses():
   import pallas_norm
   x = jnp.ones((4, 256), jnp.bfloat16)
   s = jnp.ones((256,))
-  for kw, match in ((dict(mode="multi_wave_cached"), "static_persistent"),
-                    (dict(cast="llama"), "llama")):
+  for kw, match in ((dict(mode="multi_wave_cached"), "static_persistent"),):
     with pytest.raises(NotImplementedError, match=match):
       pallas_norm.rms_norm(x, s, backend="mosaic", **kw)
   with pytest.raises(NotImplementedError, match="FP8"):
@@ -357,3 +363,47 @@ def test_ops_backend_mosaic_residual(op, shape, dtype, residual_dtype, res_in):
     if layer or name == "dscale":
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5,
                                  atol=1e-5 * float(jnp.abs(w).max()), err_msg=name)
+
+
+@pytest.mark.parametrize("op,shape,dtype,param_dtype,residual", [
+    ("rms", (9, 384), jnp.bfloat16, jnp.float32, False),  # y in float32: a tile of its own
+    ("rms", (2, 5, 256), jnp.bfloat16, jnp.bfloat16, False),  # y in place
+    ("layer", (10, 256), jnp.float16, jnp.float32, True),  # with a residual and a bias
+])
+def test_ops_backend_mosaic_llama(op, shape, dtype, param_dtype, residual):
+  """cast="llama" (HF LlamaRMSNorm's roundings) on backend="mosaic": y (in the promoted
+  dtype) and the grads of a jitted vjp against backend="xla" (the jnp formula; not
+  the Pallas backend here: in interpret mode XLA's excess precision drops its
+  kernels' round trip of x_hat through x's dtype, --xla_allow_excess_precision)."""
+  import pallas_norm
+  layer = op == "layer"
+  n = shape[-1]
+  k = jax.random.split(jax.random.key(7), 5)
+  x = (2 * jax.random.normal(k[0], shape)).astype(dtype)
+  r = jax.random.normal(k[1], shape).astype(dtype) if residual else None
+  s = (1 + 0.1 * jax.random.normal(k[2], (n,))).astype(param_dtype)
+  b = (0.1 * jax.random.normal(k[3], (n,))).astype(param_dtype)
+
+  def run(backend):
+    def f(x, s, b):
+      kw = dict(cast="llama", backend=backend, residual=r)
+      y = (pallas_norm.layer_norm(x, s, b, **kw) if layer
+           else pallas_norm.rms_norm(x, s, **kw))
+      return y[0] if residual else y
+    y, pull = jax.vjp(f, x, s, b)
+    dy = jax.random.normal(k[4], shape).astype(y.dtype)
+    return (y, *pull(dy))
+
+  got, want = jax.jit(lambda: run("mosaic"))(), jax.jit(lambda: run("xla"))()
+  assert got[0].dtype == want[0].dtype == jnp.result_type(dtype, param_dtype)
+  _ulp_close(got[0], want[0], got[0].dtype, "y")
+  eps = 2 * float(jnp.finfo(dtype).eps)
+  np.testing.assert_allclose(np.asarray(got[1], np.float64), np.asarray(want[1], np.float64),
+                             rtol=eps, atol=eps * float(jnp.abs(want[1]).max()), err_msg="dx")
+  # dscale sums dy against x_hat rounded to x's dtype; with a residual the kernels take
+  # x_hat from the saved h (in the residual's dtype), the formula from the float32 sum
+  tol = 2 * float(jnp.finfo(dtype if residual else param_dtype).eps)
+  for name, g, w in (("dscale", got[2], want[2]), ("dbias", got[3], want[3])):
+    if layer or name == "dscale":
+      np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                 rtol=tol, atol=tol * float(jnp.abs(w).max()), err_msg=name)

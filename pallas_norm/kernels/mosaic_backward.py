@@ -81,9 +81,13 @@ The fused residual add (``dh``, ``dx_dtype``, ``residual_dtype``, as in
 is added to dx in float32, and dx leaves in x's dtype, dresidual (where the residual's
 dtype differs) through a second staging tile.
 
-Not here (issue #29): cluster multicast of scale, and the cast="llama" / FP8 variants
-of ``backward.py`` (``ops`` refuses them for this backend before they reach this
-module).
+``cast="llama"`` (2026-11-26): g through the forward's roundings transposed and dscale
+against the rounded x_hat, as ``backward._x_hat_g``.
+
+Not here (issue #29): cluster multicast of scale (scale/bias are read once a program,
+132-264 programs: 1-4 MB of L2 reads against the 64+ MiB a call streams from HBM), and
+the FP8-input variant of ``backward.py`` (``ops`` refuses it for this backend before it
+reaches this module).
 """
 
 from __future__ import annotations
@@ -378,7 +382,7 @@ def _warp_specialized(wg, k, num_steps, num_stages, free, fetch_step, consume,
 
 
 def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias,
-                   has_dh, has_dres, block_m, block_w, num_stages, num_programs,
+                   has_dh, has_dres, cast, block_m, block_w, num_stages, num_programs,
                    num_warpgroups, warp_rows, warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of dx, and its [N] f32 partial rows. With k
   warpgroups, each loads x and dy, computes dx and holds the partials of its own N / k
@@ -388,7 +392,9 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
   the k consumers have released it through the slot's ``free`` barrier). ``has_dh``
   (the fused residual add; x is then h): dh, h's cotangent, is loaded with x and dy and
   added to dx in float32; ``has_dres``: dx is written once more in the residual's
-  dtype (dresidual)."""
+  dtype (dresidual). ``cast`` (x's and y's dtypes, for cast="llama"): g goes through
+  the forward's roundings' transposes (to y's dtype, then x's), and dscale sums dy
+  against x_hat rounded to x's dtype, as ``backward._x_hat_g``."""
   refs = list(refs)
   # inputs
   dy_ref, x_ref = refs.pop(0), refs.pop(0)
@@ -482,7 +488,8 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     return _exchange_row_sums(sums, red, xbar, lax.rem(step, 2), wg, k, lay)
 
   def parts(slot, i, mean, rstd, w):
-    """(x_hat, dy, g) of this wg's chunk i: [block_m, W] f32 each."""
+    """(x_hat, dy, g, x_hat_w) of this wg's chunk i: [block_m, W] f32 each; x_hat_w is
+    what dscale sums dy against."""
     c = mine[i]
     x = lay.cast(xs[slot, c], lay.tile).astype(_F32)
     dy = lay.cast(dys[slot, c], lay.tile).astype(_F32)
@@ -490,7 +497,11 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
       x = x - lay.rows(mean, block_w)
     x_hat = x * lay.rows(rstd, block_w)
     g = dy if w is None else dy * lay.cols(w[i], block_m)
-    return x_hat, dy, g
+    if cast is None:
+      return x_hat, dy, g, x_hat
+    x_dt, y_dt = cast
+    g = g.astype(y_dt).astype(_F32).astype(x_dt).astype(_F32)
+    return x_hat, dy, g, x_hat.astype(x_dt).astype(_F32)
 
   def body(step, accs, w):
     slot = lax.rem(step, num_stages)
@@ -502,7 +513,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     # pass 1: the row sums, chunk by chunk, summed across the warpgroup once
     s1, s2 = [], []
     for i in range(per_wg):
-      x_hat, _, g = parts(slot, i, mean, rstd, w)
+      x_hat, _, g, _ = parts(slot, i, mean, rstd, w)
       s1.append(x_hat * g)
       s2.append(g)
     sums = [jnp.sum(_sum(s1), axis=1)] + ([jnp.sum(_sum(s2), axis=1)]
@@ -515,7 +526,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     # pass 2: dx and the partials
     new = []
     for i, c in enumerate(mine):
-      x_hat, dy, g = parts(slot, i, mean, rstd, w)
+      x_hat, dy, g, x_hat_w = parts(slot, i, mean, rstd, w)
       dx = g - x_hat * lay.rows(c1, block_w)
       if c2 is not None:
         dx = dx - lay.rows(c2, block_w)
@@ -527,10 +538,10 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
         dress[c] = dx.astype(dress.dtype)
       dw, db = accs[i]
       if warp_rows:  # a row of the block at a time: summed over rows at the end
-        new.append((None if dw is None else dw + dy * x_hat,
+        new.append((None if dw is None else dw + dy * x_hat_w,
                     None if db is None else db + dy))
       else:
-        new.append((None if dw is None else dw + jnp.sum(dy * x_hat, axis=0),
+        new.append((None if dw is None else dw + jnp.sum(dy * x_hat_w, axis=0),
                     None if db is None else db + jnp.sum(dy, axis=0)))
     if free is not None:  # the slot has been read: the producer may refill it
       plgpu.barrier_arrive(free.at[slot])
@@ -698,7 +709,7 @@ def checked_config(m: int, n: int, x_dtype, dy_dtype, scale_dtype, has_bias: boo
 def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: float,
                   subtract_mean: bool, config=None, interpret: bool,
                   scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
-                  dx_dtype=None, residual_dtype=None):
+                  dx_dtype=None, residual_dtype=None, cast=None):
   """Two-stage backward on Pallas Mosaic GPU; ``backward.norm_backward``'s contract.
 
   Args:
@@ -718,6 +729,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       cotangent) or None is added to dx in float32; dx is written in ``dx_dtype``
       (default x's dtype) and, given a different ``residual_dtype``, once more in that
       dtype (dresidual).
+    cast: None (cast="torch") or (x's dtype name, y's dtype name) for cast="llama"
+      (the forward's roundings, transposed; dscale sums dy against the rounded x_hat),
+      as in ``backward.norm_backward``; dy is then in y's dtype.
 
   Returns:
     (dx [M, N] dx_dtype, dscale [N] scale_dtype or None, dbias [N] bias_dtype or None);
@@ -789,7 +803,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   body = functools.partial(
       _stage1_kernel, m=m, n=n, scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=has_scale, has_bias=has_bias,
-      has_dh=dh is not None, has_dres=has_dres, block_m=bm,
+      has_dh=dh is not None, has_dres=has_dres,
+      cast=None if cast is None else tuple(jnp.dtype(d) for d in cast), block_m=bm,
       block_w=bw, num_stages=stages, num_programs=g, num_warpgroups=k,
       warp_rows=cfg.warp_rows, warp_specialized=cfg.warp_specialized, interpret=interpret)
   inputs = [a for a in (dy, x, dh, scale, mean if subtract_mean else None, rstd)

@@ -45,9 +45,11 @@ takes it.
 Constraints (``NotImplementedError`` before any kernel runs): N a multiple of 128 (whole
 chunks, so that no padding column enters LayerNorm's variance); the shared memory of one
 program (``mosaic_backward._SMEM_BYTES``: N up to 8192 in bf16 with one stage; with a
-residual, its slots and h's staging tile count too: N up to 4096 in bf16);
-``cast="llama"``, FP8 x and the tensor-parallel statistics pass are not implemented for
-this backend (``ops`` refuses them).
+residual, its slots and h's staging tile count too: N up to 4096 in bf16); FP8 x and
+the tensor-parallel statistics pass are not implemented for this backend (``ops``
+refuses them). ``cast="llama"`` (2026-11-26): x_hat rounded to x's dtype before the
+weight, the product to y's (the promotion of x's and the parameters'), y in a tile of
+its own where that is not x's dtype.
 
 The fused residual add (``residual=``, issue #26's, 2026-11-26): the residual's chunks
 arrive by TMA into slots of their own beside x's (one mbarrier for both), every read of
@@ -154,11 +156,14 @@ _SMEM_THREE_A_SM = 72 * 1024  # the same for three
 
 def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
                    device: DeviceInfo | None = None, param_bytes: int = 8,
-                   residual_bytes: tuple[int, int] = (0, 0)) -> MosaicForwardConfig:
+                   residual_bytes: tuple[int, int] = (0, 0),
+                   y_bytes: int | None = None) -> MosaicForwardConfig:
   """The default launch config for x [M, N] of ``dtype`` (``param_bytes``: scale's and
   bias's bytes an element together; float32 both by default; ``residual_bytes``: the
   residual's and h's bytes an element with ``residual=``, their shared memory counted
-  as the rules below count x's and y's; not measured with a residual).
+  as the rules below count x's and y's; not measured with a residual; ``y_bytes``: y's,
+  where not x's (cast="llama" with float32 parameters): y then has a tile of its own,
+  the most stages that fit two programs a SM, else one; not measured).
 
   4-row blocks, y staged in place, whole rows a warp (``warp_rows``), and the most
   stages (3 or 2) with which two programs fit a SM, at G = 3 x the SM count where three
@@ -180,6 +185,14 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
   block_w = 256 if n % 256 == 0 else 128
   row_blocks = cdiv(max(m, 1), _STATS_ALIGN)
   rb, hb = residual_bytes
+  if y_bytes is not None and y_bytes != b:  # y cannot be staged in x's slot
+    for stages in (3, 2, 1):
+      need = _smem_bytes(n, _STATS_ALIGN, stages, b, y_bytes, param_bytes, False, rb, hb)
+      if need <= _SMEM_TWO_A_SM or stages == 1:
+        per_sm = 2 if need <= _SMEM_TWO_A_SM else 1
+        return MosaicForwardConfig(_STATS_ALIGN, block_w, stages,
+                                   max(1, min(per_sm * device.num_sms, row_blocks)),
+                                   warp_rows=True)
   for stages in (3, 2):
     need = _smem_bytes(n, _STATS_ALIGN, stages, b, b, param_bytes, True, rb, hb)
     if need <= _SMEM_TWO_A_SM:
@@ -197,8 +210,8 @@ def forward_config(m: int, n: int, dtype, subtract_mean: bool = False,
 
 
 def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bias, stats,
-                has_residual, block_m, block_w, num_stages, num_programs, y_in_place,
-                num_warpgroups, warp_rows, warp_specialized, interpret):
+                has_residual, llama_x_dtype, block_m, block_w, num_stages, num_programs,
+                y_in_place, num_warpgroups, warp_rows, warp_specialized, interpret):
   """Program r: row blocks r, r + G, ... of y (and mean/rstd). With k warpgroups, each
   loads, normalises and stores its own N / k columns of every row block, and the row
   sums are exchanged through shared memory (summed in warpgroup order: every warpgroup
@@ -206,7 +219,9 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   every TMA load (scale/bias, then each row block into a slot once the k consumers have
   released it through the slot's ``free`` barrier); the consumers only compute and
   store. ``has_residual``: x's tiles are h = x + residual (float32 sums of the x and
-  residual slots), and h is also written, through a staging tile of its own."""
+  residual slots), and h is also written, through a staging tile of its own.
+  ``llama_x_dtype`` (cast="llama", HF LlamaRMSNorm): x_hat is rounded to that dtype (x's)
+  before the weight multiplies it, and the product to y's before the bias is added."""
   refs = list(refs)
   x_ref = refs.pop(0)
   res_ref = refs.pop(0) if has_residual else None
@@ -308,9 +323,13 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
       if mean is not None:
         x = x - lay.rows(mean, block_w)
       y = x * lay.rows(rstd, block_w)
+      if llama_x_dtype is not None:
+        y = y.astype(llama_x_dtype).astype(_F32)
       if has_scale:
         w = lay.cast(ws[c], lay.col).astype(_F32)
         y = y * lay.cols(w + _F32(scale_offset) if scale_offset else w, block_m)
+        if llama_x_dtype is not None:
+          y = y.astype(out_tile.dtype).astype(_F32)
       if has_bias:
         y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
       out_tile[c] = y.astype(out_tile.dtype)
@@ -371,7 +390,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
                     else None)
 
 
-def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0)):
+def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0), y_bytes=None):
   """NotImplementedError / ValueError for what this backend cannot run."""
   if n % _WARPGROUP:
     raise NotImplementedError(
@@ -383,8 +402,11 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0)):
     raise ValueError(f"config.num_warpgroups={cfg.num_warpgroups} must divide the "
                      f"{n // cfg.block_w} chunks of {cfg.block_w} columns (N={n})")
   x_b, *rest = (jnp.dtype(dt).itemsize for dt in dtypes)
-  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, x_b, sum(rest), cfg.y_in_place,
-                     *residual_bytes)
+  if cfg.y_in_place and y_bytes not in (None, x_b):
+    raise ValueError("config.y_in_place needs y in x's dtype (cast='llama' with wider "
+                     "parameters writes y in their dtype)")
+  need = _smem_bytes(n, cfg.block_m, cfg.num_stages, x_b, y_bytes or x_b, sum(rest),
+                     cfg.y_in_place, *residual_bytes)
   if need > _SMEM_BYTES:
     raise NotImplementedError(
         f"backend='mosaic' forward: one program needs {need} bytes of shared memory > "
@@ -393,25 +415,28 @@ def _check(m, n, dtypes, cfg: MosaicForwardConfig, residual_bytes=(0, 0)):
 
 
 def checked_config(m: int, n: int, x_dtype, param_dtypes, subtract_mean: bool,
-                   config=None, residual_dtypes=None) -> MosaicForwardConfig:
+                   config=None, residual_dtypes=None, y_dtype=None) -> MosaicForwardConfig:
   """``config`` if a MosaicForwardConfig, else ``forward_config``'s, checked against
-  x [M, N] of ``x_dtype``, scale/bias of ``param_dtypes`` and, with a residual,
-  ``residual_dtypes`` (the residual's, h's) (NotImplementedError / ValueError, as
-  ``norm_forward`` raises them). ``ops`` asks it whether this backend serves a call."""
+  x [M, N] of ``x_dtype``, scale/bias of ``param_dtypes``, with a residual
+  ``residual_dtypes`` (the residual's, h's), and y of ``y_dtype`` (None: x's)
+  (NotImplementedError / ValueError, as ``norm_forward`` raises them). ``ops`` asks it
+  whether this backend serves a call."""
   rb = (0, 0) if residual_dtypes is None else tuple(
       jnp.dtype(d).itemsize for d in residual_dtypes)
+  yb = None if y_dtype is None else jnp.dtype(y_dtype).itemsize
   cfg = config if isinstance(config, MosaicForwardConfig) else forward_config(
       m, n, x_dtype, subtract_mean,
-      param_bytes=sum(jnp.dtype(d).itemsize for d in param_dtypes), residual_bytes=rb)
-  _check(m, n, [x_dtype, *param_dtypes], cfg, rb)
+      param_bytes=sum(jnp.dtype(d).itemsize for d in param_dtypes), residual_bytes=rb,
+      y_bytes=yb)
+  _check(m, n, [x_dtype, *param_dtypes], cfg, rb, yb)
   return cfg
 
 
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config=None, interpret: bool, return_residuals: bool = True,
-                 residual=None, residual_dtype=None):
+                 residual=None, residual_dtype=None, cast: str = "torch"):
   """RMSNorm / LayerNorm forward on Pallas Mosaic GPU; ``forward.norm_forward``'s
-  contract for cast="torch" without FP8 x.
+  contract without FP8 x.
 
   Args:
     x: [M, N] float32, bfloat16 or float16, N a multiple of 128.
@@ -424,16 +449,24 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     residual: None, or [M, N] float (rows of a multiple of 16 bytes): the kernel
       normalises h = x + residual (summed in float32; y from the float32 sum) and also
       writes h, in ``residual_dtype`` (default: residual's dtype).
+    cast: "torch" (y rounded once, in x's dtype) or "llama" (HF LlamaRMSNorm: x_hat
+      rounded to x's dtype, times the weight in the promotion of x's and the
+      parameters' dtypes, which is y's dtype: ``forward.llama_dtype``).
 
   Returns:
-    (y [M, N] x's dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N]
-    last with a residual.
+    (y [M, N] x's dtype (cast="llama": ``forward.llama_dtype``), mean [M] f32 or None,
+    rstd [M] f32 or None), and h [M, N] last with a residual.
 
   Raises:
     NotImplementedError: N not a multiple of 128; shared memory beyond one program.
     ValueError: a config whose block_w does not divide N.
   """
   m, n = x.shape
+  if cast not in ("torch", "llama"):
+    raise ValueError(f"{cast=} must be 'torch' or 'llama' (gemma is torch with "
+                     "scale_offset=1, ops.py)")
+  from pallas_norm.kernels.forward import llama_dtype
+  y_dtype = llama_dtype(x, scale, bias) if cast == "llama" else x.dtype
   h_dtype = None
   if residual is not None:
     if residual.shape != x.shape:
@@ -441,10 +474,11 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     h_dtype = jnp.dtype(residual_dtype or residual.dtype)
   cfg = checked_config(m, n, x.dtype, [p.dtype for p in (scale, bias) if p is not None],
                        subtract_mean, config,
-                       None if residual is None else (residual.dtype, h_dtype))
+                       None if residual is None else (residual.dtype, h_dtype),
+                       None if y_dtype == x.dtype else y_dtype)
   want_mean = return_residuals and subtract_mean
   if m == 0:
-    out = (jnp.zeros_like(x), jnp.zeros((0,), _F32) if want_mean else None,
+    out = (jnp.zeros(x.shape, y_dtype), jnp.zeros((0,), _F32) if want_mean else None,
            jnp.zeros((0,), _F32) if return_residuals else None)
     return out if residual is None else (*out, jnp.zeros(x.shape, h_dtype))
   bm, bw, stages = cfg.block_m, cfg.block_w, cfg.num_stages
@@ -458,7 +492,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   # h200_2026-11-24_gpu-check_mosaic_c869e50.log), unlike the 2-D stores of y.
   m_out = num_row_blocks * bm if interpret else m
   m_stats = num_row_blocks * bm
-  out = [out_struct((m_out, n), x.dtype, x)]
+  out = [out_struct((m_out, n), y_dtype, x)]
   if residual is not None:
     out.append(out_struct((m_out, n), h_dtype, x))
   if want_mean:
@@ -469,7 +503,7 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   if residual is not None:
     scratch.append(plgpu.SMEM((stages, num_chunks, bm, bw), residual.dtype))
   if not cfg.y_in_place:
-    scratch.append(plgpu.SMEM((num_chunks, bm, bw), x.dtype))
+    scratch.append(plgpu.SMEM((num_chunks, bm, bw), y_dtype))
   if residual is not None:
     scratch.append(plgpu.SMEM((num_chunks, bm, bw), h_dtype))
   scratch += [plgpu.SMEM((num_chunks, bw), p.dtype) for p in (scale, bias) if p is not None]
@@ -488,7 +522,8 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   body = functools.partial(
       _fwd_kernel, m=m, n=n, eps=float(eps), scale_offset=float(scale_offset),
       subtract_mean=subtract_mean, has_scale=scale is not None, has_bias=bias is not None,
-      stats=return_residuals, has_residual=residual is not None, block_m=bm, block_w=bw,
+      stats=return_residuals, has_residual=residual is not None,
+      llama_x_dtype=x.dtype if cast == "llama" else None, block_m=bm, block_w=bw,
       num_stages=stages, num_programs=g,
       y_in_place=cfg.y_in_place, num_warpgroups=k, warp_rows=cfg.warp_rows,
       warp_specialized=cfg.warp_specialized, interpret=interpret)
