@@ -53,8 +53,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then \
 export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
 endef
 
-# With two or more GPUs, the sharding tests run on them too. The single-GPU part takes
-# about 25 min in one process; with pytest-xdist on the GPU machine (its wheels and
+# With two or more GPUs, the sharding tests run on them too. The single-GPU part in one
+# process outlasts a 10-minute device command (a quarter of it took 330 s on an H200,
+# h200_2026-11-26_gpu-check_rest_partial_b48c78c.log); with pytest-xdist (its wheels and
 # execnet's in .whl: pip download pytest-xdist execnet --no-deps -d .whl),
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q --gpu -n 8 tests
 # took 5 min 54 s on an H200 (2026-11-26; benchmarks/README.md), tests/sharded then
