@@ -54,7 +54,8 @@ export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
 endef
 
 # With two or more GPUs, the sharding tests run on them too. The single-GPU part in one
-# process outlasts a 10-minute device command (a quarter of it took 330 s on an H200,
+# process outlasts a 10-minute device command (on an H200, pytest over all but the
+# Mosaic GPU test files got through about a quarter of them before a 330 s timeout:
 # h200_2026-11-26_gpu-check_rest_partial_b48c78c.log); with pytest-xdist (its wheels and
 # execnet's in .whl: pip download pytest-xdist execnet --no-deps -d .whl),
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q --gpu -n 8 tests
