@@ -24,13 +24,12 @@ venv: $(VENV)/.stamp-test
 # Each of the three runs on TEST_WORKERS pytest-xdist workers (2: CI's cores).
 # XLA's CPU backend compiles the interpret-mode kernels (loops over the grid) without
 # LLVM's expensive optimisations: about a third less time over the suite, the same IEEE
-# results (no fast-math either way). --xla_allow_excess_precision=false: XLA must not
-# drop a kernel's round trip through a narrower dtype (cast="llama" rounds x_hat to x's
-# dtype; with excess precision allowed, interpret mode computed the GPU's rounded sums
-# unrounded: tests/test_cast.py::test_llama_dscale_sums_the_rounded_x_hat). CPU only:
-# gpu-check does not set them.
-CPU_TEST_FLAGS = --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true \
-  --xla_allow_excess_precision=false
+# results (no fast-math either way). CPU only: gpu-check does not set it. (XLA's excess
+# precision stays allowed: interpret mode then drops a Pallas kernel's round trip
+# through a narrower dtype, tests/test_cast.py::test_llama_dscale_sums_the_rounded_x_hat;
+# turning it off moved an FP8 amax by one float32 ulp between two kernels that the GPU
+# gives bitwise equal, tests/test_fp8_output.py::test_chunked_kernels, 2026-11-26.)
+CPU_TEST_FLAGS = --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 TEST_ENV = TRITON_INTERPRET=1 XLA_FLAGS="$$XLA_FLAGS $(CPU_TEST_FLAGS)"
 SHARDED_ENV = PALLAS_NORM_SHARDED=1 TRITON_INTERPRET=1 \
   XLA_FLAGS="$$XLA_FLAGS $(CPU_TEST_FLAGS) --xla_force_host_platform_device_count=8"

@@ -32,12 +32,6 @@ def pytest_configure(config):
     # The plain-Triton kernels run in Triton's interpreter on CPU; this must be set before
     # triton is imported. On the GPU it must not be: jax-triton needs compiled kernels.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Interpret mode runs the Pallas kernels as XLA programs: XLA must keep their round
-    # trips through narrower dtypes, as the GPU does (the Makefile sets it too; here
-    # for a bare pytest, before any JAX backend starts).
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_allow_excess_precision" not in flags:
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_allow_excess_precision=false".strip()
 
 
 def pytest_collection_modifyitems(config, items):
