@@ -11,6 +11,29 @@ import sys
 import traceback
 
 
+def pct_of_copy(us, streams: int, m: int, n: int, itemsize: int, copy_gbs):
+  """% of the copy's GB/s that ``streams`` [M, N] arrays of ``itemsize`` moved in ``us``
+  microseconds reach (None without a time or a copy figure)."""
+  if not us or not copy_gbs:
+    return None
+  return 100 * streams * m * n * itemsize / (us * 1e-6) / 1e9 / copy_gbs
+
+
+def record(rows: list, shape: dict, row: dict, measure):
+  """``measure(row)`` fills ``row`` (time, % of copy, differences) and returns what the
+  caller keeps; a config that does not fit (any exception) is recorded in
+  ``row["error"]`` instead, not fatal (None is returned). The row is appended to
+  ``rows`` and printed as a ``ROW`` line (JSON, with ``shape``) at once."""
+  out = None
+  try:
+    out = measure(row)
+  except Exception as e:  # noqa: BLE001 (a failing config is a result)
+    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  rows.append(row)
+  print("ROW " + json.dumps(dict(**shape, **row)), flush=True)
+  return out
+
+
 def main(script: str, run_shape, shapes, fmt, timeout: int = 300) -> None:
   """``run_shape(op, m, n) -> dict`` with ``rows``; ``fmt(op, m, n, row) -> str``, the
   line printed for a row."""

@@ -11,7 +11,6 @@ Usage (GPU machine): python benchmarks/mosaic_sweep.py [--out FILE.json]
 MOSAIC_SWEEP=fwd or =bwd runs one pass's variants only.
 """
 import dataclasses
-import json
 import os
 
 import _per_shape
@@ -83,8 +82,10 @@ def run_shape(op, m, n):
   kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False)
   rows = []
 
+  shape = dict(op=op, m=m, n=n)
+
   def pct(us, streams):
-    return None if not us or not copy else 100 * streams * m * n * 2 / (us * 1e-6) / 1e9 / copy
+    return _per_shape.pct_of_copy(us, streams, m, n, 2, copy)
 
   # forward
   fp = jax.jit(lambda x: F.norm_forward(x, s, b, config=CF.forward_config(
@@ -94,21 +95,17 @@ def run_shape(op, m, n):
   rows.append(dict(kind="fwd", impl="pallas", us=us, pct_copy=pct(us, 2)))
   dflt = MF.forward_config(m, n, jnp.bfloat16, layer)
   for c in FWD if "fwd" in PASSES else []:
-    row = dict(kind="fwd", impl="mosaic")
-    try:
+    def measure(row, c=c):
       cfg = _variant(dflt, c, sms, 1024)
       row["config"] = str(cfg) + (" (default)" if c is None else "")
-      fm = jax.jit(lambda x, cfg=cfg: MF.norm_forward(x, s, b, config=cfg, **kw))
+      fm = jax.jit(lambda x: MF.norm_forward(x, s, b, config=cfg, **kw))
       ym, _, rm = jax.block_until_ready(fm(xs[0]))
       row["max_abs_diff_y"] = float(jnp.max(jnp.abs(ym.astype(jnp.float32)
                                                     - yp.astype(jnp.float32))))
       row["max_abs_diff_rstd"] = float(jnp.max(jnp.abs(rm - rp)))
       row["us"] = timing.cupti_time(fm, [(x,) for x in xs], 20).get("us")
       row["pct_copy"] = pct(row["us"], 2)
-    except Exception as e:  # a config that does not fit: recorded, not fatal
-      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
-    print("ROW " + json.dumps(dict(op=op, m=m, n=n, **row)), flush=True)
+    _per_shape.record(rows, shape, dict(kind="fwd", impl="mosaic"), measure)
 
   # backward (both stages), from the Pallas forward's statistics
   bkw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=False,
@@ -121,21 +118,17 @@ def run_shape(op, m, n):
   rows.append(dict(kind="bwd", impl="pallas", us=us, pct_copy=pct(us, 3)))
   dfltb = MB.backward_config(m, n, jnp.bfloat16, layer)
   for c in BWD if "bwd" in PASSES else []:
-    row = dict(kind="bwd", impl="mosaic")
-    try:
+    def measure(row, c=c):
       cfg = _variant(dfltb, c, sms, 256)
       row["config"] = str(cfg) + (" (default)" if c is None else "")
-      bm = jax.jit(lambda dy, x, mu, r, cfg=cfg: MB.norm_backward(dy, x, s, mu, r,
-                                                                  config=cfg, **bkw))
+      bm = jax.jit(lambda dy, x, mu, r: MB.norm_backward(dy, x, s, mu, r, config=cfg,
+                                                         **bkw))
       got = jax.block_until_ready(bm(*sets[0]))
       row["max_abs_diff"] = [None if g is None else float(jnp.max(jnp.abs(
           g.astype(jnp.float32) - r.astype(jnp.float32)))) for g, r in zip(got, ref)]
       row["us"] = timing.cupti_time(bm, sets, 20).get("us")
       row["pct_copy"] = pct(row["us"], 3)
-    except Exception as e:
-      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
-    print("ROW " + json.dumps(dict(op=op, m=m, n=n, **row)), flush=True)
+    _per_shape.record(rows, shape, dict(kind="bwd", impl="mosaic"), measure)
   return dict(device=CF.device_info().name, copy_gbs=copy, rows=rows)
 
 

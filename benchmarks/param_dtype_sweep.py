@@ -14,7 +14,6 @@ dx); max |y - y of the default| per variant.
 Usage (GPU machine): python benchmarks/param_dtype_sweep.py [--out FILE.json]
          or, one shape: python benchmarks/param_dtype_sweep.py OP M N
 """
-import json
 
 import _per_shape
 
@@ -45,24 +44,22 @@ def run_shape(op, m, n):
   dflt = CF.forward_config(m, n, jnp.bfloat16, subtract_mean=layer)
   rows = []
 
+  shape = dict(op=op, m=m, n=n)
+
   def pct(us, streams):
-    return None if not us or not copy else 100 * streams * m * n * 2 / (us * 1e-6) / 1e9 / copy
+    return _per_shape.pct_of_copy(us, streams, m, n, 2, copy)
 
   def fwd_row(name, cfg, s, b, ref=None):
-    row = dict(kind="fwd", params=str(s.dtype), variant=name, config=str(cfg))
-    try:
+    def measure(row):
       f = jax.jit(lambda x: F.norm_forward(x, s, b, config=cfg, **kw))
       y = jax.block_until_ready(f(xs[0]))[0]
       if ref is not None:
         row["max_abs_diff_y"] = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)))
       row["us"] = timing.cupti_time(f, [(x,) for x in xs], 20).get("us")
       row["pct_copy"] = pct(row["us"], 2)
-    except Exception as e:  # a config that does not fit: recorded, not fatal
-      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      y = None
-    rows.append(row)
-    print("ROW " + json.dumps(dict(op=op, m=m, n=n, **row)), flush=True)
-    return y
+      return y
+    return _per_shape.record(rows, shape, dict(kind="fwd", params=str(s.dtype),
+                                               variant=name, config=str(cfg)), measure)
 
   fwd_row("default", dflt, s16, b16)
   y32 = fwd_row("default", dflt, s32, b32).astype(jnp.float32)
@@ -75,20 +72,16 @@ def run_shape(op, m, n):
   # the backward at its default, bf16 against float32 parameters
   bcfg = CF.backward_config(m, n, jnp.bfloat16, subtract_mean=layer)
   for s, b in ((s16, b16), (s32, b32)):
-    row = dict(kind="bwd", params=str(s.dtype), variant="default", config=str(bcfg))
-    try:
+    def measure(row, s=s, b=b):
       _, mu, r = F.norm_forward(xs[0], s, b, config=dflt, **kw)
       bkw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=False,
                  scale_dtype=s.dtype, bias_dtype=None if b is None else b.dtype)
-      g = jax.jit(lambda dy, x, s=s, bkw=bkw: B.norm_backward(dy, x, s, mu, r, config=bcfg,
-                                                               **bkw))
+      g = jax.jit(lambda dy, x: B.norm_backward(dy, x, s, mu, r, config=bcfg, **bkw))
       jax.block_until_ready(g(dys[0], xs[0]))
       row["us"] = timing.cupti_time(g, [(dy, xs[0]) for dy in dys], 20).get("us")
       row["pct_copy"] = pct(row["us"], 3)
-    except Exception as e:
-      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
-    print("ROW " + json.dumps(dict(op=op, m=m, n=n, **row)), flush=True)
+    _per_shape.record(rows, shape, dict(kind="bwd", params=str(s.dtype), variant="default",
+                                        config=str(bcfg)), measure)
   return dict(device=CF.device_info().name, copy_gbs=copy, rows=rows)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import numbers
 
@@ -235,17 +234,19 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
     import importlib.util
     return "triton" if importlib.util.find_spec("jax_triton") else "pallas"
   if backend == "mosaic":  # its launchers' own checks, on shapes only
-    if st.mode not in MOSAIC_MODES or residual:  # (no residual rule picks it)
+    if st.mode not in MOSAIC_MODES:
       return "pallas"
     from pallas_norm.kernels import mosaic_backward as mb
     from pallas_norm.kernels import mosaic_forward as mf
     try:
-      if pass_ == "fwd":
+      if pass_ == "fwd":  # (x, the residual and h in one dtype: checked above)
         mf.checked_config(m, n, x2.dtype, [p.dtype for p in (scale, bias) if p is not None],
-                          st.subtract_mean)
-      else:
+                          st.subtract_mean,
+                          residual_dtypes=(x2.dtype, x2.dtype) if residual else None)
+      else:  # x2 is h; dh and dx in its dtype, no dresidual of another
         mb.checked_config(m, n, x2.dtype, x2.dtype, None if scale is None else scale.dtype,
-                          bias is not None, st.subtract_mean)
+                          bias is not None, st.subtract_mean,
+                          fused_dtypes=(x2.dtype, x2.dtype, None) if residual else None)
     except (NotImplementedError, ValueError):
       return "pallas"
   return backend

@@ -82,9 +82,18 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   for other in (dict(res, residual_dtype="float32"), dict(res, residual_in_dtype="float32")):
     assert ops._auto_backend("bwd", x, s, None, _st(**other), fused=False,
                              residual=True) == "pallas"  # an fp32 residual stream
+  # (no rule picks Mosaic GPU for the fused ops; if one did, its own checks decide,
+  # with the residual's tiles counted: N = 8192 in bf16 does not fit one program)
   picks.update(fwd="mosaic", bwd="mosaic")
   assert ops._auto_backend("fwd", x, s, None, _st(**res), fused=False,
-                           residual=True) == "pallas"  # no residual rule picks it
+                           residual=True) == "mosaic"
+  assert ops._auto_backend("bwd", x, s, None, _st(**res), fused=False,
+                           residual=True) == "mosaic"
+  wide = jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16)
+  s8k = jax.ShapeDtypeStruct((8192,), jnp.bfloat16)
+  assert ops._auto_backend("fwd", wide, s8k, None, _st(**res), fused=False,
+                           residual=True) == "pallas"
+  assert ops._auto_backend("fwd", wide, s8k, None, _st(), fused=False) == "mosaic"
   assert ops._auto_backend("fwd", x, s, None, _st(llama=("bfloat16", "float32")),
                            fused=False) == "pallas"
   assert ops._auto_backend("fwd", x, s, None, _st(mode="multi_wave_reload"),

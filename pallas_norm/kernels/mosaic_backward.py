@@ -95,7 +95,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -104,6 +103,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import (mosaic_interpret_params, mosaic_kernel_kwargs,
                                           mosaic_lane_semantics, out_struct)
+from pallas_norm.kernels.forward import _round
 
 __all__ = ["MosaicBackwardConfig", "backward_config", "checked_config", "norm_backward"]
 
@@ -500,8 +500,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     if cast is None:
       return x_hat, dy, g, x_hat
     x_dt, y_dt = cast
-    g = g.astype(y_dt).astype(_F32).astype(x_dt).astype(_F32)
-    return x_hat, dy, g, x_hat.astype(x_dt).astype(_F32)
+    return x_hat, dy, _round(_round(g, y_dt), x_dt), _round(x_hat, x_dt)
 
   def body(step, accs, w):
     slot = lax.rem(step, num_stages)

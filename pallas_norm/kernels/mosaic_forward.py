@@ -69,6 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import out_struct
+from pallas_norm.kernels.forward import _round, llama_dtype
 from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
                                                  _WARPGROUP, _exchange_row_sums,
                                                  _Layouts, _kernel, _my_chunks, _sum,
@@ -324,12 +325,12 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
         x = x - lay.rows(mean, block_w)
       y = x * lay.rows(rstd, block_w)
       if llama_x_dtype is not None:
-        y = y.astype(llama_x_dtype).astype(_F32)
+        y = _round(y, llama_x_dtype)
       if has_scale:
         w = lay.cast(ws[c], lay.col).astype(_F32)
         y = y * lay.cols(w + _F32(scale_offset) if scale_offset else w, block_m)
         if llama_x_dtype is not None:
-          y = y.astype(out_tile.dtype).astype(_F32)
+          y = _round(y, out_tile.dtype)
       if has_bias:
         y = y + lay.cols(lay.cast(bs[c], lay.col).astype(_F32), block_m)
       out_tile[c] = y.astype(out_tile.dtype)
@@ -465,7 +466,6 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   if cast not in ("torch", "llama"):
     raise ValueError(f"{cast=} must be 'torch' or 'llama' (gemma is torch with "
                      "scale_offset=1, ops.py)")
-  from pallas_norm.kernels.forward import llama_dtype
   y_dtype = llama_dtype(x, scale, bias) if cast == "llama" else x.dtype
   h_dtype = None
   if residual is not None:
