@@ -189,6 +189,83 @@ def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
   return h
 
 
+# L2 prefetch of a persistent program's row block two strides ahead (``l2_prefetch`` of
+# BackwardConfig and kernels/fp8.Fp8Config): one element a 32-byte sector of each
+# streamed [M, N] array, loaded into L2 (".cg"), so that the sectors' HBM reads are in
+# flight beside the register prefetch of the next row block, which then finds them in
+# L2. A load whose value is unused is dead code (ptxas removes it, inline assembly or
+# not), so the touched values are OR-ed into an int32 carry (``l2_sink``) that the
+# program stores at its end under a mask no launch can make true (``l2_keep``).
+_SECTOR_BYTES = 32
+
+
+def _touch_cols(ref, block_n: int):
+  step = max(1, _SECTOR_BYTES // jnp.dtype(ref.dtype).itemsize)
+  return jnp.arange(max(1, block_n // step), dtype=jnp.int32) * step
+
+
+def l2_touch(refs, rb, *, m: int, n: int, block_m: int, block_n: int):
+  """Loads one element a 32-byte sector of row block ``rb`` ([block_m, block_n >= N]
+  tiles) of each [M, N] ref in ``refs`` (rows past M masked: no access). Returns the
+  loaded tiles, for ``l2_sink`` an iteration later (their loads are then done)."""
+  out = []
+  rows = rb * block_m + jnp.arange(block_m, dtype=jnp.int32)
+  for ref in refs:
+    cols = _touch_cols(ref, block_n)
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    out.append(plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0,
+                          cache_modifier=".cg"))
+  return tuple(out)
+
+
+def l2_touch_zeros(refs, *, block_m: int, block_n: int):
+  """The int32 carries of ``l2_sink`` for ``l2_touch`` of ``refs``: zeros, one a shape
+  of its tiles (refs of one itemsize share one carry)."""
+  widths = sorted({int(_touch_cols(ref, block_n).shape[0]) for ref in refs})
+  return tuple(jnp.zeros((block_m, w), jnp.int32) for w in widths)
+
+
+def _bits32(t):
+  bits = lax.bitcast_convert_type(t, jnp.dtype(f"int{8 * t.dtype.itemsize}"))
+  return bits.astype(jnp.int32)
+
+
+def l2_sink(sinks, touched):
+  """``sinks`` (``l2_touch_zeros``) OR-ed with the bits of the ``touched`` tiles of their
+  shape (keeps the touch loads alive). Reading the touched registers waits for their
+  loads: call it an iteration after ``l2_touch``."""
+  out = []
+  for s in sinks:
+    for t in touched:
+      if t.shape == s.shape:
+        s = s | _bits32(t)
+    out.append(s)
+  return tuple(out)
+
+
+def l2_keep(out_ref, sinks, program, num_programs: int):
+  """Stores ``sinks`` into the first elements of the output ``out_ref`` ([M, N] or [M])
+  under ``program >= num_programs``: false in every launch of a grid of
+  ``num_programs`` programs (so nothing is written), but not to the compiler, which
+  must then keep the loads the sinks depend on."""
+  never = program >= num_programs
+  cast = lambda s: (s.astype(_F32) if jnp.issubdtype(out_ref.dtype, jnp.floating)  # noqa
+                    else s).astype(out_ref.dtype)
+  for s in sinks:
+    bm, w = s.shape
+    if len(out_ref.shape) == 1:
+      idx = jnp.arange(bm * w, dtype=jnp.int32)
+      plgpu.store(out_ref.at[idx], cast(s.reshape(bm * w)),
+                  mask=never & (idx < out_ref.shape[0]))
+      continue
+    m, n = out_ref.shape
+    rows = jnp.arange(bm, dtype=jnp.int32)
+    cols = jnp.arange(w, dtype=jnp.int32)
+    mask = never & (rows < m)[:, None] & (cols < n)[None, :]
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], cast(s),
+                mask=mask)
+
+
 def _where0(mask, a):
   return a if mask is None else jnp.where(mask, a, 0.0)
 
