@@ -208,11 +208,6 @@ class BackwardConfig:
       of these widths side by side from column 0 (decreasing powers of 2 summing to at
       most block_n and covering N), e.g. (4096, 1024) for N = 5120, so that fewer lanes
       are masked than in one 8192-wide tile. Empty: one block_n-wide tile.
-    l2_prefetch: the single-tile persistent stage 1 (one [block_m, block_n >= N] tile,
-      no pieces) also touches, while it computes row block rb, one element a 32-byte
-      sector of x, dy (and dh) of row block rb + 2G, so that their HBM reads are in
-      flight beside the register prefetch of rb + G (``forward.l2_touch``). Ignored by
-      the other stage-1 kernels and in interpret mode (inline assembly).
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
@@ -234,7 +229,6 @@ class BackwardConfig:
   split_lag: int = 2
   split_early_publish: bool = False
   pieces: tuple[int, ...] = ()
-  l2_prefetch: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))

@@ -26,7 +26,7 @@ the median of 30 and 20 calls.
 
 Configs of ``fwd`` (``--configs``, ';'-separated; "@nocg" or "@cgall" appended traces
 a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for all of
-them; "@l2" before them turns a backward config's ``l2_prefetch`` on):
+them):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
@@ -55,7 +55,6 @@ Which results file each A/B wrote, and which rule it backs: benchmarks/README.md
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import jax
@@ -144,8 +143,7 @@ def _inputs(shape: str, dt, with_dy: bool):
 def _split_spec(cs: str) -> tuple[str, list[int]]:
   """"psplit:2048,1,8@nocg" -> ("psplit", [2048, 1, 8])."""
   kind, _, args = cs.partition(":")
-  args, kind = (v.removesuffix("@l2").removesuffix("@nocg").removesuffix("@cgall")
-                for v in (args, kind))
+  args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
   return kind, [int(v) for v in args.split(",")] if args else []
 
 
@@ -226,10 +224,7 @@ def _configs(args, sms: int) -> dict:
       kind, a = _split_spec(cs)
       extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
-        cfg = make(kind, a, m, n, args.op == "layer", sms, **extra)
-        if "@l2" in cs:  # l2_prefetch on (backward configs)
-          cfg = dataclasses.replace(cfg, l2_prefetch=True)
-        out[(shape, cs)] = cfg
+        out[(shape, cs)] = make(kind, a, m, n, args.op == "layer", sms, **extra)
       except (TypeError, ValueError) as e:  # unknown kind, too few or too many numbers
         raise ValueError(f"--configs {cs!r}: {e}") from e
   return out

@@ -56,8 +56,7 @@ from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _loa
                                          _load_x, _round, _slot_bits, _split_count,
                                          _split_rows_call, _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0, _x_src,
-                                         _y_dtype, fp8_group_size, l2_keep, l2_sink,
-                                         l2_touch, l2_touch_zeros)
+                                         _y_dtype, fp8_group_size)
 
 __all__ = ["norm_backward"]
 
@@ -168,15 +167,6 @@ def _x_hat_g(x, dy, mask, mean, rstd, w, cast=None):
   return x_hat, dy, _round(_round(g, y_dtype), x_dtype), _round(x_hat, x_dtype)
 
 
-def _stream_refs(x_ref, dy_ref, dx_ref) -> tuple:
-  """The [M, N] arrays stage 1 streams from HBM: x's own (x; an FP8 x's values, its
-  scales being 1/G as many), dy and, with the fused residual add, dh."""
-  refs = [getattr(x_ref, "x", x_ref), dy_ref]
-  if isinstance(dx_ref, _DxOut) and dx_ref.dh is not None:
-    refs.append(dx_ref.dh)
-  return tuple(refs)
-
-
 def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
   if dw_ref is not None:
     plgpu.store(dw_ref.at[r, cols], dw_acc, mask=col_mask)
@@ -203,14 +193,13 @@ def _sum(terms):
 
 
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
-                        num_programs, pieces=(), cast=None, l2_prefetch=False):
+                        num_programs, pieces=(), cast=None):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
   [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel. ``pieces``
   (single tile only): the tile as column pieces of these widths, side by side from
-  column 0, instead of one block_n-wide tile. ``l2_prefetch`` (single tile, no pieces):
-  row block rb + 2G touched into L2 while rb is computed (``forward.l2_touch``).
+  column 0, instead of one block_n-wide tile.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
@@ -237,20 +226,14 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
     return tuple(out)
 
-  # l2_prefetch: the raw [M, N] arrays streamed (x's own refs, dy, dh)
-  streams = _stream_refs(x_ref, dy_ref, dx_ref) if l2_prefetch else ()
-  touch = functools.partial(l2_touch, streams, m=m, n=n, block_m=block_m, block_n=block_n)
-
   def body(i, carry):
     # [width] f32 partials in registers, a (dscale, dbias) pair a piece; this block's
     # x, dy (and, with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles, a
-    # triple a piece; with l2_prefetch, the touches of the block after the next one and
-    # their sinks.
-    accs, xdy, touched, sinks = carry
+    # triple a piece.
+    accs, xdy = carry
     rb = r + i * num_programs
     # Prefetch the next row block (fully masked past the end) before this one's math.
     xdy_next = load(rb + num_programs)
-    touched_next = touch(rb + 2 * num_programs) if streams else ()
     idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
     rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
@@ -272,25 +255,19 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd, dh)
       new_accs.append((dw_acc + jnp.sum(dy * x_hat_w, axis=0),
                        db_acc + jnp.sum(dy, axis=0)))
-    sinks = l2_sink(sinks, touched) if streams else ()
-    return tuple(new_accs), xdy_next, touched_next, sinks
+    return tuple(new_accs), xdy_next
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
   zeros = tuple((jnp.zeros((w,), _F32), jnp.zeros((w,), _F32)) for w in widths)
-  first = load(r)
-  touched = touch(r + num_programs) if streams else ()
-  sinks = l2_touch_zeros(streams, block_m=block_m, block_n=block_n) if streams else ()
-  accs, _, _, sinks = lax.fori_loop(0, num_steps, body, (zeros, first, touched, sinks))
+  accs, _ = lax.fori_loop(0, num_steps, body, (zeros, load(r)))
   for tile, (dw_acc, db_acc) in zip(tiles, accs):
     _, cols, _, col_mask, _ = tile(0)
     _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
-  if streams:
-    l2_keep(dx_ref.dx if isinstance(dx_ref, _DxOut) else dx_ref, sinks, r, num_programs)
 
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
-                           pieces=(), cast=None, group_size=0, l2_prefetch=False):
+                           pieces=(), cast=None, group_size=0):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -301,7 +278,7 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
                       block_m=block_m, block_n=block_n, num_programs=num_programs,
-                      pieces=pieces, cast=cast, l2_prefetch=l2_prefetch)
+                      pieces=pieces, cast=cast)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -662,9 +639,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       inputs += list(c)
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                          chunked=chunked, pieces=pieces, **fused, **statics,
-                          l2_prefetch=(cfg.l2_prefetch and not interpret and not chunked
-                                       and not pieces)),
+                          chunked=chunked, pieces=pieces, **fused, **statics),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,

@@ -61,8 +61,7 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, device_info,
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
-                                         _load_row_block, _load_tile, _tile_index, _where0,
-                                         l2_keep, l2_sink, l2_touch, l2_touch_zeros)
+                                         _load_row_block, _load_tile, _tile_index, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
@@ -102,10 +101,6 @@ class Fp8Config:
       loaded again for each row block (False: from L1/L2; fewer registers, so more
       programs resident: LayerNorm [1, 4096] at 4 warps 202 -> 128 registers a thread,
       2 -> 4 programs a SM; ptxas for sm_90a). Ignored otherwise.
-    l2_prefetch: persistent whole rows: while a program computes row block rb it also
-      touches one element a 32-byte sector of x's row block rb + 2G, so that its HBM
-      reads are in flight beside the register prefetch of rb + G
-      (``forward.l2_touch``). Ignored otherwise, and in interpret mode.
   """
 
   block_m: int
@@ -114,7 +109,6 @@ class Fp8Config:
   num_programs: int = 0
   tile_params: bool = False
   hoist_params: bool = True
-  l2_prefetch: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -361,7 +355,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, tile_params, hoist_params, block_m,
-                       block_n, num_programs, l2_prefetch=False):
+                       block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -390,29 +384,19 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       w, b = params(cols, col_mask)
       params = lambda c, cm: (w, b)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
-    # l2_prefetch (compiled only: inline of hw_sat's kind) on a plain x ref
-    streams = (x_ref,) if l2_prefetch and hw_sat and not hasattr(x_ref, "x") else ()
-    touch = functools.partial(l2_touch, streams, m=m, n=n, block_m=block_m, block_n=block_n)
 
     def body(i, carry):
-      amax, x, touched, sinks = carry  # x: this row block's tile in x's dtype, 0 outside
+      amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
       rb = pid + i * num_programs
       x_next = load(rb + num_programs)  # the prefetch
-      touched_next = touch(rb + 2 * num_programs) if streams else ()
       t = tile(rb, 0)
       x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
       amax = jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
-      sinks = l2_sink(sinks, touched) if streams else ()
-      return amax, x_next, touched_next, sinks
+      return amax, x_next
 
-    first = load(pid)
-    init = (zeros, first, touch(pid + num_programs) if streams else (),
-            l2_touch_zeros(streams, block_m=block_m, block_n=block_n))
-    amax, _, _, sinks = lax.fori_loop(0, num_steps, body, init)
-    if streams:
-      l2_keep(q[2] if q is not None else rstd_ref, sinks, pid, num_programs)
+    amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
   else:
     def body(i, amax):
       rb = pid + i * num_programs
@@ -475,8 +459,8 @@ def _row_launch(m, cfg: Fp8Config):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params, num_programs=g,
-                                      l2_prefetch=cfg.l2_prefetch), g)
+  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params, num_programs=g),
+          g)
 
 
 def _row_results(outs, m, subtract_mean):
