@@ -151,17 +151,11 @@ class TritonKnobs:
     loop_stages: ``tl.range(..., num_stages=loop_stages)`` on the chunk loops (reload
       passes, backward row statistics); 0 leaves them to the launch's num_stages
       (``LOOP_STAGES``).
-    l2_prefetch: backward stage 1 with one tile a row block: while a program computes
-      row block rb, one of its threads asks L2 for row block rb + 2G of dy, x (and dh)
-      with ``cp.async.bulk.prefetch.L2.global`` (sm_90; no data comes back to the SM),
-      beside the register prefetch of rb + G (``L2_PREFETCH``; rows of a multiple of
-      16 bytes only).
   """
 
   evict_first: bool = False
   stream_cg: bool = False
   loop_stages: int = 0
-  l2_prefetch: bool = False
 
   def __post_init__(self):
     if self.evict_first and self.stream_cg:
@@ -208,17 +202,6 @@ def _stream_load(ptr, offs, mask, EVICT_FIRST: tl.constexpr, STREAM_CG: tl.const
   return tl.load(ptr + offs, mask=mask, other=0.0,
                  eviction_policy="evict_first" if EVICT_FIRST else "",
                  cache_modifier=".cg" if STREAM_CG else "")
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes):
-  """Thread 0 of the program asks L2 for the ``nbytes`` (a multiple of 16; nothing when
-  <= 0) at ``ptr`` (16-byte aligned): ``cp.async.bulk.prefetch.L2.global``, sm_90."""
-  tl.inline_asm_elementwise(
-      "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-      "setp.gt.and.s32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-      "mov.u32 $0, 0; }",
-      "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -780,7 +763,7 @@ def norm_bwd_kernel(
     HAS_DRES: tl.constexpr, LLAMA_X: tl.constexpr, LLAMA_Y: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr, USE_INT64: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+    EVICT_FIRST: tl.constexpr, STREAM_CG: tl.constexpr):
   """Backward stage 1, persistent over row blocks. Grid (G, chunks, batch).
 
   Program (r, k, b) handles column chunk k of row blocks r, r + G, ... of batch entry b.
@@ -838,17 +821,6 @@ def norm_bwd_kernel(
       dh_next = _stream_load(dh_ptr, offs_next, mask_next, EVICT_FIRST, STREAM_CG)
     else:
       dh_next = 0.0
-    if L2_PREFETCH:  # row block rb + 2G into L2 (one tile: BLOCK_N >= N, rows contiguous)
-      ahead = rb + 2 * step
-      start = b * M + ahead * BLOCK_M
-      if USE_INT64:
-        start = start.to(tl.int64)
-      nrows = tl.minimum(M - ahead * BLOCK_M, BLOCK_M)
-      _l2_prefetch(dy_ptr + start * N, nrows * (N * dy_ptr.dtype.element_ty.primitive_bitwidth // 8))
-      _l2_prefetch(x_ptr + start * N, nrows * (N * x_ptr.dtype.element_ty.primitive_bitwidth // 8))
-      if HAS_DH:
-        _l2_prefetch(dh_ptr + start * N,
-                     nrows * (N * dh_ptr.dtype.element_ty.primitive_bitwidth // 8))
     rows, row_mask, offs, mask = _tile_at(b, rb, cols, col_mask, M, N, BLOCK_M, USE_INT64)
     mean, rstd = _load_row_stats(mean_ptr, rstd_ptr, rows, row_mask, SUBTRACT_MEAN)
     dyf, x_hat, g, x_hat_w = _bwd_math(dy, x, mean, rstd, w, mask, SUBTRACT_MEAN, HAS_SCALE,
@@ -1119,8 +1091,7 @@ def backward_plan(config: _config.BackwardConfig, *, batch: int, m: int, n: int,
       ("HAS_DRES", bool(has_dres)), *_llama(cast),
       ("BLOCK_M", config.block_m), ("BLOCK_N", config.block_n), ("CHUNKED", chunked),
       ("USE_INT64", _needs_int64(rows, n, config.block_m, config.block_n)),
-      ("EVICT_FIRST", bool(knobs.evict_first)), ("STREAM_CG", bool(knobs.stream_cg)),
-      ("L2_PREFETCH", bool(knobs.l2_prefetch) and not chunked))
+      ("EVICT_FIRST", bool(knobs.evict_first)), ("STREAM_CG", bool(knobs.stream_cg)))
   grid = (programs, _config.cdiv(n, config.block_n) if chunked else 1, batch)
   return LaunchPlan(grid, config.num_warps, config.num_stages, constexprs)
 
