@@ -208,6 +208,12 @@ class BackwardConfig:
       of these widths side by side from column 0 (decreasing powers of 2 summing to at
       most block_n and covering N), e.g. (4096, 1024) for N = 5120, so that fewer lanes
       are masked than in one 8192-wide tile. Empty: one block_n-wide tile.
+    prefetch_depth: the persistent stage 1 loads row block rb + prefetch_depth x G
+      while it computes rb, holding that many row blocks' tiles in registers (>= 1).
+    recompute_dx: the persistent stage 1 accumulates the dscale/dbias partials first
+      and computes dx from the raw bf16 x and dy tiles converted again after the row
+      reductions, so that the float32 x_hat and g are not live across them (bf16 x and
+      dy, cast="torch"; otherwise the flag changes nothing).
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
@@ -229,9 +235,13 @@ class BackwardConfig:
   split_lag: int = 2
   split_early_publish: bool = False
   pieces: tuple[int, ...] = ()
+  prefetch_depth: int = 1
+  recompute_dx: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))
+    if self.prefetch_depth < 1:
+      raise ValueError(f"{self.prefetch_depth=} must be >= 1")
     p = self.pieces
     if any(v < 1 or v & (v - 1) for v in p) or any(a <= b for a, b in zip(p, p[1:])):
       raise ValueError(f"{self.pieces=} must be decreasing powers of 2")
@@ -406,9 +416,19 @@ _FP8_RMS_FWD_TILE = (2, 4)  # (block_m, num_warps)
 # 16. H200, 2026-11-26, 8192x8192, with / without residuals: 63.5/76.0 against
 # 84.0/79.1 us (multi_wave_cached [2, 8192] x 8: 67.7/67.2). [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
-# LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16).
+# LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
+# (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
+# without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
 _RES_LN_8192_BWD_WARPS = 32
+_RES_LN_8192_BWD_WARPS_DEVICES = ("H200", "H100")
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
+# LayerNorm + residual, N' = 8192, bf16, the Pallas backward, every GPU: the stage-1
+# kernel converts x and dy to float32 again for dx after the row reductions
+# (BackwardConfig.recompute_dx), so that the float32 x_hat and g are not live across
+# them (ptxas sm_90a: [1, 8192] x 32 warps spills 24 bytes a thread without it, none
+# with it). H100, 2026-11-26, 4096x8192 / 8192x8192: 105.5/107.7, 198.5/201.0 at 32
+# warps; 107.7/113.7, 201.8/215.0 at 16. [T#recompute-dx]
+_RES_LN_8192_BWD_RECOMPUTE = True
 
 # ---- backend=None: the backend of each kernel (forward, backward), where one measured
 # faster than the Pallas backend side by side; everywhere else "pallas". Entries:
@@ -815,8 +835,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     device: the DeviceInfo to pick for (default: ``device_info()``).
     subtract_mean: LayerNorm (True) or RMSNorm (False).
     backend: "pallas" or "triton" (the split-row kernel and the pieces are Pallas-only).
-    residual: the fused residual add (x is h, plus dh): on an H200 in 2-byte dtypes,
-      LayerNorm N' = 8192 at 32 warps.
+    residual: the fused residual add (x is h, plus dh): LayerNorm N' = 8192 at 32
+      warps on an H100 or H200 in 2-byte dtypes, and with ``recompute_dx`` on any GPU
+      in bf16.
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -827,16 +848,21 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     Never ``reload_rows``. Evidence: docs/tuning.md, the "Backward" sections.
   """
   device = device or device_info()
-  res_rules = _residual_rules(residual, dtype, backend, device)
   bn_full = next_power_of_2(n)
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None
   lag, early, pieces = _BWD_SPLIT_LAG, False, ()
+  recompute = False
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
-    if res_rules and subtract_mean and block_n == 8192:
+    if (residual and subtract_mean and block_n == 8192 and backend == "pallas"
+        and np.dtype(dtype).itemsize <= _RES_MAX_ITEMSIZE
+        and any(d in device.name for d in _RES_LN_8192_BWD_WARPS_DEVICES)):
       num_warps = _RES_LN_8192_BWD_WARPS
+    recompute = (_RES_LN_8192_BWD_RECOMPUTE and residual and subtract_mean
+                 and block_n == 8192 and not pieces and backend == "pallas"
+                 and device.platform == "gpu" and np.dtype(dtype).name == "bfloat16")
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1
@@ -849,7 +875,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split is not None,
                         reload_rows=False, split_lag=lag, split_early_publish=early,
-                        pieces=pieces, **reduce_config(n, num_programs))
+                        pieces=pieces, recompute_dx=recompute,
+                        **reduce_config(n, num_programs))
 
 
 def _binary_pieces(n: int) -> tuple[int, ...]:

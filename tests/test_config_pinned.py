@@ -309,7 +309,32 @@ def test_residual_rules():
     d = kw.pop("d")
     for m, n, ln in ((8192, 8192, False), (8192, 4096, True), (8192, 8192, True)):
       assert fwd(m, n, ln, d, **kw) == fwd(m, n, ln, d, res=False, **kw)
-      assert bwd(m, n, ln, d, **kw) == bwd(m, n, ln, d, res=False, **kw)
+      if (m, n, ln) == (8192, 8192, True) and d is h100 and not kw:
+        continue  # the N' = 8192 LayerNorm backward's rules (test below)
+      assert dataclasses.replace(bwd(m, n, ln, d, **kw), recompute_dx=False) == bwd(
+          m, n, ln, d, res=False, **kw)
+
+
+def test_residual_recompute_dx_rule():
+  """LayerNorm + residual at N' = 8192, bf16, the Pallas backward on a GPU: dx from x and
+  dy converted again ([T#recompute-dx]); nothing else takes it."""
+  bwd = lambda m, n, d, ln=True, dt=jnp.bfloat16, res=True, be="pallas": (
+      pn_config.backward_config(m, n, dt, DEVICES[d], subtract_mean=ln, backend=be,
+                                residual=res).recompute_dx)
+  for d in ("h100", "h200", "a100"):
+    assert bwd(4096, 8192, d) and bwd(8192, 8192, d) and bwd(1000, 6000, d)
+    assert not bwd(4096, 8192, d, ln=False)
+    assert not bwd(4096, 8192, d, res=False)
+    assert not bwd(4096, 8192, d, dt=jnp.float16)
+    assert not bwd(4096, 8192, d, dt=jnp.float32)
+    assert not bwd(4096, 8192, d, be="triton")
+    assert not bwd(8192, 4096, d) and not bwd(4096, 16384, d)
+  assert not bwd(4096, 8192, "cpu")
+  warps = lambda d, res=True, dt=jnp.bfloat16: pn_config.backward_config(
+      4096, 8192, dt, DEVICES[d], subtract_mean=True, residual=res).num_warps
+  assert warps("h100") == warps("h200") == 32  # 32 warps with the residual on both
+  assert warps("h100", res=False) == warps("h200", res=False) == 16
+  assert warps("a100") == warps("h100", dt=jnp.float32) == 16
 
 
 def test_fp8_rms_forward_tiles():

@@ -7,6 +7,7 @@ level; the public op is checked in every mode and dtype combination. On CPU the 
 run in Pallas interpret mode; ``make gpu-check`` runs this file with interpret=False.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -283,6 +284,45 @@ def test_dh_loaded_at_store(monkeypatch, bwd):
   from pallas_norm.kernels import backward
   monkeypatch.setattr(backward, "PREFETCH_DH_MAX_BLOCK_N", 0)
   _launch_case(9, 1000, True, FWD["persistent"], BWD[bwd])
+
+
+_STAGE1_KNOBS = {"depth2": dict(prefetch_depth=2), "recompute": dict(recompute_dx=True),
+                 "depth3_recompute": dict(prefetch_depth=3, recompute_dx=True)}
+
+
+@pytest.mark.parametrize("knobs", list(_STAGE1_KNOBS))
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_stage1_prefetch_depth_and_recompute_dx(layer, residual, knobs):
+  """The persistent stage 1 with row blocks prefetched further ahead, or dx computed
+  from x and dy converted again after the row reductions (BackwardConfig.prefetch_depth,
+  recompute_dx): the same values as the stock kernel, bit for bit (the same float32
+  operations in the same order); bf16, so that recompute_dx takes its path. On the GPU
+  (``--gpu``) at a width of the rule ([T#recompute-dx]) and ragged rows."""
+  from pallas_norm.kernels import backward
+  m, n, g = (1000, 8192, 132) if not _interpret() else (37, 256, 3)
+  x, r, scale, _, dy = _inputs(m, n, "bfloat16", "bfloat16", layer=layer)
+  h = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
+  _, mean, rstd = reference.norm(h, scale, None, eps=1e-5, subtract_mean=layer)
+  dh = jnp.asarray(np.random.default_rng(5).standard_normal((m, n)), jnp.bfloat16)
+  base = pn_config.BackwardConfig(2 if _interpret() else 1, n, 4 if _interpret() else 16,
+                                  g, **pn_config.reduce_config(n, g))
+  kw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=_interpret(),
+            scale_dtype=jnp.bfloat16, bias_dtype=jnp.bfloat16)
+  if residual:
+    kw.update(dh=dh, dx_dtype=jnp.bfloat16, residual_dtype=jnp.bfloat16)
+  run = lambda cfg: backward.norm_backward(dy, h, scale.astype(jnp.bfloat16), mean, rstd,
+                                           config=cfg, **kw)
+  want = run(base)
+  got = run(dataclasses.replace(base, **_STAGE1_KNOBS[knobs]))
+  for a, b in zip(got, want):
+    if b is not None:
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_prefetch_depth_checked():
+  with pytest.raises(ValueError, match="prefetch_depth"):
+    pn_config.BackwardConfig(1, 256, 4, 2, prefetch_depth=0)
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])

@@ -26,7 +26,8 @@ the median of 30 and 20 calls.
 
 Configs of ``fwd`` (``--configs``, ';'-separated; "@nocg" or "@cgall" appended traces
 a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for all of
-them):
+them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k and "@rc" ("@rc0")
+its ``recompute_dx`` on (off), before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
@@ -55,6 +56,8 @@ Which results file each A/B wrote, and which rule it backs: benchmarks/README.md
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 
 import jax
@@ -65,6 +68,7 @@ from pallas_norm import config as C
 from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)")  # backward config tags (see the docstring)
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
 _TRITON_VARIANTS = ("pallas", "triton", "evict_first", "stream_cg", "stages2")
 
@@ -143,7 +147,8 @@ def _inputs(shape: str, dt, with_dy: bool):
 def _split_spec(cs: str) -> tuple[str, list[int]]:
   """"psplit:2048,1,8@nocg" -> ("psplit", [2048, 1, 8])."""
   kind, _, args = cs.partition(":")
-  args, kind = (v.removesuffix("@nocg").removesuffix("@cgall") for v in (args, kind))
+  args, kind = (_TAG.sub("", v).removesuffix("@nocg").removesuffix("@cgall")
+                for v in (args, kind))
   return kind, [int(v) for v in args.split(",")] if args else []
 
 
@@ -224,7 +229,12 @@ def _configs(args, sms: int) -> dict:
       kind, a = _split_spec(cs)
       extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
-        out[(shape, cs)] = make(kind, a, m, n, args.op == "layer", sms, **extra)
+        cfg = make(kind, a, m, n, args.op == "layer", sms, **extra)
+        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc
+          cfg = dataclasses.replace(cfg, **({"prefetch_depth": int(t.group(2))}
+                                            if t.group(1) else
+                                            {"recompute_dx": t.group(3) != "0"}))
+        out[(shape, cs)] = cfg
       except (TypeError, ValueError) as e:  # unknown kind, too few or too many numbers
         raise ValueError(f"--configs {cs!r}: {e}") from e
   return out

@@ -56,7 +56,7 @@ from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _loa
                                          _load_x, _round, _slot_bits, _split_count,
                                          _split_rows_call, _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0, _x_src,
-                                         _y_dtype, fp8_group_size)
+                                         _y_dtype, _f32_again, fp8_group_size)
 
 __all__ = ["norm_backward"]
 
@@ -193,13 +193,15 @@ def _sum(terms):
 
 
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
-                        num_programs, pieces=(), cast=None):
+                        num_programs, pieces=(), cast=None, prefetch_depth=1,
+                        recompute_dx=False):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
   [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel. ``pieces``
   (single tile only): the tile as column pieces of these widths, side by side from
-  column 0, instead of one block_n-wide tile.
+  column 0, instead of one block_n-wide tile. ``prefetch_depth`` and ``recompute_dx``:
+  BackwardConfig's.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
@@ -226,19 +228,28 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
     return tuple(out)
 
+  depth = max(1, prefetch_depth)
+
   def body(i, carry):
-    # [width] f32 partials in registers, a (dscale, dbias) pair a piece; this block's
-    # x, dy (and, with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles, a
-    # triple a piece.
-    accs, xdy = carry
+    # [width] f32 partials in registers, a (dscale, dbias) pair a piece; the x, dy (and,
+    # with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles of this row block
+    # and of the next depth - 1, a triple a piece each.
+    accs, queue = carry
+    xdy = queue[0]
     rb = r + i * num_programs
-    # Prefetch the next row block (fully masked past the end) before this one's math.
-    xdy_next = load(rb + num_programs)
+    # Prefetch row block rb + depth * G (fully masked past the end) before this one's math.
+    queue = queue[1:] + (load(rb + depth * num_programs),)
     idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
     rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
              for (x, dy, _), t, w in zip(xdy, idx, ws)]
+    accumulate = lambda: [(dw_acc + jnp.sum(dy * x_hat_w, axis=0),  # noqa: E731
+                           db_acc + jnp.sum(dy, axis=0))
+                          for (_, dy, _, x_hat_w), (dw_acc, db_acc) in zip(parts, accs)]
+    # recompute_dx: the partials first, then dx from the raw (bf16) tiles again after
+    # the row reductions, so that the float32 x_hat and g need not stay live across them
+    new_accs = accumulate() if recompute_dx else None
     if c_refs is None:
       c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g, _ in parts]) / n  # [block_m]
       c2 = None
@@ -249,17 +260,16 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       c2 = None
       if mean_ref is not None:
         c2 = _load(c_refs[1].at[rows], row_mask)
-    new_accs = []
-    for (x_hat, dy, g, x_hat_w), t, (dw_acc, db_acc), (_, _, dh) in zip(parts, idx, accs,
-                                                                       xdy):
+    for (x_hat, _, g, _), t, (x, dy, dh), w in zip(parts, idx, xdy, ws):
+      if recompute_dx and cast is None and x.dtype == dy.dtype == jnp.bfloat16:
+        x_hat, _, g, _ = _x_hat_g(_f32_again(x), _f32_again(dy), t[4], mean, rstd, w)
       _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd, dh)
-      new_accs.append((dw_acc + jnp.sum(dy * x_hat_w, axis=0),
-                       db_acc + jnp.sum(dy, axis=0)))
-    return tuple(new_accs), xdy_next
+    return tuple(new_accs or accumulate()), queue
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
   zeros = tuple((jnp.zeros((w,), _F32), jnp.zeros((w,), _F32)) for w in widths)
-  accs, _ = lax.fori_loop(0, num_steps, body, (zeros, load(r)))
+  queue = tuple(load(r + j * num_programs) for j in range(depth))
+  accs, _ = lax.fori_loop(0, num_steps, body, (zeros, queue))
   for tile, (dw_acc, db_acc) in zip(tiles, accs):
     _, cols, _, col_mask, _ = tile(0)
     _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc)
@@ -267,7 +277,8 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
-                           pieces=(), cast=None, group_size=0):
+                           pieces=(), cast=None, group_size=0, prefetch_depth=1,
+                           recompute_dx=False):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -278,7 +289,8 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       c_refs if chunked else None, pl.program_id(0),
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
                       block_m=block_m, block_n=block_n, num_programs=num_programs,
-                      pieces=pieces, cast=cast)
+                      pieces=pieces, cast=cast, prefetch_depth=prefetch_depth,
+                      recompute_dx=recompute_dx)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -639,7 +651,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
       inputs += list(c)
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
-                          chunked=chunked, pieces=pieces, **fused, **statics),
+                          chunked=chunked, pieces=pieces, **fused, **statics,
+                          prefetch_depth=cfg.prefetch_depth,
+                          recompute_dx=cfg.recompute_dx),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
