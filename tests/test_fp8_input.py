@@ -294,41 +294,6 @@ def test_kernel_variants(fwd, bwd, g, fp8, layer):
   _launch_case(9, 384 - g, g, fp8, layer, FWD[fwd], BWD[bwd])
 
 
-@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-def test_raw_prefetch_same_bits(monkeypatch, layer):
-  """The persistent forward and backward prefetch FP8 x raw and apply its scales at use
-  (forward.FP8_RAW_PREFETCH); applied at the load instead, the outputs agree to float32
-  rounding (the same float32 products; the compiler may sum them in another order). On
-  the GPU (``--gpu``) at 8192-wide rows."""
-  from pallas_norm.kernels import backward, forward
-  m, n, g = (1000, 8192, 16) if not _interpret() else (9, 512, 16)
-  x, s, scale, bias, dy = _inputs(m, n, g, layer=layer)
-  b = bias if layer else None
-  gs = 132 if not _interpret() else 3
-  fcfg = pn_config.ForwardConfig("static_persistent", 2, n, 16 if not _interpret() else 4, gs)
-  bcfg = pn_config.BackwardConfig(1 if not _interpret() else 2, n,
-                                  16 if not _interpret() else 4, gs,
-                                  **pn_config.reduce_config(n, gs))
-
-  def launch():
-    y, mean, rstd = forward.norm_forward(x, scale, b, eps=1e-5, scale_offset=0.0,
-                                         subtract_mean=layer, config=fcfg,
-                                         interpret=_interpret(), x_scale=s)
-    return (y, mean, rstd, *backward.norm_backward(
-        dy, x, scale, mean, rstd, has_bias=layer, scale_offset=0.0, subtract_mean=layer,
-        config=bcfg, interpret=_interpret(), scale_dtype=jnp.float32,
-        bias_dtype=jnp.float32, x_scale=s))
-
-  raw = launch()
-  monkeypatch.setattr(forward, "FP8_RAW_PREFETCH", False)
-  at_load = launch()
-  names = ("y", "mean", "rstd", "dx", "dscale", "dbias")
-  for name, a, c in zip(names, raw, at_load):
-    if c is not None:
-      assert a.dtype == c.dtype, name
-      _close(a, c, "float32" if a.dtype == jnp.float32 else "bfloat16", what=name)
-
-
 def test_tensor_parallel_kernels():
   """norm_forward_stats / norm_forward_apply with x_scale (the hidden-dim-sharded pair),
   one shard, and the backward's row-statistics + column pair that it takes (LayerNorm;

@@ -51,14 +51,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
-from pallas_norm.kernels import forward
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
                                          _load_x, _round, _slot_bits, _split_count,
                                          _split_rows_call, _split_rows_loop, _split_rows_refs,
                                          _split_slot_tiles, _tile_index, _where0, _x_src,
-                                         _y_dtype, _f32_again, _dequantised, _load_raw,
-                                         fp8_group_size)
+                                         _y_dtype, _f32_again, fp8_group_size)
 
 __all__ = ["norm_backward"]
 
@@ -222,17 +220,12 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 
   prefetch_dh = mean_ref is not None and block_n <= PREFETCH_DH_MAX_BLOCK_N  # LayerNorm
 
-  raw = forward.FP8_RAW_PREFETCH
-
   def load(rb):  # may be past the last row block (a prefetch): rows stay masked
-    out = []  # an FP8 x raw: its (q, s), the scales applied where it is used
+    out = []
     for tile in tiles:
       rows, cols, _, _, mask = tile(rb)
       dh = _load_dh(dx_ref, rows, cols, mask) if prefetch_dh else None
-      xdy = (_load_xdy(x_ref, dy_ref, rows, cols, mask) if not raw else
-             (_load_raw(x_ref, rows, cols, mask, first=False),
-              _load_stream(dy_ref.at[rows[:, None], cols[None, :]], mask)))
-      out.append(xdy + (dh,))
+      out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
     return tuple(out)
 
   depth = max(1, prefetch_depth)
@@ -242,7 +235,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     # with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles of this row block
     # and of the next depth - 1, a triple a piece each.
     accs, queue = carry
-    xdy = tuple((_dequantised(x_ref, x), dy, dh) for x, dy, dh in queue[0])
+    xdy = queue[0]
     rb = r + i * num_programs
     # Prefetch row block rb + depth * G (fully masked past the end) before this one's math.
     queue = queue[1:] + (load(rb + depth * num_programs),)

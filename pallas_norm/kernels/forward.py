@@ -61,12 +61,6 @@ __all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply", "fp8_grou
 _F32 = jnp.float32
 
 
-# The persistent loops prefetch an FP8 x raw (its FP8 tile and scale tile) and apply
-# the scales where the tile is used; False applies them at the load, as before (the
-# A/B of docs/fp8.md#fp8-raw-prefetch).
-FP8_RAW_PREFETCH = True
-
-
 # --------------------------------------------------------------------------- tile helpers
 
 
@@ -166,16 +160,9 @@ def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
   the scales broadcast over each group. ``cols`` is a column tile starting at a
   multiple of G (every tile of the kernels: G divides block_n, chunk_n and the pieces;
   the launchers check it)."""
-  return _apply_scales(_load_fp8(src, rows, cols, mask, eviction_policy), src.group_size)
-
-
-def _load_fp8(src: _Fp8, rows, cols, mask, eviction_policy=None):
-  """(q, s): the raw FP8 tile [block_m, block_n] and its scale tile [block_m, block_n /
-  G] of an _Fp8 source (``_dequantise`` before the multiply). A prefetch keeps them
-  so: 1 byte a value in registers, and no instruction that waits for the loads."""
   m, n = src.shape
   g = src.group_size
-  block_n = cols.shape[0]
+  block_m, block_n = rows.shape[0], cols.shape[0]
   ng = block_n // g
   gcols = jnp.min(cols) // g + jnp.arange(ng, dtype=jnp.int32)  # [ng] group indices
   smask = None
@@ -183,30 +170,8 @@ def _load_fp8(src: _Fp8, rows, cols, mask, eviction_policy=None):
     smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
   q = _load_stream(src.x.at[rows[:, None], cols[None, :]], mask, eviction_policy)
   s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
-  return q, s
-
-
-def _apply_scales(qs, group_size: int):
-  """The f32 tile of ``_load_fp8``'s (q, s)."""
-  q, s = qs
-  block_m, block_n = q.shape
-  ng = block_n // group_size
-  x = q.astype(_F32).reshape(block_m, ng, group_size) * s[:, :, None]  # [bm, ng, G] f32
+  x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
   return x.reshape(block_m, block_n)
-
-
-def _load_raw(src, rows, cols, mask, *, first, eviction_policy=None):
-  """``_load_x``, except that an _Fp8 source gives its (q, s) (``_load_fp8``), for a
-  prefetch; ``_dequantised`` turns it into the f32 tile where it is used."""
-  if isinstance(src, _Fp8):
-    return _load_fp8(src, rows, cols, mask, eviction_policy)
-  return _load_x(src, rows, cols, mask, first=first, eviction_policy=eviction_policy)
-
-
-def _dequantised(src, x):
-  """``x`` from ``_load_raw`` of ``src``: the f32 tile of an _Fp8 source's (q, s), else
-  ``x`` (a tile already)."""
-  return _apply_scales(x, src.group_size) if isinstance(x, tuple) else x
 
 
 def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
@@ -302,12 +267,11 @@ def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
 
 
-def _load_row_block(x_ref, rb, *, n, block_m, block_n, raw=False):
-  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access).
-  ``raw``: an FP8 x as its (q, s) (``_load_raw``; ``_dequantised`` where used)."""
+def _load_row_block(x_ref, rb, *, n, block_m, block_n):
+  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
   rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                        block_n=block_n)
-  return (_load_raw if raw else _load_x)(x_ref, rows, cols, mask, first=True)
+  return _load_x(x_ref, rows, cols, mask, first=True)
 
 
 def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None):
@@ -581,17 +545,15 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
-    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n,
-                             raw=FP8_RAW_PREFETCH)
+    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
 
     def body(i, x):
       rb = pid + i * num_programs
       # Prefetch the next row block before working on this one: its loads are in
       # flight during this block's reductions. Past the last block it is fully masked.
-      # An FP8 x stays raw until here (its scales applied at use, not at the load).
       x_next = load(rb + num_programs)
       _single_tile(rb, io, lambda: (w, b), n=n, eps=eps, subtract_mean=subtract_mean,
-                   block_m=block_m, block_n=block_n, x=_dequantised(x_ref, x))
+                   block_m=block_m, block_n=block_n, x=x)
       return x_next
 
     num_steps = (num_row_blocks - 1 - pid) // num_programs + 1
