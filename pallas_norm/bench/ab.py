@@ -26,8 +26,9 @@ the median of 30 and 20 calls.
 
 Configs of ``fwd`` (``--configs``, ';'-separated; "@nocg" or "@cgall" appended traces
 a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for all of
-them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k and "@rc" ("@rc0")
-its ``recompute_dx`` on (off), before those):
+them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k, "@rc" ("@rc0")
+its ``recompute_dx`` on (off) and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
+``reduce_block_g`` and ``reduce_num_warps``, before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
                           static_persistent with split_rows: G = occ x SMs / cdiv(N, bn);
@@ -68,7 +69,7 @@ from pallas_norm import config as C
 from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
-_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)")  # backward config tags (see the docstring)
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)")  # backward config tags (see the docstring)
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
 _TRITON_VARIANTS = ("pallas", "triton", "evict_first", "stream_cg", "stages2")
 
@@ -230,10 +231,15 @@ def _configs(args, sms: int) -> dict:
       extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
         cfg = make(kind, a, m, n, args.op == "layer", sms, **extra)
-        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc
-          cfg = dataclasses.replace(cfg, **({"prefetch_depth": int(t.group(2))}
-                                            if t.group(1) else
-                                            {"recompute_dx": t.group(3) != "0"}))
+        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc, @r<bn>.<bg>.<warps>
+          if t.group(1):
+            cfg = dataclasses.replace(cfg, prefetch_depth=int(t.group(2)))
+          elif t.group(4):
+            cfg = dataclasses.replace(cfg, reduce_block_n=int(t.group(4)),
+                                      reduce_block_g=int(t.group(5)),
+                                      reduce_num_warps=int(t.group(6)))
+          else:
+            cfg = dataclasses.replace(cfg, recompute_dx=t.group(3) != "0")
         out[(shape, cs)] = cfg
       except (TypeError, ValueError) as e:  # unknown kind, too few or too many numbers
         raise ValueError(f"--configs {cs!r}: {e}") from e
