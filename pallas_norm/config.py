@@ -393,6 +393,12 @@ _BWD_CHUNK_N, _BWD_CHUNK_WARPS, _BWD_CHUNK_OCCUPANCY = 4096, 16, 2
 # ---- Backward stage 2: all G partial rows of a column strip in one tile of at most
 # 8192 f32, one load deep (a loop over G cost ~8 us at N = 1024). [T#reduce]
 _REDUCE_TILE = 8192
+# Stage 2's warps on the Pallas backend: a tile / 1024 (8 for a full tile), not / 512
+# (16): up to 0.9 us faster a backward, and slower nowhere beyond the rounds' spread
+# (H200, 2026-11-26, 11 backwards, G = 16 to 528: LayerNorm + residual 8192x4096
+# 83.7/83.1, 4096x8192 86.0/85.1; RMSNorm 1024x4096 11.6/11.0). The Triton backend keeps
+# tile / 512 (not measured). [T#reduce]
+_REDUCE_ELEMS_PER_WARP = 1024
 _REDUCE_MAX_BLOCK_G, _REDUCE_MIN_BLOCK_N = 1024, 8  # bounds, not measured. [T#unmeasured]
 
 # ---- The fused residual add (residual=), Pallas, H200, 2-byte dtypes. The plain norm's
@@ -876,7 +882,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                         num_programs=num_programs, split_rows=split is not None,
                         reload_rows=False, split_lag=lag, split_early_publish=early,
                         pieces=pieces, recompute_dx=recompute,
-                        **reduce_config(n, num_programs))
+                        **reduce_config(n, num_programs, backend))
 
 
 def _binary_pieces(n: int) -> tuple[int, ...]:
@@ -884,11 +890,14 @@ def _binary_pieces(n: int) -> tuple[int, ...]:
   return tuple(1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
 
 
-def reduce_config(n: int, num_programs: int) -> dict:
+def reduce_config(n: int, num_programs: int, backend: str = "pallas") -> dict:
   """Stage-2 knobs for [num_programs, n] f32 partials: a dict of ``reduce_block_n``
   (columns a program), ``reduce_block_g`` (partial rows a step, next_power_of_2(G) up to
-  1024) and ``reduce_num_warps``, for ``BackwardConfig(**...)``. [T#reduce]"""
+  1024) and ``reduce_num_warps`` (``backend``'s), for ``BackwardConfig(**...)``.
+  [T#reduce]"""
   block_g = min(next_power_of_2(num_programs), _REDUCE_MAX_BLOCK_G)
   block_n = max(_REDUCE_MIN_BLOCK_N, min(next_power_of_2(n), _REDUCE_TILE // block_g))
-  return dict(reduce_block_n=block_n, reduce_block_g=block_g,
-              reduce_num_warps=_num_warps_for(block_g * block_n // 2))
+  tile = block_g * block_n
+  warps = (max(1, min(16, tile // _REDUCE_ELEMS_PER_WARP)) if backend == "pallas"
+           else _num_warps_for(tile // 2))
+  return dict(reduce_block_n=block_n, reduce_block_g=block_g, reduce_num_warps=warps)

@@ -337,6 +337,17 @@ def test_residual_recompute_dx_rule():
   assert warps("a100") == warps("h100", dt=jnp.float32) == 16
 
 
+def test_reduce_warps():
+  """Stage 2 ([T#reduce]): 8 warps for a full 8192-element tile on the Pallas backend,
+  16 on the Triton one; fewer for smaller tiles."""
+  assert pn_config.reduce_config(4096, 132)["reduce_num_warps"] == 8
+  assert pn_config.reduce_config(4096, 132, "triton")["reduce_num_warps"] == 16
+  assert pn_config.reduce_config(64, 2)["reduce_num_warps"] == 1  # a [2, 64] tile
+  bwd = pn_config.backward_config(8192, 4096, jnp.bfloat16, DEVICES["h200"],
+                                  backend="triton")
+  assert bwd.reduce_num_warps == 16
+
+
 def test_fp8_rms_forward_tiles():
   """FP8 x, RMSNorm, Pallas ([T#fp8-in-fwd]): two-row tiles at N' = 4096 (whole-row
   tile) and 8192 (the persistent one); LayerNorm, bf16 x and the Triton backend keep
