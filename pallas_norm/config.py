@@ -557,10 +557,11 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
-def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo) -> bool:
-  """Whether the fused residual add's own picks apply (measured: Pallas, H200, 2-byte
-  dtypes). [T#residual]"""
-  return (residual and backend == "pallas" and _RES_DEVICE in device.name
+def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo,
+                    devices: tuple[str, ...] = (_RES_DEVICE,)) -> bool:
+  """Whether the fused residual add's own picks apply (measured: Pallas, 2-byte dtypes,
+  on ``devices``: the H200, unless a rule names more). [T#residual]"""
+  return (residual and backend == "pallas" and any(d in device.name for d in devices)
           and np.dtype(dtype).itemsize <= _RES_MAX_ITEMSIZE)
 
 
@@ -862,9 +863,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
-    if (residual and subtract_mean and block_n == 8192 and backend == "pallas"
-        and np.dtype(dtype).itemsize <= _RES_MAX_ITEMSIZE
-        and any(d in device.name for d in _RES_LN_8192_BWD_WARPS_DEVICES)):
+    if subtract_mean and block_n == 8192 and _residual_rules(
+        residual, dtype, backend, device, _RES_LN_8192_BWD_WARPS_DEVICES):
       num_warps = _RES_LN_8192_BWD_WARPS
     recompute = (_RES_LN_8192_BWD_RECOMPUTE and residual and subtract_mean
                  and block_n == 8192 and not pieces and backend == "pallas"

@@ -593,8 +593,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       "static_persistent".
     backend: "pallas" (default), "triton" (plain Triton through jax-triton), "xla"
       (the jnp reference), "mosaic" (Pallas Mosaic GPU: N a multiple of 128; mode None
-      or "static_persistent"; no FP8 x or sharded hidden dim yet; docs/mosaic.md), or None: per kernel (forward, backward), the backend that
-      measured faster on this GPU and serves the call, with scale/bias in x's dtype;
+      or "static_persistent"; no FP8 x or sharded hidden dim yet; docs/mosaic.md), or
+      None: per kernel (forward, backward), the backend that measured faster on this
+      GPU and serves the call, with scale/bias in x's dtype;
       else "pallas" (``config.choose_backend``, docs/tuning.md#backend; on CPU too).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
     axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over

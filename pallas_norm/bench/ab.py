@@ -69,7 +69,8 @@ from pallas_norm import config as C
 from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
-_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)")  # backward config tags (see the docstring)
+# A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)")
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
 _TRITON_VARIANTS = ("pallas", "triton", "evict_first", "stream_cg", "stages2")
 

@@ -228,7 +228,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
     return tuple(out)
 
-  depth = max(1, prefetch_depth)
+  depth = prefetch_depth  # >= 1 (BackwardConfig checks it)
 
   def body(i, carry):
     # [width] f32 partials in registers, a (dscale, dbias) pair a piece; the x, dy (and,
@@ -244,9 +244,11 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
              for (x, dy, _), t, w in zip(xdy, idx, ws)]
-    accumulate = lambda: [(dw_acc + jnp.sum(dy * x_hat_w, axis=0),  # noqa: E731
-                           db_acc + jnp.sum(dy, axis=0))
-                          for (_, dy, _, x_hat_w), (dw_acc, db_acc) in zip(parts, accs)]
+
+    def accumulate():
+      return tuple((dw_acc + jnp.sum(dy * x_hat_w, axis=0), db_acc + jnp.sum(dy, axis=0))
+                   for (_, dy, _, x_hat_w), (dw_acc, db_acc) in zip(parts, accs))
+
     # recompute_dx: the partials first, then dx from the raw (bf16) tiles again after
     # the row reductions, so that the float32 x_hat and g need not stay live across them
     new_accs = accumulate() if recompute_dx else None
@@ -264,7 +266,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       if recompute_dx and cast is None and x.dtype == dy.dtype == jnp.bfloat16:
         x_hat, _, g, _ = _x_hat_g(_f32_again(x), _f32_again(dy), t[4], mean, rstd, w)
       _store_dx(dx_ref, rows, t[1], t[4], g, x_hat, c1, c2, rstd, dh)
-    return tuple(new_accs or accumulate()), queue
+    return (new_accs if recompute_dx else accumulate()), queue
 
   num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
   zeros = tuple((jnp.zeros((w,), _F32), jnp.zeros((w,), _F32)) for w in widths)
