@@ -214,6 +214,15 @@ class BackwardConfig:
       and computes dx from the raw bf16 x and dy tiles converted again after the row
       reductions, so that the float32 x_hat and g are not live across them (bf16 x and
       dy, cast="torch"; otherwise the flag changes nothing).
+    prefetch_stats: the persistent stage 1 loads the next row block's mean and rstd
+      with its x and dy tiles (one row block ahead), not at the top of the row block
+      that uses them: with one program a SM its barriers keep the warps in step, and
+      that load's latency was exposed once a row block.
+    joint_row_sums: a row that fits the tile reduces LayerNorm's two row sums
+      (sum(x_hat g) and sum(g)) as one reduction of the pair: one set of cross-warp
+      barriers instead of two. Bitwise the same sums; no effect on RMSNorm (one sum).
+      Both flags: the Pallas backend's persistent stage 1 only (the Triton backend's
+      kernel ignores them).
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
@@ -237,6 +246,8 @@ class BackwardConfig:
   pieces: tuple[int, ...] = ()
   prefetch_depth: int = 1
   recompute_dx: bool = False
+  prefetch_stats: bool = False
+  joint_row_sums: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))
@@ -435,6 +446,20 @@ _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
 # with it). H100, 2026-11-26, 4096x8192 / 8192x8192: 105.5/107.7, 198.5/201.0 at 32
 # warps; 107.7/113.7, 201.8/215.0 at 16. [T#recompute-dx]
 _RES_LN_8192_BWD_RECOMPUTE = True
+
+# ---- Backward stage 1, the persistent one-tile kernel (N' <= 8192), Pallas, 2-byte
+# dtypes, on _STAGE1_FLAGS_DEVICES. H100, 2026-11-26, stage 1 + 2 us, stock / the rule's
+# flags (best other combination): [T#stage1-flags]
+# - prefetch_stats (mean/rstd loaded a row block ahead): LayerNorm 8192x4096 80.7/74.6,
+#   4096x4096 43.9/40.2, 16384x4096 153.0/143.0, 8192x512 14.8/13.3; RMSNorm 8192x2048
+#   42.5/39.9, 8192x1024 23.7/22.0. Not at N' = 8192 for RMSNorm (4096x8192 73.4/73.4,
+#   8192^2 139.9/140.5) or LayerNorm + residual (4096x8192 105.1/107.2).
+# - joint_row_sums (LayerNorm): 4096x8192 82.2/77.0 (78.3 without), 8192^2 154.3/143.8
+#   (146.3), 8192x3072 61.2/60.0 (65.6), 8192x1024 24.1/23.3 (24.4); with the residual
+#   8192x4096 103.6/98.4 (108.4), 16384x4096 195.3/187.8, 4096x8192 105.1/104.7, 8192^2
+#   197.9/195.9. Not for plain N' = 4096 tiles (8192x4096 74.6 with prefetch_stats alone,
+#   84.3 with both).
+_STAGE1_FLAGS_DEVICES = ("H100",)
 
 # ---- backend=None: the backend of each kernel (forward, backward), where one measured
 # faster than the Pallas backend side by side; everywhere else "pallas". Entries:
@@ -859,7 +884,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None
   lag, early, pieces = _BWD_SPLIT_LAG, False, ()
-  recompute = False
+  recompute, flags = False, {}
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
@@ -869,6 +894,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     recompute = (_RES_LN_8192_BWD_RECOMPUTE and residual and subtract_mean
                  and block_n == 8192 and not pieces and backend == "pallas"
                  and device.platform == "gpu" and np.dtype(dtype).name == "bfloat16")
+    flags = _stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend, device)
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1
@@ -881,8 +907,22 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split is not None,
                         reload_rows=False, split_lag=lag, split_early_publish=early,
-                        pieces=pieces, recompute_dx=recompute,
+                        pieces=pieces, recompute_dx=recompute, **flags,
                         **reduce_config(n, num_programs, backend))
+
+
+def _stage1_flags(block_n: int, pieces: tuple[int, ...], subtract_mean: bool,
+                  residual: bool, dtype, backend: str, device: DeviceInfo) -> dict:
+  """``prefetch_stats`` and ``joint_row_sums`` of the one-tile persistent stage 1 with
+  ``block_n``-wide tiles (as pieces, if any): a dict for ``BackwardConfig(**...)``, empty
+  where no rule applies (another backend or GPU, the CPU, other itemsizes).
+  [T#stage1-flags]"""
+  if (backend != "pallas" or device.platform != "gpu"
+      or not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)
+      or np.dtype(dtype).itemsize != 2):
+    return {}
+  return dict(prefetch_stats=block_n < 8192 or (subtract_mean and not residual),
+              joint_row_sums=subtract_mean and (residual or block_n != 4096 or bool(pieces)))
 
 
 def _binary_pieces(n: int) -> tuple[int, ...]:

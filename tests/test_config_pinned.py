@@ -311,8 +311,13 @@ def test_residual_rules():
       assert fwd(m, n, ln, d, **kw) == fwd(m, n, ln, d, res=False, **kw)
       if (m, n, ln) == (8192, 8192, True) and d is h100 and not kw:
         continue  # the N' = 8192 LayerNorm backward's rules (test below)
-      assert dataclasses.replace(bwd(m, n, ln, d, **kw), recompute_dx=False) == bwd(
-          m, n, ln, d, res=False, **kw)
+      assert _stock(bwd(m, n, ln, d, **kw)) == _stock(bwd(m, n, ln, d, res=False, **kw))
+
+
+def _stock(cfg):
+  """cfg without the flags the stage-1 rules set ([T#recompute-dx], [T#stage1-flags])."""
+  return dataclasses.replace(cfg, recompute_dx=False, prefetch_stats=False,
+                             joint_row_sums=False)
 
 
 def test_residual_recompute_dx_rule():
@@ -402,3 +407,27 @@ def test_f32_params_tiles():
       assert fwd(m, n, ln, d=d, residual=True) == fwd(m, n, ln, d=d, p=None, residual=True)
     assert fwd(m, n, ln, d=a100) == fwd(m, n, ln, d=a100, p=None)
   assert fwd(4096, 8192, False) == fwd(4096, 8192, False, p=None)  # its own tile already
+
+
+def test_stage1_flags_rule():
+  """prefetch_stats and joint_row_sums ([T#stage1-flags]): the one-tile persistent
+  stage 1 on the H100, Pallas, 2-byte dtypes; nowhere else."""
+  def flags(m, n, ln, d="h100", dt=jnp.bfloat16, res=False, be="pallas"):
+    c = pn_config.backward_config(m, n, dt, DEVICES[d], subtract_mean=ln, backend=be,
+                                  residual=res)
+    return c.prefetch_stats, c.joint_row_sums
+  assert flags(8192, 4096, True) == (True, False)  # plain N' = 4096: stats only
+  assert flags(8192, 4096, True, res=True) == (True, True)
+  assert flags(4096, 8192, True) == (True, True)
+  assert flags(4096, 8192, True, res=True) == (False, True)  # residual N' = 8192
+  assert flags(8192, 3072, True) == (True, True)  # the pieces
+  assert flags(8192, 1024, True, dt=jnp.float16) == (True, True)
+  assert flags(8192, 2048, False) == (True, False)  # RMSNorm: one row sum
+  assert flags(4096, 8192, False) == (False, False)
+  assert flags(4096, 8192, False, res=True) == (False, False)
+  assert flags(8192, 16384, True) == (False, False)  # not the one-tile kernel
+  for kw in (dict(d="h200"), dict(d="a100"), dict(d="cpu"), dict(dt=jnp.float32),
+             dict(be="triton")):
+    for m, n, ln, res in ((8192, 4096, True, False), (8192, 4096, True, True),
+                          (4096, 8192, True, False), (8192, 2048, False, False)):
+      assert flags(m, n, ln, res=res, **kw) == (False, False), (kw, m, n, ln, res)

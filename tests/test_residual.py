@@ -287,18 +287,22 @@ def test_dh_loaded_at_store(monkeypatch, bwd):
 
 
 _STAGE1_KNOBS = {"recompute": dict(recompute_dx=True),
-                 "depth3_recompute": dict(prefetch_depth=3, recompute_dx=True)}
+                 "stats_joint": dict(prefetch_stats=True, joint_row_sums=True),
+                 "depth3_all": dict(prefetch_depth=3, recompute_dx=True,
+                                    prefetch_stats=True, joint_row_sums=True)}
 
 
 @pytest.mark.parametrize("knobs", list(_STAGE1_KNOBS))
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-def test_stage1_prefetch_depth_and_recompute_dx(layer, residual, knobs):
-  """The persistent stage 1 with row blocks prefetched further ahead, or dx computed
-  from x and dy converted again after the row reductions (BackwardConfig.prefetch_depth,
-  recompute_dx): the same values as the stock kernel, bit for bit (the same float32
-  operations in the same order); bf16, so that recompute_dx takes its path. On the GPU
-  (``--gpu``) at a width of the rule ([T#recompute-dx]) and ragged rows."""
+def test_stage1_knobs_bitwise(layer, residual, knobs):
+  """The persistent stage 1 with row blocks prefetched further ahead, dx computed from x
+  and dy converted again after the row reductions, mean/rstd loaded a row block ahead,
+  or LayerNorm's two row sums as one reduction (BackwardConfig.prefetch_depth,
+  recompute_dx, prefetch_stats, joint_row_sums): the same values as the stock kernel, bit
+  for bit (the same float32 operations in the same order); bf16, so that recompute_dx
+  takes its path. On the GPU (``--gpu``) at a width of the rules ([T#recompute-dx],
+  [T#stage1-flags]) and ragged rows."""
   from pallas_norm.kernels import backward
   m, n, g = (1000, 8192, 132) if not _interpret() else (13, 256, 3)  # 3 steps a program
   x, r, scale, _, dy = _inputs(m, n, "bfloat16", "bfloat16", layer=layer)

@@ -27,7 +27,8 @@ the median of 30 and 20 calls.
 Configs of ``fwd`` (``--configs``, ';'-separated; "@nocg" or "@cgall" appended traces
 a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for all of
 them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k, "@rc" ("@rc0")
-its ``recompute_dx`` on (off) and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
+its ``recompute_dx`` on (off), "@ps" / "@js" ("@ps0" / "@js0") its ``prefetch_stats`` /
+``joint_row_sums`` on (off) and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
 ``reduce_block_g`` and ``reduce_num_warps``, before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
@@ -69,8 +70,8 @@ from pallas_norm import config as C
 from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
-# A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>
-_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)")
+# A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>, @ps, @js
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js)([01]?)(?=@|$)")
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
 _TRITON_VARIANTS = ("pallas", "triton", "evict_first", "stream_cg", "stages2")
 
@@ -232,13 +233,16 @@ def _configs(args, sms: int) -> dict:
       extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
         cfg = make(kind, a, m, n, args.op == "layer", sms, **extra)
-        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc, @r<bn>.<bg>.<warps>
+        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc, @r<bn>.<bg>.<warps>, @ps, @js
           if t.group(1):
             cfg = dataclasses.replace(cfg, prefetch_depth=int(t.group(2)))
           elif t.group(4):
             cfg = dataclasses.replace(cfg, reduce_block_n=int(t.group(4)),
                                       reduce_block_g=int(t.group(5)),
                                       reduce_num_warps=int(t.group(6)))
+          elif t.group(7):
+            field = {"ps": "prefetch_stats", "js": "joint_row_sums"}[t.group(7)]
+            cfg = dataclasses.replace(cfg, **{field: t.group(8) != "0"})
           else:
             cfg = dataclasses.replace(cfg, recompute_dx=t.group(3) != "0")
         out[(shape, cs)] = cfg

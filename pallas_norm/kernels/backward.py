@@ -47,6 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lax import lax as lax_internal  # stack / unstack: Triton's join / split
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -192,16 +193,25 @@ def _sum(terms):
   return functools.reduce(lambda a, b: a + b, terms)
 
 
+def _row_sums(a, b):
+  """(sum(a, axis=1), sum(b, axis=1)) of two [block_m, block_n] f32 tiles as one
+  reduction of the pair (BackwardConfig.joint_row_sums): on the GPU a Triton reduce of
+  their [block_m, block_n, 2] join, whose cross-warp step takes one set of barriers for
+  both sums. Each sum adds the same values in the same order as its own reduction."""
+  pair = jnp.sum(lax_internal.stack([a, b], axis=2), axis=1)  # [block_m, 2]
+  return tuple(lax_internal.unstack(pair, axis=1))
+
+
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
                         num_programs, pieces=(), cast=None, prefetch_depth=1,
-                        recompute_dx=False):
+                        recompute_dx=False, prefetch_stats=False, joint_row_sums=False):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
   [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel. ``pieces``
   (single tile only): the tile as column pieces of these widths, side by side from
-  column 0, instead of one block_n-wide tile. ``prefetch_depth`` and ``recompute_dx``:
-  BackwardConfig's.
+  column 0, instead of one block_n-wide tile. ``prefetch_depth``, ``recompute_dx``,
+  ``prefetch_stats`` and ``joint_row_sums``: BackwardConfig's.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
@@ -226,7 +236,11 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
       rows, cols, _, _, mask = tile(rb)
       dh = _load_dh(dx_ref, rows, cols, mask) if prefetch_dh else None
       out.append(_load_xdy(x_ref, dy_ref, rows, cols, mask) + (dh,))
-    return tuple(out)
+    stats = None
+    if prefetch_stats:
+      rows, _, row_mask, _, _ = tiles[0](rb)
+      stats = _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    return tuple(out), stats
 
   depth = prefetch_depth  # >= 1 (BackwardConfig checks it)
 
@@ -235,13 +249,13 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     # with the fused residual add, dh: PREFETCH_DH_MAX_BLOCK_N) tiles of this row block
     # and of the next depth - 1, a triple a piece each.
     accs, queue = carry
-    xdy = queue[0]
+    xdy, stats = queue[0]
     rb = r + i * num_programs
     # Prefetch row block rb + depth * G (fully masked past the end) before this one's math.
     queue = queue[1:] + (load(rb + depth * num_programs),)
     idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
     rows, row_mask = idx[0][0], idx[0][2]
-    mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    mean, rstd = stats if prefetch_stats else _row_stats(mean_ref, rstd_ref, rows, row_mask)
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
              for (x, dy, _), t, w in zip(xdy, idx, ws)]
 
@@ -252,7 +266,11 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     # recompute_dx: the partials first, then dx from the raw (bf16) tiles again after
     # the row reductions, so that the float32 x_hat and g need not stay live across them
     new_accs = accumulate() if recompute_dx else None
-    if c_refs is None:
+    if c_refs is None and mean_ref is not None and joint_row_sums:
+      sums = [_row_sums(x_hat * g, g) for x_hat, _, g, _ in parts]
+      c1 = _sum([s1 for s1, _ in sums]) / n  # [block_m]
+      c2 = _sum([s2 for _, s2 in sums]) / n
+    elif c_refs is None:
       c1 = _sum([jnp.sum(x_hat * g, axis=1) for x_hat, _, g, _ in parts]) / n  # [block_m]
       c2 = None
       if mean_ref is not None:
@@ -280,7 +298,8 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
 def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
                            pieces=(), cast=None, group_size=0, prefetch_depth=1,
-                           recompute_dx=False):
+                           recompute_dx=False, prefetch_stats=False,
+                           joint_row_sums=False):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -292,7 +311,8 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       pl.program_id(1) if chunked else 0, n=n, scale_offset=scale_offset,
                       block_m=block_m, block_n=block_n, num_programs=num_programs,
                       pieces=pieces, cast=cast, prefetch_depth=prefetch_depth,
-                      recompute_dx=recompute_dx)
+                      recompute_dx=recompute_dx, prefetch_stats=prefetch_stats,
+                      joint_row_sums=joint_row_sums)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -335,8 +355,8 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
 
   Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
   block, pass 1 loads x and dy chunk by chunk (evict_last) and sums x_hat * g (and g)
-  elementwise over the chunks, then across the row once; pass 2 reloads the chunks in reverse order (from L2, where
-  pass 1 left them; evict_first) and writes dx. The dscale/dbias partials of every
+  elementwise over the chunks, then across the row once; pass 2 reloads the chunks in
+  reverse order (from L2, where pass 1 left them; evict_first) and writes dx. The dscale/dbias partials of every
   chunk stay in registers across row blocks, so the row is unrolled at trace time
   (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and dx once.
   """
@@ -655,7 +675,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
                           chunked=chunked, pieces=pieces, **fused, **statics,
                           prefetch_depth=cfg.prefetch_depth,
-                          recompute_dx=cfg.recompute_dx),
+                          recompute_dx=cfg.recompute_dx,
+                          prefetch_stats=cfg.prefetch_stats,
+                          joint_row_sums=cfg.joint_row_sums),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
