@@ -8,7 +8,9 @@ over 3 rotated dy, the median of ``ROUNDS`` rounds; GB/s on the bytes model read
 x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked against the
 default config's (max |diff|).
 
-Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json
+Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
+(``--stage1-flags``: the default config with BackwardConfig.prefetch_stats and
+joint_row_sums on and off, docs/tuning.md#stage1-flags, instead of the launch configs)
 """
 import dataclasses
 import json
@@ -28,9 +30,22 @@ SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
 # (block_m, num_warps, programs a SM); None = backward_config's pick
 VARIANTS = [None, (1, 8, 2), (1, 8, 3), (1, 16, 1), (2, 16, 1), (2, 8, 2), (1, 4, 4),
             (2, 32, 1), (1, 32, 1), (4, 16, 1)]
+# --stage1-flags: BackwardConfig fields set on the default config
+FLAG_VARIANTS = [None, dict(prefetch_stats=True), dict(joint_row_sums=True),
+                 dict(prefetch_stats=True, joint_row_sums=True)]
 
 
-def main(out_path):
+def _variant(dflt, v, sms):
+  """(name, config) of a VARIANTS / FLAG_VARIANTS entry."""
+  if v is None:
+    return "default", dflt
+  if isinstance(v, dict):
+    return "+" + "+".join(v), dataclasses.replace(dflt, **v)
+  return f"bm{v[0]} w{v[1]} {v[2]}/SM", dataclasses.replace(
+      dflt, block_m=v[0], num_warps=v[1], num_programs=v[2] * sms)
+
+
+def main(out_path, variants=VARIANTS):
   sms = C.device_info().num_sms
   copy = timing.torch_copy_gbs(20)
   print("device", C.device_info().name, "copy GB/s", copy, flush=True)
@@ -52,10 +67,8 @@ def main(out_path):
                 scale_dtype=jnp.float32, bias_dtype=jnp.float32)
       dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
       fns = {}
-      for v in VARIANTS:
-        cfg = dflt if v is None else dataclasses.replace(
-            dflt, block_m=v[0], num_warps=v[1], num_programs=v[2] * sms)
-        name = "default" if v is None else f"bm{v[0]} w{v[1]} {v[2]}/SM"
+      for v in variants:
+        name, cfg = _variant(dflt, v, sms)
         fns[name] = (jax.jit(lambda dy, cfg=cfg: B.norm_backward(
             dy, x8, w, mean, rstd, config=cfg, x_scale=xs, dx_dtype=jnp.bfloat16, **kw)),
             cfg)
@@ -95,4 +108,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else VARIANTS)

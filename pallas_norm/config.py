@@ -459,7 +459,18 @@ _RES_LN_8192_BWD_RECOMPUTE = True
 #   8192x4096 103.6/98.4 (108.4), 16384x4096 195.3/187.8, 4096x8192 105.1/104.7, 8192^2
 #   197.9/195.9. Not for plain N' = 4096 tiles (8192x4096 74.6 with prefetch_stats alone,
 #   84.3 with both).
+# Neither for LayerNorm + residual at N' = 2048 (32768x2048 187.7/215.4 with
+# prefetch_stats, 225.8 joint_row_sums, 216.5 both; 8192x2048 53.7/62.9), which is where
+# the kernel bench caught it (fwd+bwd 96.4% -> 89.8% of copy); with N' = 512-1024 both
+# (16384x1024 59.8/55.5, 8192x1024 34.7/32.1, 16384x512 34.1/32.2). Not below N' = 512
+# (not measured). RMSNorm + residual prefetch_stats: 16384x1024 61.8/53.3, 32768x2048
+# 189.3/188.2; LayerNorm 32768x2048 148.3/140.2, 16384x1024 41.9/40.9.
+# FP8 x (1-byte x, float32 group scales, no residual; benchmarks/fp8_input_bwd_sweep.py
+# --stage1-flags): RMSNorm prefetch_stats (8192x4096 66.6/65.1, 16384x4096 126.7/124.1,
+# 8192^2 130.1/126.5); LayerNorm joint_row_sums (8192x4096 111.0/108.3, 16384x4096
+# 213.3/207.9; prefetch_stats there 131.0, 249.7) and at N' = 8192 both (153.8/141.6).
 _STAGE1_FLAGS_DEVICES = ("H100",)
+_STAGE1_FLAGS_MIN_BLOCK_N = 512
 
 # ---- backend=None: the backend of each kernel (forward, backward), where one measured
 # faster than the Pallas backend side by side; everywhere else "pallas". Entries:
@@ -915,12 +926,18 @@ def _stage1_flags(block_n: int, pieces: tuple[int, ...], subtract_mean: bool,
                   residual: bool, dtype, backend: str, device: DeviceInfo) -> dict:
   """``prefetch_stats`` and ``joint_row_sums`` of the one-tile persistent stage 1 with
   ``block_n``-wide tiles (as pieces, if any): a dict for ``BackwardConfig(**...)``, empty
-  where no rule applies (another backend or GPU, the CPU, other itemsizes).
-  [T#stage1-flags]"""
+  where no rule applies (another backend or GPU, the CPU, float32, FP8 x with a
+  residual, tiles under 512 wide, LayerNorm + residual at N' = 2048). [T#stage1-flags]"""
+  itemsize = np.dtype(dtype).itemsize
   if (backend != "pallas" or device.platform != "gpu"
       or not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)
-      or np.dtype(dtype).itemsize != 2):
+      or itemsize not in (1, 2) or (itemsize == 1 and residual)
+      or block_n < _STAGE1_FLAGS_MIN_BLOCK_N
+      or (subtract_mean and residual and block_n == 2048 and not pieces)):
     return {}
+  if itemsize == 1:  # FP8 x
+    return dict(prefetch_stats=not subtract_mean or block_n == 8192,
+                joint_row_sums=subtract_mean)
   return dict(prefetch_stats=block_n < 8192 or (subtract_mean and not residual),
               joint_row_sums=subtract_mean and (residual or block_n != 4096 or bool(pieces)))
 

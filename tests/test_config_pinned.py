@@ -411,7 +411,7 @@ def test_f32_params_tiles():
 
 def test_stage1_flags_rule():
   """prefetch_stats and joint_row_sums ([T#stage1-flags]): the one-tile persistent
-  stage 1 on the H100, Pallas, 2-byte dtypes; nowhere else."""
+  stage 1 on the H100, Pallas, 2-byte dtypes and FP8 x; nowhere else."""
   def flags(m, n, ln, d="h100", dt=jnp.bfloat16, res=False, be="pallas"):
     c = pn_config.backward_config(m, n, dt, DEVICES[d], subtract_mean=ln, backend=be,
                                   residual=res)
@@ -426,6 +426,17 @@ def test_stage1_flags_rule():
   assert flags(4096, 8192, False) == (False, False)
   assert flags(4096, 8192, False, res=True) == (False, False)
   assert flags(8192, 16384, True) == (False, False)  # not the one-tile kernel
+  assert flags(32768, 2048, True, res=True) == (False, False)  # the stock kernel won
+  assert flags(32768, 2048, True) == (True, True)
+  assert flags(16384, 1024, True, res=True) == (True, True)
+  assert flags(16384, 1024, False, res=True) == (True, False)
+  assert flags(16384, 256, True) == (False, False)  # not measured
+  e4m3 = jnp.float8_e4m3fn  # FP8 x
+  assert flags(8192, 4096, False, dt=e4m3) == (True, False)
+  assert flags(8192, 8192, False, dt=e4m3) == (True, False)
+  assert flags(8192, 4096, True, dt=e4m3) == (False, True)
+  assert flags(8192, 8192, True, dt=e4m3) == (True, True)
+  assert flags(8192, 4096, True, dt=e4m3, res=True) == (False, False)  # not measured
   for kw in (dict(d="h200"), dict(d="a100"), dict(d="cpu"), dict(dt=jnp.float32),
              dict(be="triton")):
     for m, n, ln, res in ((8192, 4096, True, False), (8192, 4096, True, True),
