@@ -888,7 +888,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     row's programs can be resident (N <= 4096 x SMs; ``split_resident_programs``),
     LayerNorm's rows of 32768 < N <= 262144 with ``split_early_publish``; longer rows,
     and all of ``backend="triton"``'s wide rows, the row-statistics + column-tiled pair.
-    Never ``reload_rows``. Evidence: docs/tuning.md, the "Backward" sections.
+    Never ``reload_rows``. On the H100 the one-tile stage 1 takes ``prefetch_stats``
+    and ``joint_row_sums`` where they measured faster ([T#stage1-flags]). Evidence:
+    docs/tuning.md, the "Backward" sections.
   """
   device = device or device_info()
   bn_full = next_power_of_2(n)
