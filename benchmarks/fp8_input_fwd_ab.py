@@ -7,8 +7,9 @@ over 3 rotated x, the median of ``ROUNDS`` rounds; % of torch ``copy_`` on the b
 model read x (1) and its scales (4/16), write y (2) a element; y checked against the
 default config's (max |diff|).
 
-Usage (GPU machine): [N8192=1] python benchmarks/fp8_input_fwd_ab.py OUT.json [bf16|f32]  (scale's
-and bias's dtype; default f32)
+Usage (GPU machine): [N8192=1 | N8192P=1] python benchmarks/fp8_input_fwd_ab.py OUT.json
+[bf16|f32]  (scale's and bias's dtype; default f32; N8192P: static_persistent variants at
+8192x8192 where the default is another mode)
 """
 import dataclasses
 import json
@@ -32,6 +33,11 @@ if os.environ.get("N8192"):  # N = 8192: the persistent default against multi_wa
   VARIANTS = [None, (1, 8, "multi_wave_cached"), (2, 8, "multi_wave_cached"),
               (2, 16, "multi_wave_cached"), (1, 16, "multi_wave_cached"),
               (4, 16, "multi_wave_cached"), (2, 8), (2, 16)]
+if os.environ.get("N8192P"):  # N = 8192 where the default is not persistent (the H100):
+  SHAPES = [(8192, 8192)]     # static_persistent at (block_m, warps, mode, programs a SM)
+  VARIANTS = [None, (2, 16, "static_persistent", 2), (2, 16, "static_persistent", 1),
+              (1, 16, "static_persistent", 2), (2, 8, "static_persistent", 2),
+              (2, 8, "static_persistent", 3)]
 
 
 def main(out_path):
@@ -51,10 +57,11 @@ def main(out_path):
       for v in VARIANTS:
         cfg = dflt if v is None else dataclasses.replace(dflt, block_m=v[0], num_warps=v[1])
         if v is not None and v[2:]:
-          cfg = dataclasses.replace(cfg, mode=v[2], num_programs=0)
+          cfg = dataclasses.replace(cfg, mode=v[2], num_programs=(
+              v[3] * C.device_info().num_sms if v[3:] else 0))
         for res in (False, True):
           name = ("default" if v is None else f"bm{v[0]} w{v[1]}{' ' + v[2] if v[2:] else ''}"
-                  ) + (" +res" if res else "")
+                  f"{f' {v[3]}/SM' if v[3:] else ''}") + (" +res" if res else "")
           f = jax.jit(lambda x8, xs, cfg=cfg, res=res: F.norm_forward(
               x8, w, w if layer else None, eps=1e-5, scale_offset=0.0, subtract_mean=layer,
               config=cfg, interpret=False, x_scale=xs, y_dtype=jnp.bfloat16,

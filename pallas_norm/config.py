@@ -433,6 +433,15 @@ _FP8_RMS_FWD_TILE = (2, 4)  # (block_m, num_warps)
 # 16. H200, 2026-11-26, 8192x8192, with / without residuals: 63.5/76.0 against
 # 84.0/79.1 us (multi_wave_cached [2, 8192] x 8: 67.7/67.2). [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
+# On the H100 the FP8-x RMSNorm forward at N' = 8192 that also returns mean/rstd (under
+# jax.vjp; no residual add) takes that static_persistent [2, 8192] x 16 tile, 2 programs
+# a SM, instead of multi_wave_cached [1, 8192] x 8. H100, 2026-11-26, 8192x8192, us with
+# the residuals / without: bf16 scale 80.4/87.9 against 84.1/77.4, float32 scale
+# 89.8/86.4 against 103.4/92.6 (benchmarks/fp8_input_fwd_ab.py, N8192=1 and N8192P=1).
+# Without residuals the old tile stays (faster with a bf16 scale). LayerNorm keeps its
+# tile: with a bf16 scale multi_wave_cached [2, 8192] x 16 was fastest (88.4/89.6, the
+# persistent tile 100.0/89.8, the default 107.7/81.1), not a rule yet. [T#fp8-in-fwd]
+_FP8_PERSISTENT_8192_H100 = (2, 16, 2)  # (block_m, num_warps, programs a SM)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
 # without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
@@ -620,6 +629,16 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
   return None
 
 
+def _fp8_h100_8192(n: int, dtype, subtract_mean: bool, residual: bool,
+                   return_residuals: bool, backend: str, device: DeviceInfo) -> bool:
+  """Whether the FP8-x RMSNorm forward of N-long rows takes the H100's static_persistent
+  [2, 8192] tile (_FP8_PERSISTENT_8192_H100): the Pallas backend, no residual add, and
+  only where it also returns mean/rstd (jax.vjp's forward). [T#fp8-in-fwd]"""
+  return (backend == "pallas" and not subtract_mean and not residual and return_residuals
+          and "H100" in device.name and 4096 < n <= 8192
+          and np.dtype(dtype).itemsize == 1)
+
+
 def _f32_params_tile(n: int, dtype, param_dtype, subtract_mean: bool, backend: str,
                      device: DeviceInfo, residual: bool) -> tuple[int, int, int] | None:
   """(block_m, num_warps, programs a SM) of the static_persistent [block_m, N'] tile
@@ -710,7 +729,8 @@ def _fwd_tile(m: int, n: int, block_n: int, chunked: bool, subtract_mean: bool,
 def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    device: DeviceInfo | None = None, *,
                    subtract_mean: bool = False, backend: str = "pallas",
-                   residual: bool = False, param_dtype=None) -> ForwardConfig:
+                   residual: bool = False, param_dtype=None,
+                   return_residuals: bool = True) -> ForwardConfig:
   """Default forward launch config for x viewed as [m, n] of ``dtype``.
 
   Args:
@@ -726,6 +746,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       2-byte dtypes (``choose_mode``; LayerNorm N' = 4096 at [1, 4096] x 8 warps).
     param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
       2-byte x have their own static_persistent tiles (``choose_mode``).
+    return_residuals: whether the call also writes mean/rstd (the forward of
+      ``jax.vjp``; default True): on the H100 the FP8-x RMSNorm forward at N' = 8192
+      then takes a static_persistent [2, 8192] x 16 tile (``mode`` None only).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -737,6 +760,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       4096 x SMs (LayerNorm).
   """
   device = device or device_info()
+  if mode is None and _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals,
+                                     backend, device):
+    block_m, num_warps, per_sm = _FP8_PERSISTENT_8192_H100
+    return ForwardConfig("static_persistent", block_m, 8192, num_warps,
+                         max(1, min(per_sm * device.num_sms, cdiv(m, block_m))))
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
                              backend=backend, residual=residual, param_dtype=param_dtype)
   res_rules = _residual_rules(residual, dtype, backend, device)

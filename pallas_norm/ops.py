@@ -283,7 +283,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
       m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean, backend=backend,
       residual=residual is not None,
       # float32 scale/bias have their own tiles (measured on the plain norm only)
-      param_dtype=params[0] if params and combine_stats is None else None)
+      param_dtype=params[0] if params and combine_stats is None else None,
+      return_residuals=return_residuals and combine_stats is None)
   fwd, _ = _backend_module(backend)
   if backend == "mosaic" and combine_stats is not None:
     raise NotImplementedError(

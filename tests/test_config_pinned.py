@@ -370,6 +370,27 @@ def test_fp8_rms_forward_tiles():
   assert fwd(8192, 4096, fp8, be="triton").block_m == 1
 
 
+def test_fp8_rms_forward_h100_8192():
+  """FP8 x, RMSNorm, N' = 8192 on the H100 ([T#fp8-in-fwd]): the static_persistent
+  [2, 8192] x 16 tile, 2 programs a SM, when the call returns mean/rstd (jax.vjp's
+  forward); without them, LayerNorm, a residual add, the Triton backend, bf16 x and
+  another GPU keep their picks."""
+  fwd = lambda m, n, dt=jnp.float8_e4m3fn, ln=False, d="h100", mode=None, **kw: (
+      pn_config.forward_config(m, n, dt, mode, DEVICES[d], subtract_mean=ln, **kw))
+  got = fwd(8192, 8192)
+  assert (got.mode, got.block_m, got.block_n, got.num_warps, got.num_programs) == (
+      "static_persistent", 2, 8192, 16, 264)
+  assert fwd(1000, 6000).num_programs == 264 and fwd(3, 6000).num_programs == 2
+  assert fwd(8192, 8192, param_dtype=jnp.float32) == got
+  stock = fwd(8192, 8192, return_residuals=False)
+  assert (stock.mode, stock.block_m) == ("multi_wave_cached", 1)
+  for kw in (dict(ln=True), dict(residual=True), dict(backend="triton"),
+             dict(dt=jnp.bfloat16), dict(d="a100")):
+    assert fwd(8192, 8192, **kw) == fwd(8192, 8192, return_residuals=False, **kw), kw
+  assert fwd(8192, 4096) == fwd(8192, 4096, return_residuals=False)
+  assert fwd(8192, 8192, mode="multi_wave_cached").mode == "multi_wave_cached"
+
+
 def test_f32_params_tiles():
   """float32 scale/bias with a 2-byte x ([T#f32-params]): static_persistent [2, N']
   tiles on the Pallas backend of the H100 and H200 at N' = 4096 and 8192 (RMSNorm's 8192
