@@ -47,7 +47,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax import lax as lax_internal  # stack / unstack: Triton's join / split
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -198,8 +197,8 @@ def _row_sums(a, b):
   reduction of the pair (BackwardConfig.joint_row_sums): on the GPU a Triton reduce of
   their [block_m, block_n, 2] join, whose cross-warp step takes one set of barriers for
   both sums. Each sum adds the same values in the same order as its own reduction."""
-  pair = jnp.sum(lax_internal.stack([a, b], axis=2), axis=1)  # [block_m, 2]
-  return tuple(lax_internal.unstack(pair, axis=1))
+  pair = jnp.sum(lax.stack([a, b], axis=2), axis=1)  # [block_m, 2]; tt.join in Triton
+  return tuple(lax.unstack(pair, axis=1))  # tt.split
 
 
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
@@ -356,9 +355,10 @@ def _bwd_reload_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bia
   Program r walks row blocks r, r + G, ... (x and dy read from HBM once). Per row
   block, pass 1 loads x and dy chunk by chunk (evict_last) and sums x_hat * g (and g)
   elementwise over the chunks, then across the row once; pass 2 reloads the chunks in
-  reverse order (from L2, where pass 1 left them; evict_first) and writes dx. The dscale/dbias partials of every
-  chunk stay in registers across row blocks, so the row is unrolled at trace time
-  (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and dx once.
+  reverse order (from L2, where pass 1 left them; evict_first) and writes dx. The
+  dscale/dbias partials of every chunk stay in registers across row blocks, so the row
+  is unrolled at trace time (``cdiv(N, block_n)`` chunks) and HBM sees x and dy once and
+  dx once.
   """
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
