@@ -958,10 +958,12 @@ def _stage1_flags(block_n: int, pieces: tuple[int, ...], subtract_mean: bool,
   ``block_n``-wide tiles (as pieces, if any): a dict for ``BackwardConfig(**...)``, empty
   where no rule applies (another backend or GPU, the CPU, float32, FP8 x with a
   residual, tiles under 512 wide, LayerNorm + residual at N' = 2048). [T#stage1-flags]"""
-  itemsize = np.dtype(dtype).itemsize
+  # the backend before np.dtype: the Triton backend's tests pass torch dtypes
   if (backend != "pallas" or device.platform != "gpu"
-      or not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)
-      or itemsize not in (1, 2) or (itemsize == 1 and residual)
+      or not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)):
+    return {}
+  itemsize = np.dtype(dtype).itemsize
+  if (itemsize not in (1, 2) or (itemsize == 1 and residual)
       or block_n < _STAGE1_FLAGS_MIN_BLOCK_N
       or (subtract_mean and residual and block_n == 2048 and not pieces)):
     return {}
