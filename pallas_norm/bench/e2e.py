@@ -512,6 +512,8 @@ def plot(doc: dict, png) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  from pallas_norm.bench import report
   rows = doc["rows"]
   configs = list(dict.fromkeys(r["config"] for r in rows))
   variants = list(dict.fromkeys(r["variant"] for r in rows))
@@ -531,7 +533,7 @@ def plot(doc: dict, png) -> None:
   axes[0].axhline(1.0, color="k", lw=0.5)
   fig.suptitle(f"{doc['meta']['device']} {doc['meta']['date']} {doc['meta']['git_commit']}")
   fig.tight_layout()
-  fig.savefig(png, dpi=110)
+  report.save_png(fig, png)
   plt.close(fig)
 
 

@@ -83,7 +83,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_norm.bench import peers, run, timing
+from pallas_norm.bench import peers, report, run, timing
 from pallas_norm.bench.plan import (ASSUMED_L2, DTYPES, IMPL_BY_NAME, OPS, bytes_model,
                                     parse_list, rotations)
 
@@ -575,7 +575,7 @@ def plot(doc: dict, png) -> None:
   fig.suptitle(f"{meta.get('device', '?')} x{meta.get('device_count', '?')} sharded - "
                f"{str(meta.get('date', ''))[:10]} {str(meta.get('git_commit'))[:7]}")
   fig.tight_layout()
-  fig.savefig(png, dpi=110)
+  report.save_png(fig, png)
   plt.close(fig)
 
 
