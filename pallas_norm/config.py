@@ -441,7 +441,7 @@ _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
 # Without residuals the old tile stays (faster with a bf16 scale). LayerNorm keeps its
 # tile: with a bf16 scale multi_wave_cached [2, 8192] x 16 was fastest (88.4/89.6, the
 # persistent tile 100.0/89.8, the default 107.7/81.1), not a rule yet. [T#fp8-in-fwd]
-_FP8_PERSISTENT_8192_H100 = (2, 16, 2)  # (block_m, num_warps, programs a SM)
+_FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
 # without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
@@ -611,13 +611,15 @@ def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo,
 
 
 def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
-                     device: DeviceInfo, residual: bool = False
-                     ) -> tuple[int, int, int] | None:
+                     device: DeviceInfo, residual: bool = False,
+                     return_residuals: bool = True) -> tuple[int, int, int] | None:
   """(block_n, num_warps, programs a SM) of the one-tile static_persistent forward for
   N-long rows of ``dtype`` on ``device``, or None where it is not the pick.
-  [T#persistent-tile], [T#residual]"""
+  [T#persistent-tile], [T#residual], [T#fp8-in-fwd]"""
   if backend != "pallas":
     return None
+  if _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals, device):
+    return 8192, _FP8_RMS_PERSISTENT_8192[1], _FP8_RMS_PERSISTENT_8192_H100_PER_SM
   if (not subtract_mean and n <= _RES_NO_PERSISTENT_TILE_MAX_N
       and _residual_rules(residual, dtype, backend, device)):
     return None
@@ -630,11 +632,12 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
 
 
 def _fp8_h100_8192(n: int, dtype, subtract_mean: bool, residual: bool,
-                   return_residuals: bool, backend: str, device: DeviceInfo) -> bool:
-  """Whether the FP8-x RMSNorm forward of N-long rows takes the H100's static_persistent
-  [2, 8192] tile (_FP8_PERSISTENT_8192_H100): the Pallas backend, no residual add, and
-  only where it also returns mean/rstd (jax.vjp's forward). [T#fp8-in-fwd]"""
-  return (backend == "pallas" and not subtract_mean and not residual and return_residuals
+                   return_residuals: bool, device: DeviceInfo) -> bool:
+  """Whether the Pallas FP8-x RMSNorm forward of N-long rows takes the one-tile
+  static_persistent forward on the H100 (the H200's takes it by _RMS_PERSISTENT_TILES):
+  no residual add, and only where it also returns mean/rstd (jax.vjp's forward).
+  [T#fp8-in-fwd]"""
+  return (not subtract_mean and not residual and return_residuals
           and "H100" in device.name and 4096 < n <= 8192
           and np.dtype(dtype).itemsize == 1)
 
@@ -657,7 +660,7 @@ def _f32_params_tile(n: int, dtype, param_dtype, subtract_mean: bool, backend: s
 
 def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: bool = False,
                 backend: str = "pallas", residual: bool = False,
-                param_dtype=None) -> str:
+                param_dtype=None, return_residuals: bool = True) -> str:
   """The forward mode the heuristic picks for x viewed as [m, n] (the fastest measured).
 
   Args:
@@ -673,6 +676,9 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
       2-byte x take static_persistent at N' = 4096 and 8192 (Pallas; H100 and H200,
       RMSNorm's 8192 on the H100 only).
+    return_residuals: whether the forward also writes mean/rstd (under ``jax.vjp``):
+      on the H100, FP8-x RMSNorm rows of 4096 < N <= 8192 then take the one-tile
+      static_persistent forward.
 
   Returns:
     One of ``MODES``, first match wins:
@@ -680,7 +686,9 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       static_persistent (split rows)   LayerNorm, Pallas, 16384 < N <= 4096 x SMs
       static_persistent (one tile)     Pallas: LayerNorm 8192 < N <= 16384; H200 only,
                                        RMSNorm 6144 < N <= 8192 and 12288 < N <= 16384,
-                                       LayerNorm 4096 < N <= 5120 (2-byte dtypes)
+                                       LayerNorm 4096 < N <= 5120 (2-byte dtypes);
+                                       H100, FP8-x RMSNorm 4096 < N <= 8192 with
+                                       return_residuals
       multi_wave_cached (split rows)   RMSNorm, Pallas, 16384 < N <= 8192 x SMs
       static_persistent (chunked)      N > 32768
       multi_wave_reload                N' > 8192
@@ -693,7 +701,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     return "static_persistent"
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
-  if _persistent_tile(n, dtype, subtract_mean, backend, device, residual):
+  if _persistent_tile(n, dtype, subtract_mean, backend, device, residual,
+                      return_residuals):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -748,7 +757,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       2-byte x have their own static_persistent tiles (``choose_mode``).
     return_residuals: whether the call also writes mean/rstd (the forward of
       ``jax.vjp``; default True): on the H100 the FP8-x RMSNorm forward at N' = 8192
-      then takes a static_persistent [2, 8192] x 16 tile (``mode`` None only).
+      then takes the one-tile static_persistent forward (``choose_mode``).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -760,13 +769,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       4096 x SMs (LayerNorm).
   """
   device = device or device_info()
-  if mode is None and _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals,
-                                     backend, device):
-    block_m, num_warps, per_sm = _FP8_PERSISTENT_8192_H100
-    return ForwardConfig("static_persistent", block_m, 8192, num_warps,
-                         max(1, min(per_sm * device.num_sms, cdiv(m, block_m))))
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
-                             backend=backend, residual=residual, param_dtype=param_dtype)
+                             backend=backend, residual=residual, param_dtype=param_dtype,
+                             return_residuals=return_residuals)
   res_rules = _residual_rules(residual, dtype, backend, device)
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
@@ -792,7 +797,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
           f"use mode='multi_wave_reload' (or 'static_persistent')")
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
-  tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual)
+  tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual,
+                          return_residuals)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
     block_m, num_warps = (_fp8_rms_tile(True, block_n, dtype, subtract_mean, backend)
@@ -925,16 +931,13 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None
   lag, early, pieces = _BWD_SPLIT_LAG, False, ()
-  recompute, flags = False, {}
+  flags = {}
   if bn_full <= _BWD_SINGLE_TILE_MAX:
     block_m, block_n, num_warps, num_programs, pieces = _bwd_tile(
         m, n, bn_full, subtract_mean, backend, device)
     if subtract_mean and block_n == 8192 and _residual_rules(
         residual, dtype, backend, device, _RES_LN_8192_BWD_WARPS_DEVICES):
       num_warps = _RES_LN_8192_BWD_WARPS
-    recompute = (_RES_LN_8192_BWD_RECOMPUTE and residual and subtract_mean
-                 and block_n == 8192 and not pieces and backend == "pallas"
-                 and device.platform == "gpu" and np.dtype(dtype).name == "bfloat16")
     flags = _stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend, device)
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
@@ -948,29 +951,35 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split is not None,
                         reload_rows=False, split_lag=lag, split_early_publish=early,
-                        pieces=pieces, recompute_dx=recompute, **flags,
+                        pieces=pieces, **flags,
                         **reduce_config(n, num_programs, backend))
 
 
 def _stage1_flags(block_n: int, pieces: tuple[int, ...], subtract_mean: bool,
                   residual: bool, dtype, backend: str, device: DeviceInfo) -> dict:
-  """``prefetch_stats`` and ``joint_row_sums`` of the one-tile persistent stage 1 with
-  ``block_n``-wide tiles (as pieces, if any): a dict for ``BackwardConfig(**...)``, empty
-  where no rule applies (another backend or GPU, the CPU, float32, FP8 x with a
-  residual, tiles under 512 wide, LayerNorm + residual at N' = 2048). [T#stage1-flags]"""
+  """``recompute_dx``, ``prefetch_stats`` and ``joint_row_sums`` of the one-tile
+  persistent stage 1 with ``block_n``-wide tiles (as pieces, if any), where a rule sets
+  them: a dict for ``BackwardConfig(**...)``. recompute_dx: LayerNorm + residual at
+  N' = 8192, bf16, one tile, every GPU ([T#recompute-dx]). The other two: the H100, 2-byte
+  dtypes and FP8 x without a residual, tiles of 512 or more, not LayerNorm + residual at
+  N' = 2048 ([T#stage1-flags])."""
   # the backend before np.dtype: the Triton backend's tests pass torch dtypes
-  if (backend != "pallas" or device.platform != "gpu"
-      or not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)):
+  if backend != "pallas" or device.platform != "gpu":
     return {}
+  flags = {}
+  if (_RES_LN_8192_BWD_RECOMPUTE and residual and subtract_mean and block_n == 8192
+      and not pieces and np.dtype(dtype).name == "bfloat16"):
+    flags["recompute_dx"] = True
   itemsize = np.dtype(dtype).itemsize
-  if (itemsize not in (1, 2) or (itemsize == 1 and residual)
+  if (not any(d in device.name for d in _STAGE1_FLAGS_DEVICES)
+      or itemsize not in (1, 2) or (itemsize == 1 and residual)
       or block_n < _STAGE1_FLAGS_MIN_BLOCK_N
       or (subtract_mean and residual and block_n == 2048 and not pieces)):
-    return {}
+    return flags
   if itemsize == 1:  # FP8 x
-    return dict(prefetch_stats=not subtract_mean or block_n == 8192,
+    return dict(flags, prefetch_stats=not subtract_mean or block_n == 8192,
                 joint_row_sums=subtract_mean)
-  return dict(prefetch_stats=block_n < 8192 or (subtract_mean and not residual),
+  return dict(flags, prefetch_stats=block_n < 8192 or (subtract_mean and not residual),
               joint_row_sums=subtract_mean and (residual or block_n != 4096 or bool(pieces)))
 
 
