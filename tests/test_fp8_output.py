@@ -401,6 +401,22 @@ def test_config_picks_variants(monkeypatch):
   t = kfp8.fp8_config(8192, 4096, kernel="delayed", transpose=True)
   assert (t.block_m, t.block_n, t.num_warps, t.num_programs, t.tile_params) == (
       32, 128, 16, 264, True)
+  # the H200 keeps its LayerNorm picks, which the H100 overrides
+  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True) == (
+      kfp8.Fp8Config(2, 8192, 8, 264, True, True))
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
+                         transpose=True).num_programs == 264
+  h100 = pallas_norm.config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+  monkeypatch.setattr(kfp8, "device_info", lambda: h100)
+  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True) == (
+      kfp8.Fp8Config(2, 8192, 16, 132, True, True))
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
+                         transpose=True).num_programs == 528
+  # the rest as on the H200
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", transpose=True).num_programs == 264
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed") == kfp8.Fp8Config(1, 4096, 16, 396,
+                                                                         True, False)
+  monkeypatch.setattr(kfp8, "device_info", lambda: h200)
   monkeypatch.setattr(kfp8, "_PERSISTENT_ROWS", {("delayed", "rms", 128): (2, 4, 2, True)})
   assert kfp8.fp8_config(24, 100, kernel="delayed") == kfp8.Fp8Config(2, 128, 4, 264, True,
                                                                        True)
@@ -537,3 +553,47 @@ def test_gpu_row_kernel_variants(op):
       (kfp8.Fp8Config(1, 4096, 8), kfp8.Fp8Config(1, 4096, 8, 2 * sms, True), False),
       (kfp8.Fp8Config(32, 256, 16), kfp8.Fp8Config(32, 256, 16, sms, True), True)]:
     _check_variant(op, x, s, b, cfg, vcfg, transpose=transpose)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_gpu_amax_paths_bitwise(op, monkeypatch):
+  """The compiled kernels' float32 amax (HW_AMAX: |y| max-ed with PTX max.NaN.f32) against
+  the int32-bits amax that interpret mode runs: y, y_t, mean, rstd and the amax partials
+  bitwise equal (a NaN amax as NaN), for the one-block, persistent and y_t kernels and
+  the quantise pass, on
+  finite data, with a NaN and an Inf in x, and with subnormal y (scale 1e-39: a flush to
+  zero would give amax 0)."""
+  layer = op == "layer"
+  sms = pallas_norm.config.device_info().num_sms
+  x, s, b = _data((1024, 4096), layer=layer)
+  xs = {"finite": x, "nan_inf": x.at[5, 7].set(jnp.nan).at[900, 3].set(jnp.inf)}
+  inv = F32(1) / F32(0.01)
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False)
+  cfgs = [(kfp8.Fp8Config(1, 4096, 8), False), (kfp8.Fp8Config(1, 4096, 8, 2 * sms, True),
+                                                 False),
+          (kfp8.Fp8Config(32, 128, 16, 2 * sms, True), True)]
+  for name, xv in xs.items():
+    for sv in (s, jnp.full_like(s, 1e-39)):
+      outs = {}
+      for hw in (True, False):
+        monkeypatch.setattr(kfp8, "HW_AMAX", hw)
+        got = [kfp8.fp8_norm_delayed(xv, sv, b, inv, fp8_dtype=E4M3, transpose=t, config=c,
+                                     **kw) for c, t in cfgs]
+        got.append(kfp8.fp8_stats(xv, sv, b, **kw))
+        mean, rstd = got[0][2], got[0][3]
+        got.append(kfp8.fp8_quantise(xv, sv, b, mean if layer else None, rstd, inv,
+                                     scale_offset=0.0, subtract_mean=layer, fp8_dtype=E4M3,
+                                     transpose=False, interpret=False, return_amax=True))
+        # amax bits (int32): any NaN as one value (max.NaN.f32 gives the canonical NaN,
+        # the int32 max the bits of |x| of the NaN it met)
+        outs[hw] = [_bits(jnp.where(a > 0x7F800000, -1, a) if a.dtype == jnp.int32 else a)
+                    for a in jax.tree.leaves(got)]
+      assert len(outs[True]) == len(outs[False])
+      for a, c in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(a, c, err_msg=f"{op} {name}")
+      amax = _f32(kfp8.reduce_amax(got[0][4]))
+      if name == "nan_inf":
+        assert np.isnan(amax)
+      else:
+        assert 0 < amax < (1e-37 if sv is not s else np.inf)

@@ -51,6 +51,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -71,6 +73,10 @@ KERNELS = ("delayed", "stats", "quantise")
 # Compiled kernels cast to FP8 with the hardware's saturating conversion (``_emit``);
 # False keeps quantise's explicit clip there too (the A/B of docs/fp8.md#fp8-tuning).
 HW_SATURATE = True
+# Compiled kernels keep the running amax as float32 |y| max-ed with PTX ``max.NaN.f32``
+# (``_fold_amax``: one FMNMX an element where the int32 bits take an AND and a max);
+# False keeps the int32 bits there too (the A/B of docs/fp8.md).
+HW_AMAX = True
 
 
 # --------------------------------------------------------------------------- configs
@@ -146,12 +152,23 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     # config (sweep 3)
     ("delayed", "layer", 8192): (2, 8, 2, True),
 }
+# H100 overrides of _PERSISTENT_ROWS (bf16 x, e4m3fn, 2026-11-26, benchmarks/fp8_sweep5.py:
+# h100_2026-11-26_sweep5_fp8.json; every other entry above was the fastest or within 1% on
+# the H100 too): LayerNorm 8192x8192 86.3 against 90.1 us.
+_PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
+    ("delayed", "layer", 8192): (2, 16, 1, True),
+}
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
 # 32-byte sector a y_t row) walked in 128-wide chunks, 16 warps, 2 a SM, scale/bias in the
 # tile's layout (8192x4096: RMSNorm 71.6 / 78.3 at 32 x 256, a row block a program;
 # LayerNorm 75.9 / 85.0). The second walk of a row block reads 32 * N * itemsize bytes
 # back from L2.
 _T_ROWS, _T_BLOCK_N, _T_WARPS, _T_PROGRAMS_PER_SM, _T_TILE_PARAMS = 32, 128, 16, 2, True
+# H100, LayerNorm with y_t: 4 programs a SM (benchmarks/fp8_sweep_t.py,
+# h100_2026-11-26_sweep_t_fp8.json; us, 4 / 2 a SM): 8192x4096 91.6 / 92.0, 16384x4096
+# 182.5 / 229.0, 8192x8192 179.0 / 183.9, 32768x2048 157.4 / 158.0. RMSNorm keeps 2
+# (16384x4096: 167.0 / 159.8).
+_T_PROGRAMS_PER_SM_H100_LAYER = 4
 _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 / 38.0, but
 #                       32768x2048 80.2 / 69.2)
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
@@ -178,7 +195,8 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   variants (persistent programs, scale/bias in the tile's layout) are picked from
   ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` (with ``_T_ROWS``, ``_T_BLOCK_N``,
   ``_T_WARPS``) and ``_TILE_PARAMS``, on a GPU (H200-measured rules, the constants'
-  comments).
+  comments), with the H100's own picks where they differ (``_PERSISTENT_ROWS_H100``,
+  ``_T_PROGRAMS_PER_SM_H100_LAYER``).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -199,12 +217,15 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   if kernel == "delayed" and transpose and not gpu:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
     return Fp8Config(_T_ROWS, bn, _warps(_T_ROWS * bn))
+  h100 = "H100" in device.name
   if kernel == "delayed" and transpose:
     bn = min(next_power_of_2(n), _T_BLOCK_N)
-    return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * _T_PROGRAMS_PER_SM,
+    per_sm = (_T_PROGRAMS_PER_SM_H100_LAYER if h100 and subtract_mean
+              else _T_PROGRAMS_PER_SM)
+    return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * per_sm,
                      _T_TILE_PARAMS)
-  tile = _PERSISTENT_ROWS.get((kernel, "layer" if subtract_mean else "rms",
-                               next_power_of_2(n)))
+  key = (kernel, "layer" if subtract_mean else "rms", next_power_of_2(n))
+  tile = (_PERSISTENT_ROWS_H100.get(key) if h100 else None) or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
     bm, warps, per_sm, hoist = tile
     return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist)
@@ -227,6 +248,46 @@ def _amax_bits(y, mask):
   return bits
 
 
+def _max_abs_nan(acc, y):
+  """max(acc, |y|) elementwise for float32 tiles, NaN where either is NaN: PTX
+  ``abs.f32`` and ``max.NaN.f32`` (sm_80+), which ptxas folds into one FMNMX.NAN with a
+  |.| operand. jnp.maximum lowers to ``maxnumf``, which drops a NaN, and jnp.abs to
+  ``abs.ftz.f32``, which flushes subnormals to 0."""
+  return plgpu.elementwise_inline_asm(
+      "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }", args=[acc, y],
+      constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, _F32)])[0]
+
+
+def _fold_amax(acc, y, mask, hw_amax):
+  """The running elementwise amax ``acc`` (None: none yet) folded with |y| (0 outside
+  ``mask``). ``hw_amax`` (compiled): float32, ``_max_abs_nan`` (one instruction an
+  element); else (interpret mode) the int32 bits of
+  |y| (``_amax_bits``) and an integer max. Both order non-negative values as the floats
+  do and keep a NaN; ``_amax_out`` turns either into int32 bits."""
+  if hw_amax:
+    if mask is not None:
+      y = jnp.where(mask, y, _F32(0))
+    return _max_abs_nan(jnp.zeros_like(y) if acc is None else acc, y)
+  bits = _amax_bits(y, mask)
+  return bits if acc is None else jnp.maximum(acc, bits)
+
+
+def _amax_zeros(shape, hw_amax):
+  return jnp.zeros(shape, _F32 if hw_amax else jnp.int32)
+
+
+def _amax_out(acc, axes):
+  """int32 bits of the max of ``acc`` (``_fold_amax``'s) over ``axes`` (a tuple), reduced
+  as integers: the bits of a non-negative float or of max.NaN's NaN (0x7FFFFFFF) order as
+  the values, with NaN above +Inf (a float max reduction would drop it)."""
+  if acc.dtype != jnp.int32:
+    acc = lax.bitcast_convert_type(acc, jnp.int32)
+  for ax in sorted(axes, reverse=True):
+    acc = jnp.max(acc, axis=ax)
+  return acc
+
+
 def _load_params_2d(scale_ref, bias_ref, cols, col_mask, scale_offset):
   """_load_params as [1, block_n] f32 rows, indexed in the tile's 2-D shape: loaded in the
   tile's layout, not as a 1-D vector that the compiler then converts through shared
@@ -235,11 +296,12 @@ def _load_params_2d(scale_ref, bias_ref, cols, col_mask, scale_offset):
                       None if col_mask is None else col_mask[None, :], scale_offset)
 
 
-def _emit(x, tile, mean, rstd, params, q):
+def _emit(x, tile, mean, rstd, params, q, acc, hw_amax):
   """y_f32 of the f32 x ``tile`` ((rows, cols, row_mask, col_mask, mask)) from the rows'
   ``mean`` (None: RMSNorm) and ``rstd``; quantised and stored when ``q`` is
-  (inv, fp8_dtype, y_ref, y_t_ref or None, hw_sat). Returns the tile's |y| bits
-  (_amax_bits, [block_m, block_n] int32).
+  (inv, fp8_dtype, y_ref, y_t_ref or None, hw_sat). Returns the running elementwise amax
+  ``acc`` (None: none yet) folded with the tile's |y| (``_fold_amax``, [block_m,
+  block_n]).
 
   ``hw_sat`` (compiled for the GPU): the cast to FP8 is the hardware's saturating one,
   ``cvt.rn.satfinite.e4m3x2.f32`` / ``.e5m2x2.f32`` (Triton's float32 -> FP8
@@ -260,7 +322,7 @@ def _emit(x, tile, mean, rstd, params, q):
     if y_t_ref is not None:  # y_t[c, r] = y[r, c]: the same tile through transposed indices
       plgpu.store(y_t_ref.at[cols[None, :], rows[:, None]], yq, mask=mask)
   # Masked elements were loaded as 0: their y is 0 unless a mean or a bias moves it.
-  return _amax_bits(y, mask if mean is not None or b is not None else None)
+  return _fold_amax(acc, y, mask if mean is not None or b is not None else None, hw_amax)
 
 
 def _walk(num_chunks, body, init):
@@ -303,9 +365,9 @@ def _tile_stats(x, mask, *, n, eps, subtract_mean):
 
 
 def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, block_m,
-                   block_n):
+                   block_n, hw_amax):
   """Row block ``rb`` in block_n chunks: statistics, then a second walk (from L2) that
-  emits. ``amax``: the running |y| bits, [block_m, block_n] int32 (elementwise).
+  emits. ``amax``: the running elementwise amax (``_fold_amax``), [block_m, block_n].
   Returns (mean or None, rstd, amax)."""
   mean, acc = _chunk_stats(rb, x_ref, n=n, subtract_mean=subtract_mean, block_m=block_m,
                            block_n=block_n)
@@ -314,7 +376,7 @@ def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, b
   def body(k, amax):
     t = tile(rb, k)
     x = _load_tile(x_ref, t[0], t[1], t[4])
-    return jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
+    return _emit(x, t, mean, rstd, params, q, amax, hw_amax)
 
   return mean, rstd, _walk(cdiv(n, block_n), body, amax)
 
@@ -326,7 +388,7 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, hw_sat, tile_params, block_m, block_n):
+                 fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling)."""
@@ -343,19 +405,19 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
     x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
     mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
-    amax = _emit(x, t0, mean, rstd, params, q)
+    amax = _emit(x, t0, mean, rstd, params, q, None, hw_amax)
   else:  # statistics over the chunks, then a second walk (from L2) that stores
     mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q,
-                                      jnp.zeros((block_m, block_n), jnp.int32), n=n,
+                                      _amax_zeros((block_m, block_n), hw_amax), n=n,
                                       eps=eps, subtract_mean=subtract_mean,
-                                      block_m=block_m, block_n=block_n)
+                                      block_m=block_m, block_n=block_n, hw_amax=hw_amax)
   _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
-  plgpu.store(amax_ref.at[rows], jnp.max(amax, axis=1), mask=row_mask)
+  plgpu.store(amax_ref.at[rows], _amax_out(amax, (1,)), mask=row_mask)
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       fp8_dtype, transpose, hw_sat, tile_params, hoist_params, block_m,
-                       block_n, num_programs):
+                       fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
+                       block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -363,8 +425,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   block), the next row block's x loaded before this one's reductions (its loads in
   flight during them; past the last block fully masked), as forward.py's
   static_persistent. Longer rows: each row block chunked
-  as in ``_norm_kernel``. The |y| bits are max-ed elementwise into a [block_m, block_n]
-  int32 carry (no reduction a row) and reduced across the tile once, at the end:
+  as in ``_norm_kernel``. |y| is max-ed elementwise into a [block_m, block_n] carry
+  (``_fold_amax``; no reduction a row) and reduced across the tile once, at the end:
   amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
   """
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
@@ -374,7 +436,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)
-  zeros = jnp.zeros((block_m, block_n), jnp.int32)
+  zeros = _amax_zeros((block_m, block_n), hw_amax)
   stats = dict(n=n, eps=eps, subtract_mean=subtract_mean)
   params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
                              bias_ref, scale_offset=scale_offset)
@@ -392,7 +454,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       t = tile(rb, 0)
       x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
-      amax = jnp.maximum(amax, _emit(x, t, mean, rstd, params, q))
+      amax = _emit(x, t, mean, rstd, params, q, amax, hw_amax)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax, x_next
 
@@ -401,17 +463,17 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     def body(i, amax):
       rb = pid + i * num_programs
       mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
-                                        block_n=block_n, **stats)
+                                        block_n=block_n, hw_amax=hw_amax, **stats)
       t = tile(rb, 0)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax
 
     amax = lax.fori_loop(0, num_steps, body, zeros)
-  amax_ref[pid] = jnp.max(jnp.max(amax, axis=1), axis=0)
+  amax_ref[pid] = _amax_out(amax, (0, 1))
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                     fp8_dtype, transpose, with_amax, hw_sat, block_m, block_n):
+                     fp8_dtype, transpose, with_amax, hw_sat, hw_amax, block_m, block_n):
   """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
   quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
   the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
@@ -436,9 +498,9 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
   mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)  # [block_m]
   rstd = _load(rstd_ref.at[rows], row_mask)
   params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
-  bits = _emit(x, t, mean, rstd, params, q)
+  amax = _emit(x, t, mean, rstd, params, q, None, hw_amax)
   if amax_ref is not None:
-    amax_ref[i * pl.num_programs(1) + j] = jnp.max(jnp.max(bits, axis=1), axis=0)
+    amax_ref[i * pl.num_programs(1) + j] = _amax_out(amax, (0, 1))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -478,7 +540,8 @@ def _y_outs(x, fp8_dtype, transpose):
 def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
   return pl.pallas_call(
       functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n,
-                        hw_sat=HW_SATURATE and not interpret, **statics),
+                        hw_sat=HW_SATURATE and not interpret,
+                        hw_amax=HW_AMAX and not interpret, **statics),
       out_shape=outs,
       grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
