@@ -562,8 +562,8 @@ def test_gpu_amax_paths_bitwise(op, monkeypatch):
   the int32-bits amax that interpret mode runs: y, y_t, mean, rstd and the amax partials
   bitwise equal (a NaN amax as NaN), for the one-block, persistent and y_t kernels and
   the quantise pass, on
-  finite data, with a NaN and an Inf in x, and with subnormal y (scale 1e-39: a flush to
-  zero would give amax 0)."""
+  finite data, with a NaN and an Inf in x, and with subnormal y (scale and bias times
+  1e-39: a flush to zero would give amax 0)."""
   layer = op == "layer"
   sms = pallas_norm.config.device_info().num_sms
   x, s, b = _data((1024, 4096), layer=layer)
@@ -573,16 +573,17 @@ def test_gpu_amax_paths_bitwise(op, monkeypatch):
   cfgs = [(kfp8.Fp8Config(1, 4096, 8), False), (kfp8.Fp8Config(1, 4096, 8, 2 * sms, True),
                                                  False),
           (kfp8.Fp8Config(32, 128, 16, 2 * sms, True), True)]
+  tiny = (jnp.full_like(s, 1e-39), None if b is None else b * 1e-39)  # subnormal y
   for name, xv in xs.items():
-    for sv in (s, jnp.full_like(s, 1e-39)):
+    for sv, bv in ((s, b), tiny):
       outs = {}
       for hw in (True, False):
         monkeypatch.setattr(kfp8, "HW_AMAX", hw)
-        got = [kfp8.fp8_norm_delayed(xv, sv, b, inv, fp8_dtype=E4M3, transpose=t, config=c,
+        got = [kfp8.fp8_norm_delayed(xv, sv, bv, inv, fp8_dtype=E4M3, transpose=t, config=c,
                                      **kw) for c, t in cfgs]
-        got.append(kfp8.fp8_stats(xv, sv, b, **kw))
+        got.append(kfp8.fp8_stats(xv, sv, bv, **kw))
         mean, rstd = got[0][2], got[0][3]
-        got.append(kfp8.fp8_quantise(xv, sv, b, mean if layer else None, rstd, inv,
+        got.append(kfp8.fp8_quantise(xv, sv, bv, mean if layer else None, rstd, inv,
                                      scale_offset=0.0, subtract_mean=layer, fp8_dtype=E4M3,
                                      transpose=False, interpret=False, return_amax=True))
         # amax bits (int32): any NaN as one value (max.NaN.f32 gives the canonical NaN,
