@@ -62,7 +62,6 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, device_info,
                                 forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct
-from pallas_norm.kernels.backward import _row_sums
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
                                          _load_row_block, _load_tile, _tile_index, _where0)
 
@@ -108,11 +107,6 @@ class Fp8Config:
       loaded again for each row block (False: from L1/L2; fewer registers, so more
       programs resident: LayerNorm [1, 4096] at 4 warps 202 -> 128 registers a thread,
       2 -> 4 programs a SM; ptxas for sm_90a). Ignored otherwise.
-    one_pass_stats: LayerNorm's whole-row statistics as one reduction of the pair
-      (sum x, sum x^2) (``_tile_stats``), var = E[x^2] - mean^2, instead of the mean's
-      reduction and then the centred squares'; rows where mean^2 > var *
-      ``ONE_PASS_MAX_RATIO`` (cancellation) take the two-pass variance again. Ignored
-      by RMSNorm and by chunked rows.
   """
 
   block_m: int
@@ -121,7 +115,6 @@ class Fp8Config:
   num_programs: int = 0
   tile_params: bool = False
   hoist_params: bool = True
-  one_pass_stats: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -162,8 +155,12 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
 # H100 overrides of _PERSISTENT_ROWS (bf16 x, e4m3fn, 2026-11-26, benchmarks/fp8_sweep5.py:
 # h100_2026-11-26_sweep5_fp8.json; every other entry above was the fastest or within 1% on
 # the H100 too): LayerNorm 8192x8192 86.3 against 90.1 us.
+# Programs a SM 0: one row block a program, scale/bias in the tile's layout (sweep 6,
+# benchmarks/fp8_sweep6.py, h100_2026-11-26_sweep6_fp8.json).
 _PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     ("delayed", "layer", 8192): (2, 16, 1, True),
+    ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 71.3 / 104.2
+    ("delayed", "rms", 2048): (1, 8, 0, True),      # 32768x2048: 75.7 / 78.9
 }
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
 # 32-byte sector a y_t row) walked in 128-wide chunks, 16 warps, 2 a SM, scale/bias in the
@@ -360,34 +357,15 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
 
-# one_pass_stats: the largest mean^2 / var for which E[x^2] - mean^2 is kept; its relative
-# error is then within about (1 + R + 2 sqrt(R (1 + R))) times the sums' (R = 1: ~5x),
-# where the two-pass variance's is ~1x. Rows past it take the two-pass variance.
-ONE_PASS_MAX_RATIO = 1.0
-
-
-def _two_pass_var(x, mask, mean, n):
-  xc = _where0(mask, x - mean[:, None])
-  return jnp.sum(xc * xc, axis=1) / n
-
-
-def _tile_stats(x, mask, *, n, eps, subtract_mean, one_pass=False):
+def _tile_stats(x, mask, *, n, eps, subtract_mean):
   """(mean [block_m] f32 or None, rstd [block_m] f32) of a whole-row f32 tile (0
-  outside ``mask``); LayerNorm's variance is two-pass within the tile, or with
-  ``one_pass`` (Fp8Config.one_pass_stats) one joint reduction of (sum x, sum x^2), the
-  two-pass variance again (a branch taken by the whole program) when a row's
-  mean^2 > var * ONE_PASS_MAX_RATIO."""
-  if not subtract_mean:
-    return None, lax.rsqrt(jnp.sum(x * x, axis=1) / n + _F32(eps))
-  if not one_pass:
+  outside ``mask``); LayerNorm's variance is two-pass within the tile."""
+  mean = None
+  xc = x
+  if subtract_mean:
     mean = jnp.sum(x, axis=1) / n  # [block_m]
-    return mean, lax.rsqrt(_two_pass_var(x, mask, mean, n) + _F32(eps))
-  s1, s2 = _row_sums(x, x * x)
-  mean = s1 / n
-  var = s2 / n - mean * mean
-  bad = jnp.max(jnp.where(mean * mean > var * _F32(ONE_PASS_MAX_RATIO), 1, 0))
-  var = lax.cond(bad > 0, lambda: _two_pass_var(x, mask, mean, n), lambda: var)
-  return mean, lax.rsqrt(var + _F32(eps))
+    xc = _where0(mask, x - mean[:, None])
+  return mean, lax.rsqrt(jnp.sum(xc * xc, axis=1) / n + _F32(eps))
 
 
 def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, block_m,
@@ -414,8 +392,7 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, hw_sat, hw_amax, tile_params, one_pass_stats, block_m,
-                 block_n):
+                 fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling)."""
@@ -431,8 +408,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   rows, _, row_mask, _, mask = t0
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
     x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
-    mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean,
-                             one_pass=one_pass_stats)
+    mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
     amax = _emit(x, t0, mean, rstd, params, q, None, hw_amax)
   else:  # statistics over the chunks, then a second walk (from L2) that stores
     mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q,
@@ -444,8 +420,8 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                       fp8_dtype, transpose, hw_sat, hw_amax, tile_params, one_pass_stats,
-                       hoist_params, block_m, block_n, num_programs):
+                       fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
+                       block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -481,7 +457,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       x_next = load(rb + num_programs)  # the prefetch
       t = tile(rb, 0)
       x = x.astype(_F32)
-      mean, rstd = _tile_stats(x, t[4], one_pass=one_pass_stats, **stats)
+      mean, rstd = _tile_stats(x, t[4], **stats)
       amax = _emit(x, t, mean, rstd, params, q, amax, hw_amax)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax, x_next
@@ -545,7 +521,7 @@ def _row_launch(m, cfg: Fp8Config):
   block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
   (_persistent_kernel, at most one a row block; an amax a program)."""
   num_row_blocks = cdiv(m, cfg.block_m)
-  statics = dict(tile_params=cfg.tile_params, one_pass_stats=cfg.one_pass_stats)
+  statics = dict(tile_params=cfg.tile_params)
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
