@@ -442,6 +442,12 @@ _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
 # tile: with a bf16 scale multi_wave_cached [2, 8192] x 16 was fastest (88.4/89.6, the
 # persistent tile 100.0/89.8, the default 107.7/81.1), not a rule yet. [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
+# FP8-x LayerNorm backward at N' = 4096 on the H100: [1, 4096] x 32 warps, 1 program a SM,
+# not the bf16 tile [2, 4096] x 16 (which spills with FP8 x: ptxas, sm_90a). H100,
+# 2026-11-26, benchmarks/fp8_input_bwd_sweep.py (stage 1 + 2, us): 8192x4096 82.8 against
+# 107.6, 16384x4096 159.5 against 206.8 ([1, 4096] x 4 at 4 a SM: 86.6 / 156.5). RMSNorm
+# and N' = 8192 keep theirs (the fastest there). The H200 is not measured. [T#fp8-in-bwd]
+_FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
 # without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
@@ -938,6 +944,11 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     if subtract_mean and block_n == 8192 and _residual_rules(
         residual, dtype, backend, device, _RES_LN_8192_BWD_WARPS_DEVICES):
       num_warps = _RES_LN_8192_BWD_WARPS
+    if (subtract_mean and block_n == 4096 and not pieces and backend == "pallas"
+        and device.platform == "gpu" and "H100" in device.name
+        and np.dtype(dtype).itemsize == 1):  # FP8 x
+      block_m, num_warps, per_sm = _FP8_LN_4096_BWD_H100
+      num_programs = per_sm * device.num_sms
     flags = _stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend, device)
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split

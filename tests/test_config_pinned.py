@@ -463,3 +463,17 @@ def test_stage1_flags_rule():
     for m, n, ln, res in ((8192, 4096, True, False), (8192, 4096, True, True),
                           (4096, 8192, True, False), (8192, 2048, False, False)):
       assert flags(m, n, ln, res=res, **kw) == (False, False), (kw, m, n, ln, res)
+
+
+def test_fp8_layer_norm_backward_h100_4096():
+  """FP8 x, LayerNorm, N' = 4096, the H100 ([T#fp8-in-bwd]): [1, 4096] x 32 warps, one
+  program a SM; bf16 x, RMSNorm, N' = 8192, the H200 and the Triton backend keep theirs."""
+  def tile(m, n, ln=True, d="h100", dt=jnp.float8_e4m3fn, be="pallas"):
+    c = pn_config.backward_config(m, n, dt, DEVICES[d], subtract_mean=ln, backend=be)
+    return c.block_m, c.block_n, c.num_warps, c.num_programs
+  assert tile(8192, 4096) == (1, 4096, 32, 132)
+  assert tile(16384, 4096, dt=jnp.float8_e5m2) == (1, 4096, 32, 132)
+  assert tile(8192, 4096) != tile(8192, 4096, dt=jnp.bfloat16)
+  for kw in (dict(dt=jnp.bfloat16), dict(ln=False), dict(d="h200"), dict(be="triton")):
+    assert tile(8192, 4096, **kw) != (1, 4096, 32, 132), kw
+  assert tile(8192, 8192) == tile(8192, 8192, d="h200")
