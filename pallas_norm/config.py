@@ -446,7 +446,9 @@ _FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
 # not the bf16 tile [2, 4096] x 16 (which spills with FP8 x: ptxas, sm_90a). H100,
 # 2026-11-26, benchmarks/fp8_input_bwd_sweep.py (stage 1 + 2, us): 8192x4096 82.8 against
 # 107.6, 16384x4096 159.5 against 206.8 ([1, 4096] x 4 at 4 a SM: 86.6 / 156.5). RMSNorm
-# and N' = 8192 keep theirs (the fastest there). The H200 is not measured. [T#fp8-in-bwd]
+# and N' = 8192 keep theirs (the fastest there). With prefetch_stats on that tile (a
+# _stage1_flags rule): 77.5 / 149.6 against 82.3 / 159.0 (--stage1-flags). The H200 is not
+# measured. [T#fp8-in-bwd]
 _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
@@ -987,8 +989,9 @@ def _stage1_flags(block_n: int, pieces: tuple[int, ...], subtract_mean: bool,
       or block_n < _STAGE1_FLAGS_MIN_BLOCK_N
       or (subtract_mean and residual and block_n == 2048 and not pieces)):
     return flags
-  if itemsize == 1:  # FP8 x
-    return dict(flags, prefetch_stats=not subtract_mean or block_n == 8192,
+  if itemsize == 1:  # FP8 x (LayerNorm N' = 4096: on _FP8_LN_4096_BWD_H100's tile)
+    return dict(flags, prefetch_stats=(not subtract_mean or block_n == 8192
+                                       or (block_n == 4096 and not pieces)),
                 joint_row_sums=subtract_mean)
   return dict(flags, prefetch_stats=block_n < 8192 or (subtract_mean and not residual),
               joint_row_sums=subtract_mean and (residual or block_n != 4096 or bool(pieces)))
