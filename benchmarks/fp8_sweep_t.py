@@ -6,9 +6,10 @@ programs a SM, scale/bias in the tile's layout; RMSNorm and LayerNorm at 8192x40
 rotated over >= 256 MiB, rounds interleaved (3; the default config timed in each); bf16
 x, f32 scale/bias, e4m3fn; GB/s on the bytes model (read 2, write 1 + 1).
 Usage: python benchmarks/fp8_sweep_t.py OUT.json BUDGET_S (GPU)."""
-import os, sys, time, json
+import os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
+import _fp8_sweep
 from pallas_norm.bench import timing
 from pallas_norm.config import device_info
 from pallas_norm.kernels import fp8 as K
@@ -21,7 +22,7 @@ CANDS = [(32, 128, 16, 1), (32, 128, 16, 2), (32, 128, 16, 3), (32, 128, 16, 4),
          (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (32, 256, 16, 1),
          (32, 256, 16, 2), (32, 256, 8, 2), (32, 64, 8, 2), (32, 64, 8, 4), (32, 64, 4, 4),
          (64, 128, 16, 1), (64, 128, 16, 2), (64, 64, 8, 2), (64, 64, 16, 2)]
-rows, groups = [], []
+groups = []
 for m, n in ((8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048)):
   sets = max(2, -(-(256 << 20) // (m * n * 2)))
   xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
@@ -35,35 +36,6 @@ for m, n in ((8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048)):
         fp8_dtype=jnp.float8_e4m3fn, transpose=True, interpret=False, config=cfg)[:2])
            for cfg in cs]
     groups.append((f"{op} {m}x{n}", cs, fns, m * n * 4, xs, d))
-res = {}
-for r in range(3):
-  for tag, cs, fns, nb, xs, d in groups:
-    for cfg, f in zip(cs, fns):
-      if time.time() - T0 > BUDGET:
-        break
-      try:
-        us = timing.time_us(f, xs, 10)
-      except Exception as e:
-        print(tag, cfg, "ERR", str(e)[:150], flush=True); us = None
-      res.setdefault((tag, cfg), []).append(us)
-  print(f"round {r} done at {time.time() - T0:.0f}s", flush=True)
-for (tag, cfg), v in res.items():
-  v = [u for u in v if u is not None]
-  if not v:
-    continue
-  g = [x for x in groups if x[0] == tag][0]
-  us = float(np.median(v))
-  rows.append(dict(tag=tag, config=str(cfg), default=cfg == g[5], us=us, rounds=v,
-                   gbs=g[3] / us / 1e3))
-  print(f"{tag:16s} {'D' if cfg == g[5] else ' '} bm={cfg.block_m:2d} bn={cfg.block_n:3d} "
-        f"w={cfg.num_warps:2d} k={cfg.num_programs // SMS} {us:7.1f}us {g[3]/us/1e3:6.0f}GB/s",
-        flush=True)
-json.dump(dict(device=jax.devices()[0].device_kind, num_sms=SMS, rows=rows, note=__doc__,
-               elapsed_s=time.time() - T0), open(out, "w"), indent=1)
-best = {}
-for r in rows:
-  if r["tag"] not in best or r["us"] < best[r["tag"]]["us"]:
-    best[r["tag"]] = r
-for t, r in best.items():
-  dflt = [x["us"] for x in rows if x["tag"] == t and x["default"]]
-  print("BEST", t, r["config"], f"{r['us']:.1f}us", "default", dflt)
+_fp8_sweep.run(groups, out, budget_s=BUDGET, t0=T0, num_sms=SMS, note=__doc__,
+               describe=lambda c: (f"bm={c.block_m:2d} bn={c.block_n:3d} w={c.num_warps:2d} "
+                                   f"k={c.num_programs // SMS}"))

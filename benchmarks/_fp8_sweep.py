@@ -1,0 +1,51 @@
+"""The harness of the FP8-output config sweeps (fp8_sweep5.py, fp8_sweep6.py,
+fp8_sweep_t.py): groups of (tag, configs, jitted functions, bytes, inputs, default), timed
+in interleaved rounds (every group's every config once a round, within a time budget),
+the median of the rounds a config, printed and written as JSON with each group's best.
+CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
+the rotated inputs)."""
+import json
+import time
+
+import jax
+import numpy as np
+
+from pallas_norm.bench import timing
+
+
+def run(groups, out, *, budget_s, t0, num_sms, note, rounds=3, iters=10, describe=str):
+  """Time ``groups`` ((tag, configs, fns, bytes, inputs, default) each) and write ``out``.
+  ``describe(cfg)``: a config's printed form."""
+  res = {}
+  for r in range(rounds):
+    for tag, cs, fns, _, xs, _ in groups:
+      for cfg, f in zip(cs, fns):
+        if time.time() - t0 > budget_s:
+          break
+        try:
+          us = timing.time_us(f, xs, iters)
+        except Exception as e:  # noqa: BLE001 (a config that does not fit is a result)
+          print(tag, cfg, "ERR", str(e)[:150], flush=True)
+          us = None
+        res.setdefault((tag, cfg), []).append(us)
+    print(f"round {r} done at {time.time() - t0:.0f}s", flush=True)
+  rows = []
+  for (tag, cfg), v in res.items():
+    v = [u for u in v if u is not None]
+    if not v:
+      continue
+    g = next(x for x in groups if x[0] == tag)
+    us = float(np.median(v))
+    rows.append(dict(tag=tag, config=str(cfg), default=cfg == g[5], us=us, rounds=v,
+                     gbs=g[3] / us / 1e3))
+    print(f"{tag:24s} {'D' if cfg == g[5] else ' '} {describe(cfg)} {us:7.1f}us "
+          f"{g[3] / us / 1e3:6.0f}GB/s rounds={[round(u, 1) for u in v]}", flush=True)
+  json.dump(dict(device=jax.devices()[0].device_kind, num_sms=num_sms, rows=rows, note=note,
+                 elapsed_s=time.time() - t0), open(out, "w"), indent=1)
+  best = {}
+  for r in rows:
+    if r["tag"] not in best or r["us"] < best[r["tag"]]["us"]:
+      best[r["tag"]] = r
+  for t, r in best.items():
+    dflt = [x["us"] for x in rows if x["tag"] == t and x["default"]]
+    print("BEST", t, r["config"], f"{r['us']:.1f}us", "default", dflt)
