@@ -107,8 +107,6 @@ class Fp8Config:
       loaded again for each row block (False: from L1/L2; fewer registers, so more
       programs resident: LayerNorm [1, 4096] at 4 warps 202 -> 128 registers a thread,
       2 -> 4 programs a SM; ptxas for sm_90a). Ignored otherwise.
-    prefetch_depth: persistent whole rows: the row blocks whose x is in flight while a
-      block is computed (1: the next; 2: the next two). Ignored otherwise.
   """
 
   block_m: int
@@ -117,7 +115,6 @@ class Fp8Config:
   num_programs: int = 0
   tile_params: bool = False
   hoist_params: bool = True
-  prefetch_depth: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -424,7 +421,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       prefetch_depth, block_m, block_n, num_programs):
+                       block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -455,19 +452,17 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
 
     def body(i, carry):
-      # xs: the tiles of this row block and the next prefetch_depth - 1, in x's dtype
-      amax, *xs = carry
+      amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
       rb = pid + i * num_programs
-      x_next = load(rb + prefetch_depth * num_programs)  # the prefetch
+      x_next = load(rb + num_programs)  # the prefetch
       t = tile(rb, 0)
-      x = xs[0].astype(_F32)
+      x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
       amax = _emit(x, t, mean, rstd, params, q, amax, hw_amax)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
-      return (amax, *xs[1:], x_next)
+      return amax, x_next
 
-    init = (zeros, *(load(pid + k * num_programs) for k in range(prefetch_depth)))
-    amax = lax.fori_loop(0, num_steps, body, init)[0]
+    amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
   else:
     def body(i, amax):
       rb = pid + i * num_programs
@@ -530,8 +525,7 @@ def _row_launch(m, cfg: Fp8Config):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params,
-                                      prefetch_depth=cfg.prefetch_depth, num_programs=g),
+  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params, num_programs=g),
           g)
 
 
