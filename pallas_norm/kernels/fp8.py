@@ -160,8 +160,6 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
 _PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     ("delayed", "layer", 8192): (2, 16, 1, True),
     ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 71.3 / 104.2
-    # benchmarks/fp8_config_ab.py, h100_2026-11-26_fp8_config_ab2_6d2a60c.txt:
-    ("stats", "layer", 4096): (1, 8, 2, True),      # 8192x4096 29.5 / 33.3, 16384x 56.0 / 63.5
     ("delayed", "rms", 2048): (1, 8, 0, True),      # 32768x2048: 75.7 / 78.9
 }
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
