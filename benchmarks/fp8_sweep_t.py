@@ -5,7 +5,8 @@ programs a SM, scale/bias in the tile's layout; RMSNorm and LayerNorm at 8192x40
 16384x4096, 8192x8192 and 32768x2048. CUPTI kernel time, median of 10 calls over inputs
 rotated over >= 256 MiB, rounds interleaved (3; the default config timed in each); bf16
 x, f32 scale/bias, e4m3fn; GB/s on the bytes model (read 2, write 1 + 1).
-Usage: python benchmarks/fp8_sweep_t.py OUT.json BUDGET_S (GPU)."""
+Usage: python benchmarks/fp8_sweep_t.py OUT.json BUDGET_S [short] (GPU; "short": 8- and
+16-row blocks instead)."""
 import os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 import jax, jax.numpy as jnp
@@ -22,6 +23,12 @@ CANDS = [(32, 128, 16, 1), (32, 128, 16, 2), (32, 128, 16, 3), (32, 128, 16, 4),
          (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (32, 256, 16, 1),
          (32, 256, 16, 2), (32, 256, 8, 2), (32, 64, 8, 2), (32, 64, 8, 4), (32, 64, 4, 4),
          (64, 128, 16, 1), (64, 128, 16, 2), (64, 64, 8, 2), (64, 64, 16, 2)]
+if len(sys.argv) > 3 and sys.argv[3] == "short":  # row blocks of 8 and 16 rows: y_t rows
+  # get 8 / 16 contiguous bytes a block, half or a quarter of a 32-byte sector, which the
+  # neighbouring row blocks (other programs, at about the same time) fill in L2
+  CANDS = [(32, 128, 16, 2), (16, 128, 16, 2), (16, 128, 8, 2), (16, 128, 8, 3),
+           (16, 128, 8, 4), (16, 256, 16, 2), (16, 256, 8, 2), (16, 256, 8, 3),
+           (16, 512, 16, 2), (8, 256, 8, 4), (8, 512, 8, 3), (8, 512, 16, 2)]
 groups = []
 for m, n in ((8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048)):
   sets = max(2, -(-(256 << 20) // (m * n * 2)))
