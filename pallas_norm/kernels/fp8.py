@@ -52,7 +52,6 @@ import dataclasses
 import functools
 
 import jax
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -152,11 +151,12 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     # config (sweep 3)
     ("delayed", "layer", 8192): (2, 8, 2, True),
 }
-# H100 overrides of _PERSISTENT_ROWS (bf16 x, e4m3fn, 2026-11-26, benchmarks/fp8_sweep5.py:
-# h100_2026-11-26_sweep5_fp8.json; every other entry above was the fastest or within 1% on
-# the H100 too): LayerNorm 8192x8192 86.3 against 90.1 us.
+# H100 overrides of _PERSISTENT_ROWS (bf16 x, float32 scale/bias, e4m3fn, 2026-11-26,
+# benchmarks/fp8_sweep5.py: h100_2026-11-26_sweep5_fp8.json; every other entry above was
+# the fastest or within 1% on the H100 too): LayerNorm 8192x8192 86.3 against 90.1 us.
 # Programs a SM 0: one row block a program, scale/bias in the tile's layout (sweep 6,
-# benchmarks/fp8_sweep6.py, h100_2026-11-26_sweep6_fp8.json).
+# benchmarks/fp8_sweep6.py, h100_2026-11-26_sweep6_fp8.json). The kernel bench (bf16
+# scale/bias) had no cell slower with these (h100_2026-11-26_fp8_c9feceb.json).
 _PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     ("delayed", "layer", 8192): (2, 16, 1, True),
     ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 71.3 / 104.2
@@ -265,10 +265,10 @@ def _max_abs_nan(acc, y):
 
 def _fold_amax(acc, y, mask, hw_amax):
   """The running elementwise amax ``acc`` (None: none yet) folded with |y| (0 outside
-  ``mask``). ``hw_amax`` (compiled): float32, ``_max_abs_nan`` (one instruction an
-  element); else (interpret mode) the int32 bits of
-  |y| (``_amax_bits``) and an integer max. Both order non-negative values as the floats
-  do and keep a NaN; ``_amax_out`` turns either into int32 bits."""
+  ``mask``). ``hw_amax`` (compiled): float32 and ``_max_abs_nan``, one instruction an
+  element; else (interpret mode) the int32 bits of |y| (``_amax_bits``) and an integer
+  max. Both order non-negative values as the floats do and keep a NaN; ``_amax_out``
+  turns either into int32 bits."""
   if hw_amax:
     if mask is not None:
       y = jnp.where(mask, y, _F32(0))
