@@ -1,16 +1,27 @@
-"""The harness of the FP8-output config sweeps (fp8_sweep5.py, fp8_sweep6.py,
-fp8_sweep_t.py): groups of (tag, configs, jitted functions, bytes, inputs, default), timed
-in interleaved rounds (every group's every config once a round, within a time budget),
-the median of the rounds a config, printed and written as JSON with each group's best.
+"""The harness of the FP8-output config sweeps (fp8_sweep4.py, fp8_sweep5.py,
+fp8_sweep6.py, fp8_sweep_t.py): their inputs (``inputs``), and groups of (tag, configs,
+jitted functions, bytes, inputs, default) timed in interleaved rounds (every group's
+every config once a round, within a time budget), the median of the rounds a config,
+printed and written as JSON with each group's best.
 CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
 the rotated inputs)."""
 import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm.bench import timing
+
+
+def inputs(m, n):
+  """(xs, scale, bias) of one shape: x [M, N] bf16 rotated over >= 256 MiB (at least two
+  sets), float32 scale 1 + 0.1 N(0, 1) and bias 0.1 * scale."""
+  sets = max(2, -(-(256 << 20) // (m * n * 2)))
+  xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
+  s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,))
+  return xs, s, 0.1 * s
 
 
 def run(groups, out, *, budget_s, t0, num_sms, note, rounds=3, iters=10, describe=str):

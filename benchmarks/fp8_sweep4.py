@@ -4,9 +4,10 @@ registers; reverted after this sweep: one-row tiles ran 2x slower, docs/fp8.md),
 16384x4096, 32768x2048 and 8192x8192, RMSNorm and LayerNorm. CUPTI kernel time, median
 of 10 calls over inputs rotated over >= 256 MiB, rounds interleaved (3); bf16 x, f32
 scale/bias, e4m3fn. Usage: python benchmarks/fp8_sweep4.py OUT.json BUDGET_S (GPU)."""
-import os, sys, time, json
+import os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
+import _fp8_sweep
 from pallas_norm.bench import timing
 from pallas_norm.config import device_info
 from pallas_norm.kernels import fp8 as K
@@ -23,12 +24,9 @@ CANDS = {
     8192: [(1, 32, 1, 1), (1, 32, 2, 0), (1, 16, 2, 1), (1, 16, 3, 1), (2, 16, 1, 1),
            (2, 16, 2, 1), (2, 8, 2, 1), (1, 8, 4, 1)],
 }
-rows = []
 groups = []
 for m, n in ((8192, 4096), (16384, 4096), (32768, 2048), (8192, 8192)):
-  sets = max(2, -(-(256 << 20) // (m * n * 2)))
-  xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
-  s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,)); b = 0.1 * s
+  xs, s, b = _fp8_sweep.inputs(m, n)
   for op in ("rms", "layer"):
     sm = op == "layer"
     d = K.fp8_config(m, n, kernel="delayed", subtract_mean=sm)
@@ -38,34 +36,6 @@ for m, n in ((8192, 4096), (16384, 4096), (32768, 2048), (8192, 8192)):
         fp8_dtype=jnp.float8_e4m3fn, transpose=False, interpret=False, config=cfg)[0])
            for cfg in cs]
     groups.append((f"{op} {m}x{n}", cs, fns, m * n * 3, xs, d))
-res = {}
-for r in range(3):
-  for tag, cs, fns, nb, xs, d in groups:
-    for cfg, f in zip(cs, fns):
-      if time.time() - T0 > BUDGET:
-        break
-      try:
-        us = timing.time_us(f, xs, 10)
-      except Exception as e:
-        print(tag, cfg, "ERR", str(e)[:150], flush=True); us = None
-      res.setdefault((tag, cfg), []).append(us)
-for (tag, cfg), v in res.items():
-  v = [u for u in v if u is not None]
-  if not v:
-    continue
-  g = [x for x in groups if x[0] == tag][0]
-  us = float(np.median(v))
-  rows.append(dict(tag=tag, config=str(cfg), default=cfg == g[5], us=us, rounds=v,
-                   gbs=g[3] / us / 1e3))
-  print(f"{tag:16s} {'D' if cfg == g[5] else ' '} bm={cfg.block_m:2d} w={cfg.num_warps:2d} "
-        f"k={cfg.num_programs // SMS} h={int(cfg.hoist_params)} {us:7.1f}us "
-        f"{g[3]/us/1e3:6.0f}GB/s", flush=True)
-json.dump(dict(device=jax.devices()[0].device_kind, num_sms=SMS, rows=rows, note=__doc__,
-               elapsed_s=time.time() - T0), open(out, "w"), indent=1)
-best = {}
-for r in rows:
-  if r["tag"] not in best or r["us"] < best[r["tag"]]["us"]:
-    best[r["tag"]] = r
-for t, r in best.items():
-  dflt = [x["us"] for x in rows if x["tag"] == t and x["default"]]
-  print("BEST", t, r["config"], f"{r['us']:.1f}us", "default", dflt)
+_fp8_sweep.run(groups, out, budget_s=BUDGET, t0=T0, num_sms=SMS, note=__doc__,
+               describe=lambda c: (f"bm={c.block_m:2d} w={c.num_warps:2d} "
+                                   f"k={c.num_programs // SMS} h={int(c.hoist_params)}"))

@@ -29,9 +29,7 @@ PERSISTENT = {
 ONE_BLOCK = [(1, 4), (1, 8), (2, 8), (4, 8), (2, 16), (4, 16)]  # (block_m, num_warps)
 groups = []
 for m, n in ((8192, 4096), (16384, 4096), (32768, 2048), (8192, 8192)):
-  sets = max(2, -(-(256 << 20) // (m * n * 2)))
-  xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
-  s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,)); b = 0.1 * s
+  xs, s, b = _fp8_sweep.inputs(m, n)
   for op in ("rms", "layer"):
     sm = op == "layer"
     d = K.fp8_config(m, n, kernel="delayed", subtract_mean=sm)

@@ -31,9 +31,7 @@ if len(sys.argv) > 3 and sys.argv[3] == "short":  # row blocks of 8 and 16 rows:
            (16, 512, 16, 2), (8, 256, 8, 4), (8, 512, 8, 3), (8, 512, 16, 2)]
 groups = []
 for m, n in ((8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048)):
-  sets = max(2, -(-(256 << 20) // (m * n * 2)))
-  xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
-  s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,)); b = 0.1 * s
+  xs, s, b = _fp8_sweep.inputs(m, n)
   for op in ("rms", "layer"):
     sm = op == "layer"
     d = K.fp8_config(m, n, kernel="delayed", subtract_mean=sm, transpose=True)
