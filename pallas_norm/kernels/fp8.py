@@ -178,11 +178,6 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
-# The quantise grid's order: False, program_id(0) over row tiles (the fastest-launched
-# axis: column strips, each down all rows); True, program_id(0) over column tiles and the
-# row tiles from the last, so that the rows the statistics pass read last (likeliest in
-# L2) are read first. EXPERIMENT.
-_Q_ROWS_REVERSED = False
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
 
@@ -482,8 +477,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                     fp8_dtype, transpose, with_amax, rows_reversed, hw_sat, hw_amax,
-                     block_m, block_n):
+                     fp8_dtype, transpose, with_amax, hw_sat, hw_amax, block_m, block_n):
   """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
   quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
   the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
@@ -500,12 +494,7 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   amax_ref = refs.pop(0) if with_amax else None
-  if rows_reversed:  # grid (col tiles, row tiles), row tiles from the last
-    i, j = pl.num_programs(1) - 1 - pl.program_id(1), pl.program_id(0)
-    grid_n = pl.num_programs(0)
-  else:
-    i, j = pl.program_id(0), pl.program_id(1)
-    grid_n = pl.num_programs(1)
+  i, j = pl.program_id(0), pl.program_id(1)
   t = _tile_index(i, j, x_ref.shape[0], n, block_m=block_m, block_n=block_n,
                   rows_in_bounds=True)
   rows, cols, row_mask, _, mask = t
@@ -515,7 +504,7 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
   params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
   amax = _emit(x, t, mean, rstd, params, q, None, hw_amax)
   if amax_ref is not None:
-    amax_ref[i * grid_n + j] = _amax_out(amax, (0, 1))
+    amax_ref[i * pl.num_programs(1) + j] = _amax_out(amax, (0, 1))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -634,9 +623,6 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
   outs = [] if fp8_dtype is None else _y_outs(x, fp8_dtype, transpose)
   if with_amax:
     outs.append(out_struct((grid[0] * grid[1],), jnp.int32, x))
-  rows_reversed = _Q_ROWS_REVERSED
-  if rows_reversed:
-    grid = grid[::-1]
   outs = _call(_quantise_kernel,
                [x, scale, bias, mean if subtract_mean else None, rstd,
                 None if fp8_dtype is None else _inv(inv)],
@@ -644,7 +630,7 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None,
                fp8_dtype=None if fp8_dtype is None else jnp.dtype(fp8_dtype).name,
-               transpose=transpose, with_amax=with_amax, rows_reversed=rows_reversed)
+               transpose=transpose, with_amax=with_amax)
   return list(outs)
 
 
