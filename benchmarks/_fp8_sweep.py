@@ -15,13 +15,13 @@ import numpy as np
 from pallas_norm.bench import timing
 
 
-def inputs(m, n):
+def inputs(m, n, param_dtype=jnp.float32):
   """(xs, scale, bias) of one shape: x [M, N] bf16 rotated over >= 256 MiB (at least two
-  sets), float32 scale 1 + 0.1 N(0, 1) and bias 0.1 * scale."""
+  sets), scale 1 + 0.1 N(0, 1) and bias 0.1 * scale in ``param_dtype``."""
   sets = max(2, -(-(256 << 20) // (m * n * 2)))
   xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
   s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,))
-  return xs, s, 0.1 * s
+  return xs, s.astype(param_dtype), (0.1 * s).astype(param_dtype)
 
 
 def run(groups, out, *, budget_s, t0, num_sms, note, rounds=3, iters=10, describe=str):

@@ -412,20 +412,60 @@ def test_config_picks_variants(monkeypatch):
       kfp8.Fp8Config(2, 8192, 16, 132, True, True))
   assert kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
                          transpose=True).num_programs == 528
-  # programs a SM 0 in the table: one row block a program, scale/bias in the tile's layout
+  # five-element tiles: row_amax; float32 scale/bias (or none) and 2-byte ones differ
   assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True) == (
-      kfp8.Fp8Config(1, 8192, 4, 0, True, True))
-  assert kfp8.fp8_config(32768, 2048, kernel="delayed") == kfp8.Fp8Config(1, 2048, 8, 0,
-                                                                          True, True)
+      kfp8.Fp8Config(1, 8192, 8, 264, True, True, True))
+  assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True,
+                         param_dtype=jnp.float32) == kfp8.Fp8Config(1, 8192, 8, 264, True,
+                                                                    True, True)
+  # programs a SM 0 in the table: one row block a program, scale/bias in the tile's layout
+  assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True,
+                         param_dtype=jnp.bfloat16) == kfp8.Fp8Config(1, 8192, 4, 0, True, True)
+  assert kfp8.fp8_config(32768, 2048, kernel="delayed") == kfp8.Fp8Config(1, 2048, 4, 1056,
+                                                                          True, True, True)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed") == kfp8.Fp8Config(1, 4096, 8, 528,
+                                                                         True, True, True)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", param_dtype=jnp.float16) == (
+      kfp8.Fp8Config(1, 4096, 16, 396, True, False))
   # the rest as on the H200
   assert kfp8.fp8_config(8192, 4096, kernel="delayed", transpose=True).num_programs == 264
-  assert kfp8.fp8_config(8192, 4096, kernel="delayed") == kfp8.Fp8Config(1, 4096, 16, 396,
-                                                                         True, False)
+  assert kfp8.fp8_config(8192, 4096, kernel="stats") == kfp8.fp8_config(
+      8192, 4096, kernel="stats", param_dtype=jnp.bfloat16)
   monkeypatch.setattr(kfp8, "device_info", lambda: h200)
   monkeypatch.setattr(kfp8, "_PERSISTENT_ROWS", {("delayed", "rms", 128): (2, 4, 2, True)})
   assert kfp8.fp8_config(24, 100, kernel="delayed") == kfp8.Fp8Config(2, 128, 4, 264, True,
                                                                        True)
   assert kfp8.fp8_config(24, 100, kernel="stats").num_programs == 0  # not in the table
+
+
+@pytest.mark.parametrize("subtract_mean", [False, True])
+def test_row_amax_matches_elementwise_carry(subtract_mean):
+  """Fp8Config.row_amax (each row block's amax reduced at once) gives the outputs of
+  the elementwise amax carry bitwise, a NaN in a row included, with ragged row blocks
+  (37 rows in blocks of 2 over 5 programs)."""
+  m, n = 37, 256
+  x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
+  x = x.at[29, 5].set(30.0)
+  s = 1 + 0.1 * jax.random.normal(jax.random.key(1), (n,))
+  b = 0.1 * s if subtract_mean else None
+  for xx in (x, x.at[11, 7].set(jnp.nan)):
+    outs = [kfp8.fp8_norm_delayed(
+        xx, s, b, 10.0, eps=1e-5, scale_offset=0.0, subtract_mean=subtract_mean,
+        fp8_dtype=jnp.float8_e4m3fn, transpose=False, interpret=not _on_gpu(),
+        config=kfp8.Fp8Config(2, n, 4, 5, True, True, ra)) for ra in (False, True)]
+    (y0, _, mean0, rstd0, a0), (y1, _, mean1, rstd1, a1) = outs
+    np.testing.assert_array_equal(np.asarray(y0).view(np.uint8),
+                                  np.asarray(y1).view(np.uint8))
+    np.testing.assert_array_equal(a0, a1)
+    np.testing.assert_array_equal(rstd0, rstd1)
+    np.testing.assert_array_equal(mean0, mean1)
+    amax = float(kfp8.reduce_amax(a1))
+    assert np.isnan(amax) == bool(jnp.isnan(xx).any()) and (np.isnan(amax) or amax > 10)
+    st = [kfp8.fp8_stats(xx, s, b, eps=1e-5, scale_offset=0.0, subtract_mean=subtract_mean,
+                         interpret=not _on_gpu(),
+                         config=kfp8.Fp8Config(2, n, 4, 5, True, True, ra))
+          for ra in (False, True)]
+    np.testing.assert_array_equal(st[0][2], st[1][2])
 
 
 @pytest.mark.cpu_only
@@ -565,8 +605,8 @@ def test_gpu_row_kernel_variants(op):
 def test_gpu_amax_paths_bitwise(op, monkeypatch):
   """The compiled kernels' float32 amax (HW_AMAX: |y| max-ed with PTX max.NaN.f32) against
   the int32-bits amax that interpret mode runs: y, y_t, mean, rstd and the amax partials
-  bitwise equal (a NaN amax as NaN), for the one-block, persistent and y_t kernels and
-  the quantise pass, on
+  bitwise equal (a NaN amax as NaN), for the one-block, persistent (with and without
+  row_amax) and y_t kernels and the quantise pass, on
   finite data, with a NaN and an Inf in x, and with subnormal y (scale and bias times
   1e-39: a flush to zero would give amax 0)."""
   layer = op == "layer"
@@ -577,6 +617,7 @@ def test_gpu_amax_paths_bitwise(op, monkeypatch):
   kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False)
   cfgs = [(kfp8.Fp8Config(1, 4096, 8), False), (kfp8.Fp8Config(1, 4096, 8, 2 * sms, True),
                                                  False),
+          (kfp8.Fp8Config(1, 4096, 8, 3 * sms, True, True, True), False),  # row_amax
           (kfp8.Fp8Config(32, 128, 16, 2 * sms, True), True)]
   tiny = (jnp.full_like(s, 1e-39), None if b is None else b * 1e-39)  # subnormal y
   for name, xv in xs.items():

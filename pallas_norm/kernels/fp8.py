@@ -106,6 +106,10 @@ class Fp8Config:
       loaded again for each row block (False: from L1/L2; fewer registers, so more
       programs resident: LayerNorm [1, 4096] at 4 warps 202 -> 128 registers a thread,
       2 -> 4 programs a SM; ptxas for sm_90a). Ignored otherwise.
+    row_amax: persistent whole rows: each row block's |y| reduced to one value at once
+      (one more cross-thread reduction a row block) instead of kept elementwise in a
+      [block_m, block_n] float32 carry (block_m * block_n / (32 * num_warps) registers a
+      thread). Ignored otherwise.
   """
 
   block_m: int
@@ -114,6 +118,7 @@ class Fp8Config:
   num_programs: int = 0
   tile_params: bool = False
   hoist_params: bool = True
+  row_amax: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -157,10 +162,25 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
 # Programs a SM 0: one row block a program, scale/bias in the tile's layout (sweep 6,
 # benchmarks/fp8_sweep6.py, h100_2026-11-26_sweep6_fp8.json). The kernel bench (bf16
 # scale/bias) had no cell slower with these (h100_2026-11-26_fp8_c9feceb.json).
-_PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
+# The five-element tiles take row_amax (sweep 7, benchmarks/fp8_sweep7.py,
+# h100_2026-11-26_sweep7_fp8.json; us, new / the pick before it).
+_PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("delayed", "layer", 8192): (2, 16, 1, True),
-    ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 71.3 / 104.2
-    ("delayed", "rms", 2048): (1, 8, 0, True),      # 32768x2048: 75.7 / 78.9
+    ("delayed", "rms", 2048): (1, 4, 8, True, True),   # 32768x2048: 72.3 / 75.9
+    ("delayed", "rms", 4096): (1, 8, 4, True, True),   # 8192x4096: 38.2 / 39.4
+    ("delayed", "rms", 8192): (1, 16, 2, True, True),  # 8192x8192: 78.4 / 79.6
+    ("stats", "rms", 4096): (1, 4, 4, True, True),     # 8192x4096: 24.2 / 24.7
+    ("stats", "rms", 8192): (1, 8, 2, True, True),     # 8192x8192: 46.5 / 47.5
+    ("delayed", "layer", 4096): (1, 8, 3, True, True),  # 16384x4096: 82.9 / 83.6
+    ("stats", "layer", 4096): (1, 4, 6, True, True),   # 8192x4096: 28.1 / 33.1
+    ("stats", "layer", 8192): (1, 8, 2, True, True),   # 8192x8192: 61.5 / 71.2
+}
+# H100, 2-byte scale/bias (bf16/fp16), where they want another tile than float32's
+# (sweep 7 with bfloat16 params, h100_2026-11-26_sweep7_fp8_bf16.json; us, this / the
+# float32 pick, both with bf16 params): reloading 2-byte params a row block is cheap.
+_PERSISTENT_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
+    ("delayed", "rms", 4096): (1, 16, 3, False),    # 16384x4096: 71.0 / 74.1
+    ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 53.2 / 61.1
 }
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
 # 32-byte sector a y_t row) walked in 128-wide chunks, 16 warps, 2 a SM, scale/bias in the
@@ -188,7 +208,7 @@ def _warps(tile_elems: int) -> int:
 
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
-               interpret: bool = False) -> Fp8Config:
+               interpret: bool = False, param_dtype=None) -> Fp8Config:
   """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N].
 
   "stats" and "delayed" without y_t are the forward's kernel plus an epilogue (amax,
@@ -200,7 +220,8 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` (with ``_T_ROWS``, ``_T_BLOCK_N``,
   ``_T_WARPS``) and ``_TILE_PARAMS``, on a GPU (H200-measured rules, the constants'
   comments), with the H100's own picks where they differ (``_PERSISTENT_ROWS_H100``,
-  ``_T_PROGRAMS_PER_SM_H100_LAYER``).
+  ``_T_PROGRAMS_PER_SM_H100_LAYER``; ``_PERSISTENT_ROWS_H100_2B`` where ``param_dtype``,
+  scale/bias's dtype, None without them, is 2 bytes wide).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -229,10 +250,15 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * per_sm,
                      _T_TILE_PARAMS)
   key = (kernel, "layer" if subtract_mean else "rms", next_power_of_2(n))
-  tile = (_PERSISTENT_ROWS_H100.get(key) if h100 else None) or _PERSISTENT_ROWS.get(key)
+  tile = None
+  if h100 and param_dtype is not None and jnp.dtype(param_dtype).itemsize == 2:
+    tile = _PERSISTENT_ROWS_H100_2B.get(key)
+  if h100 and tile is None:
+    tile = _PERSISTENT_ROWS_H100.get(key)
+  tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
-    bm, warps, per_sm, hoist = tile
-    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist)
+    bm, warps, per_sm, hoist, *row_amax = tile
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *row_amax)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
@@ -421,7 +447,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       block_m, block_n, num_programs):
+                       row_amax, block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -458,11 +484,19 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       t = tile(rb, 0)
       x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
-      amax = _emit(x, t, mean, rstd, params, q, amax, hw_amax)
+      if row_amax:  # the row block's amax bits now: a scalar carry
+        a = _emit(x, t, mean, rstd, params, q, None, hw_amax)
+        amax = jnp.maximum(amax, _amax_out(a, (0, 1)))
+      else:
+        amax = _emit(x, t, mean, rstd, params, q, amax, hw_amax)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax, x_next
 
+    if row_amax:
+      zeros = jnp.zeros((), jnp.int32)
     amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
+    if row_amax:
+      amax = amax[None, None]
   else:
     def body(i, amax):
       rb = pid + i * num_programs
@@ -525,8 +559,8 @@ def _row_launch(m, cfg: Fp8Config):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params, num_programs=g),
-          g)
+  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params,
+                                      row_amax=cfg.row_amax, num_programs=g), g)
 
 
 def _row_results(outs, m, subtract_mean):
@@ -554,6 +588,11 @@ def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics
   )(*[a for a in inputs if a is not None])
 
 
+def _param_dtype(scale, bias):
+  p = scale if scale is not None else bias
+  return None if p is None else p.dtype
+
+
 def _inv(inv):
   return jnp.asarray(inv, _F32).reshape(1)
 
@@ -577,7 +616,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
-                             transpose=transpose, interpret=interpret)
+                             transpose=transpose, interpret=interpret,
+                             param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
   outs = _call(kernel, [x, scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean, num_amax),
@@ -604,7 +644,7 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
-                             interpret=interpret)
+                             interpret=interpret, param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
   outs = _call(kernel, [x, scale, bias], _row_outs(x, subtract_mean, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
