@@ -59,7 +59,9 @@ endef
 # execnet's in .whl: pip download pytest-xdist execnet --no-deps -d .whl),
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q --gpu -n 8 tests
 # took 5 min 54 s on an H200 (2026-11-26; benchmarks/README.md), tests/sharded then
-# run as below, without -n.
+# run as below, without -n. Under -n the tests marked bigmem (arrays past 2**31
+# elements) run one after another on one worker (tests/conftest.py: xdist's loadgroup);
+# side by side they ran an 80 GB H100 out of memory (h100_2026-11-26_gpu-check_a0ff217.log).
 gpu-check:
 	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu $(PYTEST_ARGS) tests
 	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then \

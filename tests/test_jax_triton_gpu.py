@@ -226,6 +226,7 @@ def test_triton_large_n_reload(layer):
   _assert_param_grad_close("dscale", got[2], want[2], m=8)
 
 
+@pytest.mark.bigmem
 def test_triton_int64_offsets():
   """M * N > 2**31 - 1: the USE_INT64 path; checks rows at both ends against the
   reference."""

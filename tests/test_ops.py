@@ -861,6 +861,7 @@ def test_saves_only_row_statistics():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 @pytest.mark.parametrize("mode", MODES)
 def test_int64_offsets_past_2_31_elements(mode):
   """M * N > 2**31 - 1 elements: x no longer fits 32-bit offsets (the Triton lowering
