@@ -59,11 +59,13 @@ endef
 # execnet's in .whl: pip download pytest-xdist execnet --no-deps -d .whl),
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q --gpu -n 8 tests
 # took 5 min 54 s on an H200 (2026-11-26; benchmarks/README.md), tests/sharded then
-# run as below, without -n. Under -n the tests marked bigmem (arrays past 2**31
-# elements) run one after another on one worker (tests/conftest.py: xdist's loadgroup);
-# side by side they ran an 80 GB H100 out of memory (h100_2026-11-26_gpu-check_a0ff217.log).
+# run as below, without -n. The tests marked bigmem (arrays past 2**31 elements, ~26 GiB
+# each) run afterwards in a process of their own: beside xdist workers, which keep the
+# memory they took, they ran an 80 GB H100 out of memory, on one worker as well
+# (h100_2026-11-26_gpu-check_a0ff217.log, h100_2026-11-26_gpu-check_d2e5616.log).
 gpu-check:
-	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu $(PYTEST_ARGS) tests
+	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu $(PYTEST_ARGS) -m "not bigmem" tests
+	$(gpu_env) $(PYTHON) -m pytest -q -p no:cacheprovider --gpu -m bigmem tests
 	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then \
 	  $(gpu_env) PALLAS_NORM_SHARDED=1 $(PYTHON) -m pytest -q -p no:cacheprovider --gpu \
 	    $(PYTEST_ARGS) tests/sharded; \

@@ -25,11 +25,6 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (make gpu-check)")
   config.addinivalue_line("markers", "cpu_only: only meaningful in interpret mode on CPU")
   if config.getoption("--gpu"):
-    # With xdist (-n), side by side the bigmem tests ran an 80 GB H100 out of memory
-    # (h100_2026-11-26_gpu-check_a0ff217.log): group them on one worker (xdist's
-    # loadgroup scheduling, which is load scheduling for every other test).
-    if getattr(config.option, "dist", "no") == "load":
-      config.option.dist = "loadgroup"
     import jax
     if jax.default_backend() != "gpu":
       raise pytest.UsageError(f"--gpu given but jax.default_backend()={jax.default_backend()!r}")
@@ -39,11 +34,7 @@ def pytest_configure(config):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-  for item in items:
-    if item.get_closest_marker("bigmem"):
-      item.add_marker(pytest.mark.xdist_group("bigmem"))
   if config.getoption("--gpu"):
     skip_cpu = pytest.mark.skip(reason="CPU-only (Triton interpreter / no-GPU behaviour)")
     for item in items:
