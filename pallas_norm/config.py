@@ -442,6 +442,14 @@ _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
 # tile: with a bf16 scale multi_wave_cached [2, 8192] x 16 was fastest (88.4/89.6, the
 # persistent tile 100.0/89.8, the default 107.7/81.1), not a rule yet. [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
+# FP8-x LayerNorm forward at N' = 4096 on the H100 that writes no mean/rstd (the primal,
+# outside jax.vjp), with 2-byte scale/bias and no residual add: [1, 4096] x 8 warps, not
+# [2, 4096] x 4. H100, 2026-11-26, benchmarks/fp8_input_fwd_ab.py OUT bf16
+# (h100_2026-11-26_fp8in_fwd_ab_bf16_096b698.txt), us, [1, 4096] x 8 / [2, 4096] x 4:
+# 8192x4096 40.7 / 43.0, 16384x4096 78.5 / 83.1. Not with mean/rstd written (54.0 / 43.6,
+# 104.5 / 84.7) nor with float32 scale/bias (61.9 / 48.7, 117.6 / 93.2;
+# h100_2026-11-26_fp8in_fwd_ab.txt). [T#fp8-in-fwd]
+_FP8_LN_FWD_H100_PRIMAL_2B = (1, 8)  # (block_m, num_warps)
 # FP8-x LayerNorm backward at N' = 4096 on the H100: [1, 4096] x 32 warps, 1 program a SM,
 # not the bf16 tile [2, 4096] x 16 (which spills with FP8 x: ptxas, sm_90a). H100,
 # 2026-11-26, benchmarks/fp8_input_bwd_sweep.py (stage 1 + 2, us): 8192x4096 82.8 against
@@ -835,6 +843,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if not chunked and block_m == 1:
     block_m, num_warps = (_fp8_rms_tile(False, block_n, dtype, subtract_mean, backend)
                           or (block_m, num_warps))
+  if (not chunked and _fp8_ln_h100_primal(block_n, dtype, subtract_mean, backend, device,
+                                          residual, param_dtype, return_residuals)):
+    block_m, num_warps = _FP8_LN_FWD_H100_PRIMAL_2B
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
@@ -855,6 +866,17 @@ def _fp8_rms_tile(persistent: bool, block_n: int, dtype, subtract_mean: bool,
   if persistent:
     return _FP8_RMS_PERSISTENT_8192 if block_n == 8192 else None
   return _FP8_RMS_FWD_TILE if block_n == _FP8_RMS_FWD_BLOCK_N else None
+
+
+def _fp8_ln_h100_primal(block_n: int, dtype, subtract_mean: bool, backend: str,
+                        device: DeviceInfo, residual: bool, param_dtype,
+                        return_residuals: bool) -> bool:
+  """Whether the FP8-x LayerNorm forward's whole-row tile at N' = 4096 is
+  ``_FP8_LN_FWD_H100_PRIMAL_2B``: Pallas, the H100, no mean/rstd written, 2-byte scale/bias,
+  no residual add. [T#fp8-in-fwd]"""
+  return (subtract_mean and backend == "pallas" and not residual and not return_residuals
+          and block_n == 4096 and "H100" in device.name and param_dtype is not None
+          and np.dtype(dtype).itemsize == 1 and np.dtype(param_dtype).itemsize == 2)
 
 
 def _bwd_split_rule(n: int, subtract_mean: bool, device: DeviceInfo):

@@ -477,3 +477,20 @@ def test_fp8_layer_norm_backward_h100_4096():
   for kw in (dict(dt=jnp.bfloat16), dict(ln=False), dict(d="h200"), dict(be="triton")):
     assert tile(8192, 4096, **kw) != (1, 4096, 32, 132), kw
   assert tile(8192, 8192) == tile(8192, 8192, d="h200")
+
+
+def test_fp8_layer_norm_forward_h100_primal():
+  """FP8 x, LayerNorm, N' = 4096, the H100, no mean/rstd written, 2-byte scale/bias
+  ([T#fp8-in-fwd]): [1, 4096] x 8 warps; with residuals written, float32 or no
+  parameters, bf16 x, RMSNorm, a residual add, the H200 or N' = 8192 it stays as before."""
+  def tile(n=4096, ln=True, d="h100", dt=jnp.float8_e4m3fn, p=jnp.bfloat16, rr=False,
+           res=False):
+    c = pn_config.forward_config(8192, n, dt, subtract_mean=ln, device=DEVICES[d],
+                                 param_dtype=p, return_residuals=rr, residual=res)
+    return c.mode, c.block_m, c.block_n, c.num_warps
+  assert tile() == ("multi_wave_cached", 1, 4096, 8)
+  assert tile(p=jnp.float16, dt=jnp.float8_e5m2) == ("multi_wave_cached", 1, 4096, 8)
+  for kw in (dict(rr=True), dict(p=jnp.float32), dict(p=None), dict(d="h200"),
+             dict(dt=jnp.bfloat16), dict(ln=False), dict(res=True), dict(n=8192)):
+    assert tile(**kw)[1:] != (1, 4096, 8), kw
+  assert tile(rr=True) == tile(p=jnp.float32)
