@@ -232,9 +232,13 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8N
     y_scale = current_scale(amax, dt)
     y, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale,
                                    **kw, **q)
-  else:  # one pass
+  else:  # one pass; y_t from it, or XLA's transpose of y where that is faster
+    sep = st.transpose and _kernels.transpose_separately(st.interpret)
     y, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
-        x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw, **q)
+        x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw,
+        fp8_dtype=dt, transpose=st.transpose and not sep)
+    if sep:
+      y_t = y.T
     amax = amax_of(row_amax)
   return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
                  rstd.reshape(lead))

@@ -153,6 +153,30 @@ def test_matches_xla(op, y_scale, fp8_dtype, transpose):
     assert float(r.y_scale) == np.float32(y_scale)
 
 
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_delayed_transpose_separately(op, monkeypatch):
+  """Delayed scaling's y_t as XLA's transpose of the one-pass kernel's y (the H100's pick,
+  kernels/fp8.transpose_separately): y bitwise the y of transpose=False, y_t == y.T
+  bitwise, and the reference's values."""
+  layer = op == "layer"
+  x, s, b = _data((2, 9, 200), layer=layer)
+  plain = OPS[op](*_args(op, x, s, b), y_scale=0.01)
+  monkeypatch.setattr(kfp8, "transpose_separately", lambda interpret=False: True)
+  r, ref = _run(op, x, s, b, y_scale=0.01, transpose=True)
+  _check_ref(r, ref, fp8_dtype=E4M3, transpose=True, layer=layer)
+  np.testing.assert_array_equal(_bits(r.y), _bits(plain.y))
+  np.testing.assert_array_equal(_f32(r.amax), _f32(plain.amax))
+
+
+def test_transpose_separately_rule(monkeypatch):
+  """Measured on the H100 only: there, not on the H200 nor in interpret mode."""
+  for name, want in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
+    info = pallas_norm.config.DeviceInfo("gpu", name, 132)
+    monkeypatch.setattr(kfp8, "device_info", lambda info=info: info)
+    assert kfp8.transpose_separately() is want
+    assert kfp8.transpose_separately(interpret=True) is False
+
+
 @pytest.mark.parametrize("op,scale,bias,scale_offset,dtype,y_scale", [
     ("rms", False, False, 0.0, jnp.float32, None),
     ("rms", True, False, 1.0, jnp.float16, 0.02),

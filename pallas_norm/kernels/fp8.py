@@ -193,12 +193,30 @@ _T_ROWS, _T_BLOCK_N, _T_WARPS, _T_PROGRAMS_PER_SM, _T_TILE_PARAMS = 32, 128, 16,
 # 182.5 / 229.0, 8192x8192 179.0 / 183.9, 32768x2048 157.4 / 158.0. RMSNorm keeps 2
 # (16384x4096: 167.0 / 159.8).
 _T_PROGRAMS_PER_SM_H100_LAYER = 4
+# Delayed scaling with y_t on the H100: the one-pass kernel without y_t, then XLA's
+# transpose of the FP8 y (1 + 1 more bytes an element), instead of the fused kernel above
+# (y_t stored from the same registers, but 32-row blocks walked twice). H100, 2026-11-26,
+# benchmarks/fp8_yt_design_ab.py (h100_2026-11-26_fp8_yt_design_ab.txt), bf16 x and
+# scale/bias, us, separate / fused: RMSNorm 8192x4096 64.4 / 85.5, 16384x4096 121.4 /
+# 159.1, 8192x8192 128.1 / 169.4, 32768x2048 123.4 / 143.1; LayerNorm 70.0 / 88.9, 132.4
+# / 173.9, 139.8 / 174.7, 132.9 / 152.1. The H200 is not measured.
+_T_SEPARATE_DEVICES = ("H100",)
 _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 / 38.0, but
 #                       32768x2048 80.2 / 69.2)
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
+
+
+def transpose_separately(interpret: bool = False) -> bool:
+  """Whether delayed scaling's y_t is best written as XLA's transpose of the one-pass
+  kernel's y (``_T_SEPARATE_DEVICES``, measured) rather than by the fused kernel
+  (``fp8_norm_delayed(transpose=True)``). Interpret mode keeps the fused kernel."""
+  if interpret:
+    return False
+  device = device_info()
+  return device.platform == "gpu" and any(d in device.name for d in _T_SEPARATE_DEVICES)
 
 
 def _warps(tile_elems: int) -> int:
