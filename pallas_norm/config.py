@@ -450,6 +450,16 @@ _FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
 # 104.5 / 84.7) nor with float32 scale/bias (61.9 / 48.7, 117.6 / 93.2;
 # h100_2026-11-26_fp8in_fwd_ab.txt). [T#fp8-in-fwd]
 _FP8_LN_FWD_H100_PRIMAL_2B = (1, 8)  # (block_m, num_warps)
+# FP8 x at N' = 8192 on the H100 (Pallas, no residual add), session 13, 2026-11-26,
+# benchmarks/fp8_input_fwd_ab.py with N8192=1 and N8192P=1, bf16 and f32 scale/bias
+# (h100_2026-11-26_fp8in_fwd_ab_8192_s13_{bf16,f32}.txt), us without / with mean/rstd
+# written: float32 scale/bias take the static_persistent [2, 8192] x 16, 2 a SM, tile
+# (_fp8_h100_8192) with or without residuals: LayerNorm 88.8 / 95.4 against 132.5 / 150.4
+# (multi_wave_cached [1, 8192] x 8), RMSNorm 86.2 without them against 93.3. LayerNorm
+# with 2-byte scale/bias under jax.vjp takes multi_wave_cached [2, 8192] x 16: 88.2
+# against 107.7 ([1, 8192] x 8; the static_persistent tile 100.0); without residuals
+# [1, 8192] x 8 stays (81.0). [T#fp8-in-fwd]
+_FP8_LN_FWD_H100_RES_8192_2B = (2, 16)  # (block_m, num_warps)
 # FP8-x LayerNorm backward at N' = 4096 on the H100: [1, 4096] x 32 warps, 1 program a SM,
 # not the bf16 tile [2, 4096] x 16 (which spills with FP8 x: ptxas, sm_90a). H100,
 # 2026-11-26, benchmarks/fp8_input_bwd_sweep.py (stage 1 + 2, us): 8192x4096 82.8 against
@@ -628,13 +638,15 @@ def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo,
 
 def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
                      device: DeviceInfo, residual: bool = False,
-                     return_residuals: bool = True) -> tuple[int, int, int] | None:
+                     return_residuals: bool = True,
+                     param_dtype=None) -> tuple[int, int, int] | None:
   """(block_n, num_warps, programs a SM) of the one-tile static_persistent forward for
   N-long rows of ``dtype`` on ``device``, or None where it is not the pick.
   [T#persistent-tile], [T#residual], [T#fp8-in-fwd]"""
   if backend != "pallas":
     return None
-  if _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals, device):
+  if _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals, device,
+                    param_dtype):
     return 8192, _FP8_RMS_PERSISTENT_8192[1], _FP8_RMS_PERSISTENT_8192_H100_PER_SM
   if (not subtract_mean and n <= _RES_NO_PERSISTENT_TILE_MAX_N
       and _residual_rules(residual, dtype, backend, device)):
@@ -648,14 +660,18 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
 
 
 def _fp8_h100_8192(n: int, dtype, subtract_mean: bool, residual: bool,
-                   return_residuals: bool, device: DeviceInfo) -> bool:
-  """Whether the Pallas FP8-x RMSNorm forward of N-long rows takes the one-tile
-  static_persistent forward on the H100 (the H200's takes it by _RMS_PERSISTENT_TILES):
-  no residual add, and only where it also returns mean/rstd (jax.vjp's forward).
+                   return_residuals: bool, device: DeviceInfo, param_dtype=None) -> bool:
+  """Whether the Pallas FP8-x forward of N-long rows (4096 < N <= 8192) takes the
+  one-tile static_persistent [2, 8192] x 16 forward on the H100 (the H200's RMSNorm takes
+  it by _RMS_PERSISTENT_TILES), without a residual add: with float32 scale/bias (both
+  ops), and RMSNorm's where it also returns mean/rstd (jax.vjp's forward).
   [T#fp8-in-fwd]"""
-  return (not subtract_mean and not residual and return_residuals
-          and "H100" in device.name and 4096 < n <= 8192
-          and np.dtype(dtype).itemsize == 1)
+  if residual or "H100" not in device.name or not 4096 < n <= 8192:
+    return False
+  if np.dtype(dtype).itemsize != 1:
+    return False
+  f32_params = param_dtype is not None and np.dtype(param_dtype).itemsize == 4
+  return f32_params or (not subtract_mean and return_residuals)
 
 
 def _f32_params_tile(n: int, dtype, param_dtype, subtract_mean: bool, backend: str,
@@ -691,7 +707,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       RMSNorm's one-tile persistent rows up to N = 8192 take multi_wave_cached.
     param_dtype: scale's (or bias's) dtype, None for x's: float32 parameters with a
       2-byte x take static_persistent at N' = 4096 and 8192 (Pallas; H100 and H200,
-      RMSNorm's 8192 on the H100 only).
+      RMSNorm's 8192 on the H100 only), and with FP8 x at 4096 < N <= 8192 on the H100.
     return_residuals: whether the forward also writes mean/rstd (under ``jax.vjp``):
       on the H100, FP8-x RMSNorm rows of 4096 < N <= 8192 then take the one-tile
       static_persistent forward.
@@ -703,8 +719,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       static_persistent (one tile)     Pallas: LayerNorm 8192 < N <= 16384; H200 only,
                                        RMSNorm 6144 < N <= 8192 and 12288 < N <= 16384,
                                        LayerNorm 4096 < N <= 5120 (2-byte dtypes);
-                                       H100, FP8-x RMSNorm 4096 < N <= 8192 with
-                                       return_residuals
+                                       H100, FP8 x, 4096 < N <= 8192: float32
+                                       scale/bias, or RMSNorm with return_residuals
       multi_wave_cached (split rows)   RMSNorm, Pallas, 16384 < N <= 8192 x SMs
       static_persistent (chunked)      N > 32768
       multi_wave_reload                N' > 8192
@@ -718,7 +734,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   if _ln_persistent_split(n, subtract_mean, backend, device):
     return "static_persistent"
   if _persistent_tile(n, dtype, subtract_mean, backend, device, residual,
-                      return_residuals):
+                      return_residuals, param_dtype):
     return "static_persistent"
   if _splits_rows(n, subtract_mean, backend, device):
     return "multi_wave_cached"
@@ -814,11 +830,14 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     # The split of a row over programs (forward.py's _split_kernel).
     return ForwardConfig(mode, 1, split_n, split_warps, chunk_n=split_chunk_n)
   tile = _persistent_tile(n, dtype, subtract_mean, backend, device, residual,
-                          return_residuals)
+                          return_residuals, param_dtype)
   if mode == "static_persistent" and tile:  # the row as one hoisted-scale tile
     block_n, num_warps, per_sm = tile
     block_m, num_warps = (_fp8_rms_tile(True, block_n, dtype, subtract_mean, backend)
                           or (1, num_warps))
+    if _fp8_h100_8192(n, dtype, subtract_mean, residual, return_residuals, device,
+                      param_dtype):
+      block_m, num_warps = _FP8_RMS_PERSISTENT_8192
     block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else block_m
     num_programs = max(1, min(per_sm * device.num_sms, cdiv(m, block_m)))
     return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
@@ -843,9 +862,10 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if not chunked and block_m == 1:
     block_m, num_warps = (_fp8_rms_tile(False, block_n, dtype, subtract_mean, backend)
                           or (block_m, num_warps))
-  if (not chunked and _fp8_ln_h100_primal(block_n, dtype, subtract_mean, backend, device,
-                                          residual, param_dtype, return_residuals)):
-    block_m, num_warps = _FP8_LN_FWD_H100_PRIMAL_2B
+  if not chunked:
+    block_m, num_warps = (_fp8_ln_h100_tile(block_n, dtype, subtract_mean, backend, device,
+                                            residual, param_dtype, return_residuals)
+                          or (block_m, num_warps))
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
@@ -868,15 +888,24 @@ def _fp8_rms_tile(persistent: bool, block_n: int, dtype, subtract_mean: bool,
   return _FP8_RMS_FWD_TILE if block_n == _FP8_RMS_FWD_BLOCK_N else None
 
 
-def _fp8_ln_h100_primal(block_n: int, dtype, subtract_mean: bool, backend: str,
-                        device: DeviceInfo, residual: bool, param_dtype,
-                        return_residuals: bool) -> bool:
-  """Whether the FP8-x LayerNorm forward's whole-row tile at N' = 4096 is
-  ``_FP8_LN_FWD_H100_PRIMAL_2B``: Pallas, the H100, no mean/rstd written, 2-byte scale/bias,
-  no residual add. [T#fp8-in-fwd]"""
-  return (subtract_mean and backend == "pallas" and not residual and not return_residuals
-          and block_n == 4096 and "H100" in device.name and param_dtype is not None
-          and np.dtype(dtype).itemsize == 1 and np.dtype(param_dtype).itemsize == 2)
+def _fp8_ln_h100_tile(block_n: int, dtype, subtract_mean: bool, backend: str,
+                      device: DeviceInfo, residual: bool, param_dtype,
+                      return_residuals: bool) -> tuple[int, int] | None:
+  """(block_m, num_warps) of the FP8-x LayerNorm forward's whole-row
+  (multi_wave_cached) tile on the H100 with 2-byte scale/bias and no residual add (Pallas),
+  or None: N' = 4096 without mean/rstd written, ``_FP8_LN_FWD_H100_PRIMAL_2B``; N' = 8192
+  with them, ``_FP8_LN_FWD_H100_RES_8192_2B``. [T#fp8-in-fwd]"""
+  if not subtract_mean or backend != "pallas" or residual or "H100" not in device.name:
+    return None
+  if param_dtype is None or np.dtype(param_dtype).itemsize != 2:
+    return None
+  if np.dtype(dtype).itemsize != 1:
+    return None
+  if block_n == 4096 and not return_residuals:
+    return _FP8_LN_FWD_H100_PRIMAL_2B
+  if block_n == 8192 and return_residuals:
+    return _FP8_LN_FWD_H100_RES_8192_2B
+  return None
 
 
 def _bwd_split_rule(n: int, subtract_mean: bool, device: DeviceInfo):
