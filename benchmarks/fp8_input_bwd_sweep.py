@@ -9,8 +9,9 @@ x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked again
 default config's (max |diff|).
 
 Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
-(``--stage1-flags``: the default config with BackwardConfig.prefetch_stats and
-joint_row_sums on and off, docs/tuning.md#stage1-flags, instead of the launch configs)
+[--bf16-params] (``--stage1-flags``: the default config with BackwardConfig.prefetch_stats
+and joint_row_sums on and off, docs/tuning.md#stage1-flags, instead of the launch configs;
+``--bf16-params``: scale/bias in bf16, not float32)
 """
 import dataclasses
 import json
@@ -55,7 +56,7 @@ def main(out_path, variants=VARIANTS):
       k = jax.random.split(jax.random.key(0), 4)
       x8 = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
       xs = jax.random.uniform(k[1], (m, n // G), minval=0.5, maxval=2.0)
-      w = 1 + 0.1 * jax.random.normal(k[2], (n,))
+      w = (1 + 0.1 * jax.random.normal(k[2], (n,))).astype(PARAM)
       xb = (x8.astype(jnp.float32) * jnp.repeat(xs, G, axis=1)).astype(jnp.bfloat16)
       dys = [jax.random.normal(jax.random.key(10 + i), (m, n), jnp.bfloat16)
              for i in range(3)]
@@ -64,7 +65,7 @@ def main(out_path, variants=VARIANTS):
                                      scale_offset=0.0, subtract_mean=layer, config=fcfg,
                                      interpret=False, x_scale=xs, y_dtype=jnp.bfloat16)
       kw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=False,
-                scale_dtype=jnp.float32, bias_dtype=jnp.float32)
+                scale_dtype=PARAM, bias_dtype=PARAM)
       dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
       fns = {}
       for v in variants:
@@ -104,8 +105,11 @@ def main(out_path, variants=VARIANTS):
               f"{row.get('max_abs_diff', '')} {row.get('error', '')}", flush=True)
       results.append(dict(op="layer" if layer else "rms", m=m, n=n, rows=rows))
   json.dump(dict(device=C.device_info().name, copy_gbs=copy, rounds=ROUNDS,
-                 results=results), open(out_path, "w"), indent=1)
+                 param=jnp.dtype(PARAM).name, results=results), open(out_path, "w"),
+            indent=1)
 
 
+PARAM = jnp.float32
 if __name__ == "__main__":
+  PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
   main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else VARIANTS)
