@@ -25,7 +25,6 @@ def stats_parallel(x, mask, *, n, eps, subtract_mean):
     return orig(x, mask, n=n, eps=eps, subtract_mean=False)
   mean = jnp.sum(x, axis=1) / n
   return mean, lax.rsqrt(jnp.sum(x * x, axis=1) / n + jnp.float32(eps))
-cfgs = {"default": None}
 variants = []
 def mk(name, sm, bias, patch, cfg):
   K._tile_stats = patch or orig
