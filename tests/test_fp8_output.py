@@ -253,17 +253,20 @@ def test_apply_passes(op, y_scale):
 # persistent programs (Fp8Config.num_programs > 0) over whole rows with the prefetch (M =
 # 37: 19 ragged row blocks over 3 programs; scale/bias loaded a row block, hoisted in
 # test_config_picks_variants) and over chunked rows (5 chunks: a loop), and scale/bias
-# loaded in the tile's layout (tile_params; ragged columns: masked). y_t and
-# the statistics kernel too. Same statistics, y, y_t and tensor amax, bitwise.
+# loaded in the tile's layout (tile_params; ragged columns: masked); x loaded without
+# the .cg modifier (stream_x=False). y_t and the statistics kernel too. Same statistics,
+# y, y_t and tensor amax, bitwise.
 _VARIANTS = [("rms", kfp8.Fp8Config(2, 256, 4), dict(num_programs=3, tile_params=True,
                                                      hoist_params=False)),
+             ("layer", kfp8.Fp8Config(2, 512, 4), dict(num_programs=3, tile_params=True,
+                                                       row_amax=True, stream_x=False)),
              ("layer", kfp8.Fp8Config(8, 64, 4), dict(num_programs=2, tile_params=True)),
              ("rms", kfp8.Fp8Config(2, 256, 4), dict(tile_params=True))]
 
 
 @pytest.mark.parametrize("op,cfg,var", _VARIANTS,
-                         ids=["rms-persistent-whole-row", "layer-persistent-chunked",
-                              "rms-tile-params"])
+                         ids=["rms-persistent-whole-row", "layer-persistent-plain-loads",
+                              "layer-persistent-chunked", "rms-tile-params"])
 def test_row_kernel_variants(op, cfg, var):
   x, s, b = _data((37, 300 if op == "layer" else 200), layer=op == "layer")
   _check_variant(op, x, s, b, cfg, dataclasses.replace(cfg, **var), transpose=True)
@@ -490,6 +493,72 @@ def test_row_amax_matches_elementwise_carry(subtract_mean):
                          config=kfp8.Fp8Config(2, n, 4, 5, True, True, ra))
           for ra in (False, True)]
     np.testing.assert_array_equal(st[0][2], st[1][2])
+
+
+@pytest.mark.parametrize("subtract_mean", [False, True])
+@pytest.mark.parametrize("m,n,fp8_dtype,hoist,row_amax,params", [
+    (37, 256, E4M3, True, True, "scale+bias"),     # ragged row blocks, whole tile
+    (21, 200, E5M2, False, False, "scale+bias"),   # column mask: 100 of 128 pairs
+    (16, 512, E4M3, True, False, "none"),          # no scale, no bias
+    (9, 130, E4M3, True, True, "offset"),          # scale_offset 1 (zero-centred)
+])
+def test_packed_matches_unpacked(subtract_mean, m, n, fp8_dtype, hoist, row_amax, params):
+  """Fp8Config.packed (x as bf16 pairs, y as FP8 pairs) against the persistent kernel at
+  the same tile, delayed and statistics kernels, with a NaN row, a saturating value and
+  the row blocks ragged: y within one FP8 ulp (all but a few bit-equal), amax, mean and
+  rstd to _rtol() (the pairs are summed before the row's reduction: another order)."""
+  rng = np.random.default_rng(n)
+  x = jnp.asarray(rng.standard_normal((m, n)) * 2 + (1.5 if subtract_mean else 0),
+                  jnp.bfloat16)
+  x = x.at[m - 2, 3].set(3000.0).at[1, n - 1].set(jnp.nan)
+  s = jnp.asarray(1 + 0.5 * rng.standard_normal(n), F32) if params != "none" else None
+  b = (jnp.asarray(rng.standard_normal(n), F32)
+       if params == "scale+bias" and subtract_mean else None)
+  kw = dict(eps=1e-5, scale_offset=1.0 if params == "offset" else 0.0,
+            subtract_mean=subtract_mean, interpret=not _on_gpu())
+  cfg = kfp8.Fp8Config(2, 256 if n <= 256 else 512, 4, 5, True, hoist, row_amax)
+  pcfg = dataclasses.replace(cfg, packed=True, stream_x=hoist)  # both loads
+  inv = F32(1e3 if fp8_dtype == E4M3 else 1e5)  # |y| above 0.448 / 0.573 saturates
+  ref = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=fp8_dtype, transpose=False,
+                              config=cfg, **kw)
+  got = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=fp8_dtype, transpose=False,
+                              config=pcfg, **kw)
+  stats = kfp8.fp8_stats(x, s, b, config=pcfg, **kw)
+  assert got[0].shape == (m, n) and got[0].dtype == fp8_dtype and got[1] is None
+  assert _ulp_ok(got[0], ref[0], fp8_dtype) > 0.99
+  assert np.isnan(_f32(got[0])[1]).any()  # the NaN row stays NaN
+  assert np.nanmax(np.abs(_f32(got[0]))) == float(jnp.finfo(fp8_dtype).max)  # saturated
+  for a in (got[2:4], stats[:2]):
+    for v, r in zip(a, ref[2:4]):
+      np.testing.assert_allclose(_f32(v), _f32(r), rtol=_rtol(), atol=_rtol())
+  amaxes = [_f32(kfp8.reduce_amax(a)) for a in (ref[4], got[4], stats[2])]
+  assert np.isnan(amaxes).all()  # the NaN propagates into this call's amax
+  clean = x.at[1, n - 1].set(0.0)
+  amaxes = [_f32(kfp8.reduce_amax(f(clean)[i])) for f, i in (
+      (lambda v: kfp8.fp8_norm_delayed(v, s, b, inv, fp8_dtype=fp8_dtype, transpose=False,
+                                       config=cfg, **kw), 4),
+      (lambda v: kfp8.fp8_norm_delayed(v, s, b, inv, fp8_dtype=fp8_dtype, transpose=False,
+                                       config=pcfg, **kw), 4),
+      (lambda v: kfp8.fp8_stats(v, s, b, config=pcfg, **kw), 2))]
+  assert amaxes[0] > 1
+  np.testing.assert_allclose(amaxes[1:], amaxes[0], rtol=_rtol())
+
+
+def test_packed_config_errors():
+  """A packed config where it does not apply: a ValueError before any kernel runs."""
+  x = jnp.ones((8, 256), jnp.bfloat16)
+  s = jnp.ones((256,), F32)
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=False, interpret=True)
+  p = kfp8.Fp8Config(2, 256, 4, 4, True, True, True, packed=True)
+  call = lambda x, cfg, t=False: kfp8.fp8_norm_delayed(
+      x, s[:x.shape[1]], None, 1.0, fp8_dtype=E4M3, transpose=t, config=cfg, **kw)
+  for x_, cfg, t in [(x.astype(F32), p, False), (x.astype(jnp.float16), p, False),
+                     (x[:, :255], p, False), (x, dataclasses.replace(p, block_n=128), False),
+                     (x, p, True), (x, dataclasses.replace(p, num_programs=0), False)]:
+    with pytest.raises(ValueError, match="Fp8Config.packed"):
+      call(x_, cfg, t)
+  with pytest.raises(ValueError, match="Fp8Config.packed"):
+    kfp8.fp8_stats(x.astype(F32), s, None, config=p, **kw)
 
 
 @pytest.mark.cpu_only

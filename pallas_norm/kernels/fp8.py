@@ -60,9 +60,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, device_info,
                                 forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
-from pallas_norm.kernels._compat import out_struct
+from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
-                                         _load_row_block, _load_tile, _tile_index, _where0)
+                                         _load_tile, _tile_index, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
@@ -110,6 +110,18 @@ class Fp8Config:
       (one more cross-thread reduction a row block) instead of kept elementwise in a
       [block_m, block_n] float32 carry (block_m * block_n / (32 * num_warps) registers a
       thread). Ignored otherwise.
+    packed: persistent whole rows of bf16 x without y_t (``_packed_kernel``): x enters
+      as uint32 pairs of bf16 ([M, N / 2], a bitcast), each pair unpacked where it is
+      used, and y leaves as int16 pairs of FP8 values (one two-value conversion each).
+      The prefetched row block is then carried as loaded: carried as bf16 values, its
+      128-bit loads are split one value a register inside the current row block's
+      math, which waits there for the prefetch (H100 ncu, docs/fp8.md#fp8-packed).
+      ValueError for x that is not bf16, an odd N, rows wider than block_n, y_t, or
+      num_programs == 0.
+    stream_x: persistent whole rows: x loaded with the ``.cg`` cache modifier (L2 only,
+      ``_compat.stream_cache_modifier``, the forward's choice, measured on the H200's
+      bf16 forward), or without (False: L1 and L2; faster for these kernels on the
+      H100, docs/fp8.md#fp8-packed). Ignored otherwise.
   """
 
   block_m: int
@@ -119,6 +131,8 @@ class Fp8Config:
   tile_params: bool = False
   hoist_params: bool = True
   row_amax: bool = False
+  packed: bool = False
+  stream_x: bool = True
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -463,9 +477,25 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   plgpu.store(amax_ref.at[rows], _amax_out(amax, (1,)), mask=row_mask)
 
 
+def _row_block_loader(x_ref, *, n, block_m, block_n, stream):
+  """``load(rb)``: row block rb's [block_m, block_n] tile of x as stored (0 outside; past
+  the last row block fully masked, no memory access), through the ``.cg`` cache modifier
+  when ``stream`` (forward.py's ``_load_row_block``), else a plain load
+  (``Fp8Config.stream_x``)."""
+  m = x_ref.shape[0]
+
+  def load(rb):
+    rows, cols, _, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n)
+    return plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask,
+                      other=None if mask is None else jnp.array(0, x_ref.dtype),
+                      cache_modifier=stream_cache_modifier() if stream else None)
+
+  return load
+
+
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       row_amax, block_m, block_n, num_programs):
+                       row_amax, stream_x, block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -493,7 +523,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     if hoist_params:
       w, b = params(cols, col_mask)
       params = lambda c, cm: (w, b)
-    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
+    load = _row_block_loader(x_ref, n=n, block_m=block_m, block_n=block_n, stream=stream_x)
 
     def body(i, carry):
       amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
@@ -526,6 +556,94 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
     amax = lax.fori_loop(0, num_steps, body, zeros)
   amax_ref[pid] = _amax_out(amax, (0, 1))
+
+
+def _unpack_bf16(u):
+  """(even, odd) float32 columns of a tile of bf16 pairs held as uint32 (the even
+  column in the low half, as a bitcast of a little-endian bf16 array lays them):
+  exact, a shift and an AND a pair."""
+  return (lax.bitcast_convert_type(u << 16, _F32),
+          lax.bitcast_convert_type(u & jnp.uint32(0xFFFF0000), _F32))
+
+
+def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
+  """int16 pairs of FP8 values of ``hi * inv`` (high byte) and ``lo * inv`` (low byte),
+  quantised as _emit does: compiled, the hardware's two-value saturating conversion
+  ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`` (the instruction Triton emits for a float32
+  -> FP8 cast on sm_89+); else ``quantise`` through the uint8 bits."""
+  if hw_sat:
+    fmt = {"float8_e4m3fn": "e4m3x2", "float8_e5m2": "e5m2x2"}[fp8_dtype.name]
+    return plgpu.elementwise_inline_asm(
+        f"cvt.rn.satfinite.{fmt}.f32 $0, $1, $2;", args=[hi * inv, lo * inv],
+        constraints="=h,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(hi.shape, jnp.int16)])[0]
+  bits = lambda v: lax.bitcast_convert_type(quantise(v, inv, fp8_dtype),
+                                            jnp.uint8).astype(jnp.uint32)
+  pair = ((bits(hi) << 8) | bits(lo)).astype(jnp.uint16)
+  return lax.bitcast_convert_type(pair, jnp.int16)
+
+
+def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
+                   fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
+                   row_amax, stream_x, block_m, block_n, num_programs):
+  """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
+  pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
+  (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
+  even and odd columns (``_unpack_bf16``), the statistics sum both, scale/bias are
+  loaded as their even and odd halves, and each pair of y values is quantised into one
+  int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, bitwise on the GPU
+  (benchmarks/fp8_packed_ab.py compares the bytes)."""
+  del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
+  x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
+      refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
+  m, h = x_ref.shape
+  bh = block_n // 2
+  pid = pl.program_id(0)
+  num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
+  tile = functools.partial(_tile_index, m=m, n=h, block_m=block_m, block_n=bh,
+                           rows_in_bounds=True)
+  _, cols, _, col_mask, _ = _tile_index(0, 0, 1, h, block_m=1, block_n=bh)
+  cm = None if col_mask is None else col_mask[None, :]
+
+  def params():  # ((w, b) of the even columns, (w, b) of the odd ones), [1, bh] f32
+    return tuple(_load_params(scale_ref, bias_ref, c[None, :], cm, scale_offset)
+                 for c in (2 * cols, 2 * cols + 1))
+
+  if hoist_params:
+    hoisted = params()
+    params = lambda: hoisted
+  load = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
+
+  def body(i, carry):
+    amax, u = carry  # u: this row block's pairs as loaded, 0 outside
+    rb = pid + i * num_programs
+    u_next = load(rb + num_programs)  # the prefetch, carried as loaded
+    rows, _, row_mask, _, mask = tile(rb, 0)
+    lo, hi = _unpack_bf16(u)
+    mean = None
+    if subtract_mean:
+      mean = jnp.sum(lo + hi, axis=1) / n
+      lo, hi = _where0(mask, lo - mean[:, None]), _where0(mask, hi - mean[:, None])
+    rstd = lax.rsqrt(jnp.sum(lo * lo + hi * hi, axis=1) / n + _F32(eps))
+    (we, be), (wo, bo) = params()
+    ye = _affine(lo * rstd[:, None], we, be)
+    yo = _affine(hi * rstd[:, None], wo, bo)
+    if q is not None:
+      inv, fp8, y_ref, _, _ = q
+      plgpu.store(y_ref.at[rows[:, None], cols[None, :]],
+                  _fp8_pair(yo, ye, inv, fp8, hw_sat), mask=mask)
+    # Masked pairs are 0 unless a bias moves them.
+    fold_mask = mask if be is not None else None
+    a = _fold_amax(None if row_amax else amax, ye, fold_mask, hw_amax)
+    a = _fold_amax(a, yo, fold_mask, hw_amax)
+    amax = jnp.maximum(amax, _amax_out(a, (0, 1))) if row_amax else a
+    _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
+    return amax, u_next
+
+  init = (jnp.zeros((), jnp.int32) if row_amax
+          else _amax_zeros((block_m, bh), hw_amax))
+  amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
+  amax_ref[pid] = amax if row_amax else _amax_out(amax, (0, 1))
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
@@ -577,8 +695,9 @@ def _row_launch(m, cfg: Fp8Config):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  return (_persistent_kernel, g, dict(statics, hoist_params=cfg.hoist_params,
-                                      row_amax=cfg.row_amax, num_programs=g), g)
+  return (_packed_kernel if cfg.packed else _persistent_kernel, g,
+          dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
+               stream_x=cfg.stream_x, num_programs=g), g)
 
 
 def _row_results(outs, m, subtract_mean):
@@ -587,10 +706,32 @@ def _row_results(outs, m, subtract_mean):
   return mean, outs[0], outs[1]
 
 
-def _y_outs(x, fp8_dtype, transpose):
+def _y_outs(x, fp8_dtype, transpose, packed=False):
   m, n = x.shape
+  if packed:  # int16 pairs of FP8 values (_packed_kernel; no y_t)
+    return [out_struct((m, n // 2), jnp.int16, x)]
   return [out_struct((m, n), fp8_dtype, x)] + (
       [out_struct((n, m), fp8_dtype, x)] if transpose else [])
+
+
+def _packed_x(x, cfg: Fp8Config, transpose: bool):
+  """x as the kernel takes it: for ``cfg.packed``, [M, N / 2] uint32 pairs of bf16 (a
+  bitcast, no copy), after checking that the config applies; else x.
+
+  Raises:
+    ValueError: cfg.packed with x not bf16, an odd N, rows wider than block_n, y_t, or
+      no persistent programs.
+  """
+  if not cfg.packed:
+    return x
+  m, n = x.shape
+  if (x.dtype != jnp.bfloat16 or n % 2 or n > cfg.block_n or transpose
+      or not cfg.num_programs):
+    raise ValueError(
+        f"Fp8Config.packed takes bfloat16 x of even N up to block_n={cfg.block_n}, "
+        f"persistent programs (num_programs > 0) and no y_t; got x {x.dtype} [{m}, {n}], "
+        f"num_programs={cfg.num_programs}, transpose={transpose}")
+  return lax.bitcast_convert_type(x.reshape(m, n // 2, 2), jnp.uint32)
 
 
 def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
@@ -631,14 +772,18 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
     f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
     |y_f32| (config.num_programs == 0), or [G], each persistent program's max).
+
+  Raises:
+    ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
-  outs = _call(kernel, [x, scale, bias, _inv(inv)],
-               _y_outs(x, fp8_dtype, transpose) + _row_outs(x, subtract_mean, num_amax),
+  outs = _call(kernel, [_packed_x(x, cfg, transpose), scale, bias, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose, cfg.packed)
+               + _row_outs(x, subtract_mean, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
@@ -646,6 +791,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
                transpose=transpose)
   outs = list(outs)
   y = outs.pop(0)
+  if cfg.packed:  # [M, N / 2] int16 -> [M, N / 2, 2] FP8, the even column first
+    y = lax.bitcast_convert_type(y, jnp.dtype(fp8_dtype)).reshape(m, n)
   y_t = outs.pop(0) if transpose else None
   return (y, y_t, *_row_results(outs, m, subtract_mean))
 
@@ -659,12 +806,16 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   Returns:
     (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32 (as in
     ``fp8_norm_delayed``)).
+
+  Raises:
+    ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
   """
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
                              interpret=interpret, param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
-  outs = _call(kernel, [x, scale, bias], _row_outs(x, subtract_mean, num_amax), (grid,),
+  outs = _call(kernel, [_packed_x(x, cfg, False), scale, bias],
+               _row_outs(x, subtract_mean, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                has_scale=scale is not None, has_bias=bias is not None, fp8_dtype=None,
