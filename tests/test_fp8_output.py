@@ -435,25 +435,49 @@ def test_config_picks_variants(monkeypatch):
                          transpose=True).num_programs == 264
   h100 = pallas_norm.config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
   monkeypatch.setattr(kfp8, "device_info", lambda: h100)
-  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True) == (
+  f16 = dict(dtype=jnp.float16)  # x not bf16: the H100's tables before sweep 8
+  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True, **f16) == (
       kfp8.Fp8Config(2, 8192, 16, 132, True, True))
   assert kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
                          transpose=True).num_programs == 528
   # five-element tiles: row_amax; float32 scale/bias (or none) and 2-byte ones differ
-  assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True) == (
+  assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True, **f16) == (
       kfp8.Fp8Config(1, 8192, 8, 264, True, True, True))
   assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True,
-                         param_dtype=jnp.float32) == kfp8.Fp8Config(1, 8192, 8, 264, True,
-                                                                    True, True)
+                         param_dtype=jnp.float32, **f16) == kfp8.Fp8Config(
+                             1, 8192, 8, 264, True, True, True)
   # programs a SM 0 in the table: one row block a program, scale/bias in the tile's layout
   assert kfp8.fp8_config(8192, 8192, kernel="stats", subtract_mean=True,
-                         param_dtype=jnp.bfloat16) == kfp8.Fp8Config(1, 8192, 4, 0, True, True)
-  assert kfp8.fp8_config(32768, 2048, kernel="delayed") == kfp8.Fp8Config(1, 2048, 4, 1056,
-                                                                          True, True, True)
-  assert kfp8.fp8_config(8192, 4096, kernel="delayed") == kfp8.Fp8Config(1, 4096, 8, 528,
-                                                                         True, True, True)
-  assert kfp8.fp8_config(8192, 4096, kernel="delayed", param_dtype=jnp.float16) == (
-      kfp8.Fp8Config(1, 4096, 16, 396, True, False))
+                         param_dtype=jnp.bfloat16, **f16) == kfp8.Fp8Config(
+                             1, 8192, 4, 0, True, True)
+  assert kfp8.fp8_config(32768, 2048, kernel="delayed", **f16) == kfp8.Fp8Config(
+      1, 2048, 4, 1056, True, True, True)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", **f16) == kfp8.Fp8Config(
+      1, 4096, 8, 528, True, True, True)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", param_dtype=jnp.float16,
+                         **f16) == kfp8.Fp8Config(1, 4096, 16, 396, True, False)
+  # bf16 x of even N (sweep 8): the packed kernel, x loaded without .cg
+  packed = dict(packed=True, stream_x=False)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed") == kfp8.Fp8Config(
+      2, 4096, 8, 264, True, True, True, **packed)
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", param_dtype=jnp.bfloat16) == (
+      kfp8.fp8_config(8192, 4096, kernel="delayed"))
+  assert kfp8.fp8_config(32768, 2048, kernel="stats", subtract_mean=True) == (
+      kfp8.Fp8Config(2, 2048, 4, 528, True, True, True, **packed))
+  # LayerNorm delayed at N' = 8192: float32 scale/bias unpacked, 2-byte ones packed
+  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True) == (
+      kfp8.Fp8Config(2, 8192, 16, 132, True, True, False, False, False))
+  assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True,
+                         param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
+                             1, 8192, 4, 264, True, True, True, **packed)
+  # None in the 2-byte table: the pick before sweep 8 stays
+  assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True,
+                         param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
+                             1, 4096, 4, 792, True, True, True)
+  assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True) == (
+      kfp8.Fp8Config(2, 4096, 4, 528, True, True, True, **packed))
+  # an odd N keeps the tables before it
+  assert not kfp8.fp8_config(8192, 4095, kernel="delayed").packed
   # the rest as on the H200
   assert kfp8.fp8_config(8192, 4096, kernel="delayed", transpose=True).num_programs == 264
   assert kfp8.fp8_config(8192, 4096, kernel="stats") == kfp8.fp8_config(

@@ -196,6 +196,31 @@ _PERSISTENT_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
     ("delayed", "rms", 4096): (1, 16, 3, False),    # 16384x4096: 71.0 / 74.1
     ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 53.2 / 61.1
 }
+# H100, bf16 x of even N: sweep 8 (benchmarks/fp8_sweep8.py; h100_2026-11-26_sweep8_fp8
+# _f32.json / _bf16.json, scale/bias float32 / bfloat16): Fp8Config.packed (x carried as
+# bf16 pairs) and stream_x=False (x loaded without .cg), which beat every pick above on
+# the H100. {(kernel, op, N'): (block_m, num_warps, programs a SM, hoist_params,
+# row_amax, packed, stream_x)}; us at 8192x4096 / 16384x4096 (N' 4096), 32768x2048,
+# 8192x8192 (delayed) and 8192x4096, 32768x2048, 8192x8192 (stats), this / the pick
+# before it, float32 scale/bias:
+_BF16_ROWS_H100: dict[tuple[str, str, int], tuple] = {
+    ("delayed", "rms", 4096): (2, 8, 2, True, True, True, False),    # 35.6/38.2, 69.3/74.2
+    ("delayed", "layer", 4096): (2, 4, 4, True, True, True, False),  # 39.6/43.4, 75.4/82.9
+    ("delayed", "rms", 2048): (2, 4, 4, True, True, True, False),    # 69.2 / 72.6
+    ("delayed", "layer", 2048): (2, 4, 4, True, True, True, False),  # 70.8 / 82.0
+    ("delayed", "rms", 8192): (1, 8, 2, True, True, True, False),    # 72.9 / 78.4
+    ("delayed", "layer", 8192): (2, 16, 1, True, False, False, False),  # 78.9 / 89.0
+    ("stats", "layer", 4096): (2, 4, 4, True, True, True, False),    # 27.6 / 28.4
+    ("stats", "layer", 2048): (2, 4, 4, True, True, True, False),    # 49.1 / 61.8
+    ("stats", "layer", 8192): (1, 4, 2, True, True, True, False),    # 53.0 / 62.0
+}
+# The same with 2-byte scale/bias, where they want another config (us, this / the
+# float32 rule above, both with bf16 params; the pick before: 89.1); None: no bf16-x
+# rule, the picks before it stay:
+_BF16_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
+    ("delayed", "layer", 8192): (1, 4, 2, True, True, True, False),  # 76.5 / 80.5
+    ("stats", "layer", 4096): None,  # 27.2 the pick (1, 4, 6) against 27.4: no change
+}
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
 # 32-byte sector a y_t row) walked in 128-wide chunks, 16 warps, 2 a SM, scale/bias in the
 # tile's layout (8192x4096: RMSNorm 71.6 / 78.3 at 32 x 256, a row block a program;
@@ -253,7 +278,9 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   ``_T_WARPS``) and ``_TILE_PARAMS``, on a GPU (H200-measured rules, the constants'
   comments), with the H100's own picks where they differ (``_PERSISTENT_ROWS_H100``,
   ``_T_PROGRAMS_PER_SM_H100_LAYER``; ``_PERSISTENT_ROWS_H100_2B`` where ``param_dtype``,
-  scale/bias's dtype, None without them, is 2 bytes wide).
+  scale/bias's dtype, None without them, is 2 bytes wide; first of all, for bf16 x of
+  even N, ``_BF16_ROWS_H100`` / ``_BF16_ROWS_H100_2B``: the packed kernel, x loaded
+  without .cg).
 
   Raises:
     ValueError: an unknown kernel name.
@@ -283,14 +310,17 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                      _T_TILE_PARAMS)
   key = (kernel, "layer" if subtract_mean else "rms", next_power_of_2(n))
   tile = None
-  if h100 and param_dtype is not None and jnp.dtype(param_dtype).itemsize == 2:
+  two_byte = param_dtype is not None and jnp.dtype(param_dtype).itemsize == 2
+  if h100 and jnp.dtype(dtype) == jnp.bfloat16 and n % 2 == 0:  # None: no bf16-x rule
+    tile = (_BF16_ROWS_H100_2B if two_byte else {}).get(key, _BF16_ROWS_H100.get(key))
+  if h100 and tile is None and two_byte:
     tile = _PERSISTENT_ROWS_H100_2B.get(key)
   if h100 and tile is None:
     tile = _PERSISTENT_ROWS_H100.get(key)
   tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
-    bm, warps, per_sm, hoist, *row_amax = tile
-    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *row_amax)
+    bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
