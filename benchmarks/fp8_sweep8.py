@@ -10,8 +10,10 @@ whole call (the bitcasts included), median of 10 calls over inputs rotated over 
 MiB, rounds interleaved (3; the default config timed in each); bf16 x, e4m3fn,
 scale/bias in PARAM_DTYPE (float32 by default). Before timing, each config's outputs are
 checked against the default config's (y bytes equal fraction, amax).
-Usage: python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE] (GPU)."""
-import dataclasses, os, sys, time
+Usage: python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
+CASES e.g. "delayed:layer:8192x4096,16384x4096", TILES a Python dict {N: [(block_m,
+num_warps, programs a SM, hoist_params, row_amax), ...]}, packed and without .cg)."""
+import ast, dataclasses, os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 import jax, jax.numpy as jnp
 import _fp8_sweep
@@ -28,19 +30,26 @@ TILES = {
     8192: [(2, 8, 1), (2, 16, 1), (1, 16, 2), (1, 8, 2), (1, 4, 2)],
     2048: [(2, 4, 4), (2, 8, 3), (2, 4, 6), (1, 4, 8)],
 }
-P = lambda bm, n, w, k: K.Fp8Config(bm, n, w, SMS * k, True, True, True, packed=True,
-                                    stream_x=False)
+P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(bm, n, w, SMS * k, True, h, ra,
+                                                     packed=True, stream_x=False)
+OPS = ("rms", "layer")
 CASES = [("delayed", m, n) for m, n in ((8192, 4096), (16384, 4096), (32768, 2048),
                                         (8192, 8192))]
 CASES += [("stats", m, n) for m, n in ((8192, 4096), (32768, 2048), (8192, 8192))]
+if len(sys.argv) > 4:
+  kernel, op, shapes = sys.argv[4].split(":")
+  CASES = [(kernel, *map(int, sh.split("x"))) for sh in shapes.split(",")]
+  OPS = (op,)
+if len(sys.argv) > 5:
+  TILES = ast.literal_eval(sys.argv[5])
 groups = []
 for kernel, m, n in CASES:
   xs, s, b = _fp8_sweep.inputs(m, n, PARAM_DTYPE)
-  for op in ("rms", "layer"):
+  for op in OPS:
     sm = op == "layer"
     d = K.fp8_config(m, n, kernel=kernel, subtract_mean=sm, param_dtype=PARAM_DTYPE)
     cs = [d] + ([dataclasses.replace(d, stream_x=False)] if d.num_programs else [])
-    cs += [P(bm, n, w, k) for bm, w, k in TILES[n]]
+    cs += [P(t[0], n, *t[1:]) for t in TILES[n]]
     if kernel == "delayed":
       f = lambda x, cfg, s=s, b=b, sm=sm: K.fp8_norm_delayed(
           x, s, b if sm else None, 100.0, eps=1e-5, scale_offset=0.0, subtract_mean=sm,
