@@ -623,8 +623,9 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
   even and odd columns (``_unpack_bf16``), the statistics sum both, scale/bias are
   loaded as their even and odd halves, and each pair of y values is quantised into one
-  int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, bitwise on the GPU
-  (benchmarks/fp8_packed_ab.py compares the bytes)."""
+  int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, the row sums taken in
+  another order (pairs first): on the H100, y's bytes equal but for a few in 10^7, one
+  FP8 ulp apart (benchmarks/fp8_sweep8.py checks them)."""
   del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
       refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
@@ -721,7 +722,8 @@ def _row_outs(x, subtract_mean, num_amax):
 def _row_launch(m, cfg: Fp8Config):
   """(kernel, grid, statics, amax partials) of the row-block kernels for ``cfg``: a row
   block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
-  (_persistent_kernel, at most one a row block; an amax a program)."""
+  (_persistent_kernel, or _packed_kernel for cfg.packed; at most one a row block; an
+  amax a program)."""
   num_row_blocks = cdiv(m, cfg.block_m)
   statics = dict(tile_params=cfg.tile_params)
   if not cfg.num_programs:
