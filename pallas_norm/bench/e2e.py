@@ -377,8 +377,13 @@ def classify(name: str, norm_names: set[str]) -> str:
   return "other"
 
 
+_OTHER_TOP = 12  # the breakdown's "other_top": that many [kernel, us], the longest first
+
+
 def _breakdown(step, args, hlo_text: str) -> dict:
-  """CUPTI kernel time of one step by category (us), and the norm kernels' names."""
+  """CUPTI kernel time of one step by category (us), the norm kernels' names, and the
+  longest "other" kernels (``other_top``: [name, us] summed over a name's launches in one
+  step)."""
   from pallas_norm.bench import timing
   norm_names = norm_fusions(hlo_text)
   rot = timing.rotating_step(step, [args])
@@ -394,6 +399,12 @@ def _breakdown(step, args, hlo_text: str) -> dict:
   out = {k: float(np.median([c[k] for c in per_cat])) for k in per_cat[0]}
   out["total"] = float(np.median([sum(c.values()) for c in per_cat]))
   out["norm_kernels"] = sorted({k for k, _ in calls[0] if classify(k, norm_names) == "norm"})
+  other: dict[str, float] = {}  # the "other" kernels of the first call, by name
+  for kname, ms in calls[0]:
+    if classify(kname, norm_names) == "other":
+      other[kname] = other.get(kname, 0.0) + ms * 1e3
+  out["other_top"] = sorted(([k, round(v, 1)] for k, v in other.items()),
+                            key=lambda kv: -kv[1])[:_OTHER_TOP]
   return out
 
 
