@@ -234,14 +234,25 @@ def _push(history, amax):
   return _flax_fp8.compute_amax_history(amax, history)
 
 
+def _quantise_xla(v, inv, fp8_dtype):
+  """``pallas_norm.fp8.quantise(v, inv, fp8_dtype)``'s values, for tensors XLA quantises
+  (the weight, the output gradient): the clip as ``jnp.clip``, whose XLA maximum and
+  minimum keep NaN as quantise's two selects do (+-Inf saturate, -0 stays -0). With the
+  selects, XLA built the weight's quantise into transposing fusions (cuBLASLt's FP8 GEMM
+  takes the weight K-contiguous) that wrote both comparison masks, [N, F] each, to memory
+  and read the weight three times (H100 HLO, docs/fp8.md#fp8-packed)."""
+  hi = _fp8.fp8_max(fp8_dtype)
+  return jnp.clip(v * inv, -hi, hi).astype(fp8_dtype)
+
+
 def _quantise_tensor(v, scale, fp8_dtype):
   """(q, scale, amax) of a float tensor: scale () f32 given (delayed) or None (current:
-  this tensor's amax / fp8_max); q = quantise(v * (1 / scale))."""
+  this tensor's amax / fp8_max); q = quantise(v * (1 / scale)) (``_quantise_xla``)."""
   vf = v.astype(_F32)
   amax = jnp.max(jnp.abs(vf))
   if scale is None:
     scale = _fp8.current_scale(amax, fp8_dtype)
-  return _fp8.quantise(vf, _F32(1.0) / scale, fp8_dtype), scale, amax
+  return _quantise_xla(vf, _F32(1.0) / scale, fp8_dtype), scale, amax
 
 
 # --------------------------------------------------------------------------- custom_vjp

@@ -412,3 +412,20 @@ def test_gemm_calls_in_hlo_text():
   calls = fp8.gemm_calls_in(hlo)
   assert calls == {"__cublas$lt$matmul$f8": 1, "__cublas$gemm": 1, "__triton_gemm[f8]": 1}
   assert fp8.fp8_gemm_count(calls) == 2
+
+
+@pytest.mark.parametrize("dt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_xla_quantise_matches_quantise(dt):
+  """The layer's XLA-side quantisation (jnp.clip) gives pallas_norm.fp8.quantise's bytes:
+  NaN kept, +-Inf and out-of-range values saturated, -0 kept, rounding at every
+  magnitude, on the device the suite runs on."""
+  from flax_layers import fp8 as layer_fp8
+  rng = np.random.default_rng(0)
+  v = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-8, 6, 4096),
+                      [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30]])
+  v = jnp.asarray(v, _F32)
+  for inv in (_F32(1.0), _F32(37.5), _F32(1e-3)):
+    got = jax.jit(layer_fp8._quantise_xla, static_argnums=2)(v, inv, dt)
+    want = jax.jit(quantise, static_argnums=2)(v, inv, dt)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
