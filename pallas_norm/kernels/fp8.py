@@ -371,6 +371,18 @@ def _amax_zeros(shape, hw_amax):
   return jnp.zeros(shape, _F32 if hw_amax else jnp.int32)
 
 
+def _carry_init(row_amax, shape, hw_amax):
+  """A persistent program's running amax at the start: int32 bits of a scalar
+  (``row_amax``: each row block reduced at once) or the elementwise carry of ``shape``
+  (``_fold_amax``'s)."""
+  return jnp.zeros((), jnp.int32) if row_amax else _amax_zeros(shape, hw_amax)
+
+
+def _carry_out(carry, row_amax):
+  """int32 bits of the max of a ``_carry_init`` carry after the loop."""
+  return carry if row_amax else _amax_out(carry, (0, 1))
+
+
 def _amax_out(acc, axes):
   """int32 bits of the max of ``acc`` (``_fold_amax``'s) over ``axes`` (a tuple), reduced
   as integers: the bits of a non-negative float or of max.NaN's NaN (0x7FFFFFFF) order as
@@ -546,7 +558,6 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)
-  zeros = _amax_zeros((block_m, block_n), hw_amax)
   stats = dict(n=n, eps=eps, subtract_mean=subtract_mean)
   params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
                              bias_ref, scale_offset=scale_offset)
@@ -572,12 +583,10 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax, x_next
 
-    if row_amax:
-      zeros = jnp.zeros((), jnp.int32)
-    amax, _ = lax.fori_loop(0, num_steps, body, (zeros, load(pid)))
-    if row_amax:
-      amax = amax[None, None]
-  else:
+    init = _carry_init(row_amax, (block_m, block_n), hw_amax)
+    amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
+    amax_ref[pid] = _carry_out(amax, row_amax)
+  else:  # chunked rows: the elementwise carry (row_amax is for whole rows)
     def body(i, amax):
       rb = pid + i * num_programs
       mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
@@ -586,8 +595,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax
 
-    amax = lax.fori_loop(0, num_steps, body, zeros)
-  amax_ref[pid] = _amax_out(amax, (0, 1))
+    amax = lax.fori_loop(0, num_steps, body, _amax_zeros((block_m, block_n), hw_amax))
+    amax_ref[pid] = _amax_out(amax, (0, 1))
 
 
 def _unpack_bf16(u):
@@ -673,10 +682,9 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
     return amax, u_next
 
-  init = (jnp.zeros((), jnp.int32) if row_amax
-          else _amax_zeros((block_m, bh), hw_amax))
-  amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
-  amax_ref[pid] = amax if row_amax else _amax_out(amax, (0, 1))
+  amax, _ = lax.fori_loop(0, num_steps, body,
+                          (_carry_init(row_amax, (block_m, bh), hw_amax), load(pid)))
+  amax_ref[pid] = _carry_out(amax, row_amax)
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
