@@ -9,9 +9,12 @@ x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked again
 default config's (max |diff|).
 
 Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
-[--bf16-params] (``--stage1-flags``: the default config with BackwardConfig.prefetch_stats
-and joint_row_sums on and off, docs/tuning.md#stage1-flags, instead of the launch configs;
-``--bf16-params``: scale/bias in bf16, not float32)
+[--vector] [--bf16-params] (``--stage1-flags``: the default config with
+BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
+instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
+runs of ``forward.FP8_X_VECTOR`` = 8 elements a thread and the default config with 0
+(16-byte runs) beside them, docs/fp8.md#fp8-x-vector; ``--bf16-params``: scale/bias in
+bf16, not float32)
 """
 import dataclasses
 import json
@@ -34,6 +37,24 @@ VARIANTS = [None, (1, 8, 2), (1, 8, 3), (1, 16, 1), (2, 16, 1), (2, 8, 2), (1, 4
 # --stage1-flags: BackwardConfig fields set on the default config
 FLAG_VARIANTS = [None, dict(prefetch_stats=True), dict(joint_row_sums=True),
                  dict(prefetch_stats=True, joint_row_sums=True)]
+# --vector: (variant, forward.FP8_X_VECTOR while it is traced)
+VECTOR_VARIANTS = [(None, 8), (None, 0), ((2, 16, 1), 8), ((1, 16, 1), 8), ((2, 8, 2), 8),
+                   ((2, 32, 1), 8), ((1, 8, 2), 8), ((4, 16, 1), 8), ((1, 32, 1), 0),
+                   ((2, 16, 1), 0)]
+
+
+def _traced_with(fn, vec):
+  """fn with forward.FP8_X_VECTOR = vec while it is traced (None: as it is)."""
+  if vec is None:
+    return fn
+
+  def wrapped(*args):
+    old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, vec
+    try:
+      return fn(*args)
+    finally:
+      F.FP8_X_VECTOR = old
+  return wrapped
 
 
 def _variant(dflt, v, sms):
@@ -69,14 +90,16 @@ def main(out_path, variants=VARIANTS):
       dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
       fns = {}
       for v in variants:
+        v, vec = v if isinstance(v, tuple) and len(v) == 2 else (v, None)
         name, cfg = _variant(dflt, v, sms)
-        fns[name] = (jax.jit(lambda dy, cfg=cfg: B.norm_backward(
-            dy, x8, w, mean, rstd, config=cfg, x_scale=xs, dx_dtype=jnp.bfloat16, **kw)),
-            cfg)
+        name += "" if vec is None else f" v{vec}"
+        fns[name] = (jax.jit(_traced_with(lambda dy, cfg=cfg: B.norm_backward(
+            dy, x8, w, mean, rstd, config=cfg, x_scale=xs, dx_dtype=jnp.bfloat16, **kw),
+            vec)), cfg)
       bf = jax.jit(lambda dy: B.norm_backward(
           dy, xb, w, mean, rstd, config=C.backward_config(m, n, jnp.bfloat16,
                                                           subtract_mean=layer), **kw))
-      ref = jax.block_until_ready(fns["default"][0](dys[0]))
+      ref = jax.block_until_ready(fns[next(iter(fns))][0](dys[0]))
       rows = {}
       for name, (f, cfg) in fns.items():
         try:
@@ -112,4 +135,5 @@ def main(out_path, variants=VARIANTS):
 PARAM = jnp.float32
 if __name__ == "__main__":
   PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
-  main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else VARIANTS)
+  main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else
+       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else VARIANTS)

@@ -384,6 +384,20 @@ def test_lowers_for_cuda():
   assert lower(vjp).count("__gpu$xla.gpu.triton") == 3  # forward, stage 1, stage 2
 
 
+def test_vector_cols_are_the_columns():
+  """The FP8 load's index (forward._vector_cols: columns as runs of FP8_X_VECTOR for
+  Triton's axis analysis, docs/fp8.md#fp8-x-vector) holds the same column numbers, for
+  tile starts at any multiple of the tile and every vector width (0: cols itself)."""
+  from pallas_norm.kernels import forward
+  assert forward.FP8_X_VECTOR in (0, 4, 8, 16)
+  for start in (0, 16, 512, 4096, 2**20):
+    cols = start + jnp.arange(512, dtype=jnp.int32)
+    for vec in (0, 4, 8, 16):
+      got = forward._vector_cols(cols, vec)
+      assert got.dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(cols))
+
+
 # --------------------------------------------------------------------------- GPU only
 
 
