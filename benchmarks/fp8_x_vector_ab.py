@@ -1,14 +1,17 @@
 """A/B of ``kernels.forward.FP8_X_VECTOR`` (docs/fp8.md#fp8-x-vector): the public FP8-input
 ops (x float8_e4m3fn, float32 scales a group of 16, bf16 scale/bias, y and dx bf16) with
-the FP8 x tile loaded in runs of 16 elements a thread (0) or 8, per kernel:
-"v0" everywhere 0, "v8" everywhere 8, "fwd8" the forward kernels 8 and the backward's 0,
-"primal8" only the forward without residuals (outside jax.vjp) 8. The forward alone
-(outside jax.vjp) and the forward + backward (jax.vjp, then the pullback of a bf16 dy),
-RMSNorm and LayerNorm at 8192x4096, 16384x4096, 8192x8192, at the default configs.
+the FP8 x tile loaded in runs of 16 elements a thread ("v0"), of 8 ("v8"), or by the
+rule (``forward._fp8_vector``: 8 for tiles up to 4096 wide and the forward without
+residuals, else 16). The forward alone (outside jax.vjp) and the forward + backward
+(jax.vjp, then the pullback of a bf16 dy), RMSNorm and LayerNorm at 8192x4096,
+16384x4096, 8192x8192, 32768x2048 and 4096x16384 (rows split or chunked), at the default
+configs.
 
 Method: CUPTI kernel time (``pallas_norm.bench.timing.cupti_time``), median of 10 calls
 over 3 rotated inputs, variants interleaved in each of ROUNDS rounds, the median of the
-rounds; each kernel's median beside it. Outputs checked bitwise against "v0".
+rounds; each kernel's median beside it. Outputs checked bitwise against "v0". Each
+variant is compiled ahead of time after ``jax.clear_caches()`` (the ops' module-level
+jit caches its trace, which would give every variant the first one's kernels).
 
 Usage (GPU machine): python benchmarks/fp8_x_vector_ab.py OUT.json
 """
@@ -21,43 +24,27 @@ import jax.numpy as jnp
 import pallas_norm
 from pallas_norm import config as C
 from pallas_norm.bench import timing
-from pallas_norm.kernels import backward as B
 from pallas_norm.kernels import forward as F
 
 ROUNDS = 5
 G = 16
-SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
-# variant: (vector of the forward without residuals, with residuals, the backward)
-VARIANTS = {"v0": (0, 0, 0), "v8": (8, 8, 8), "fwd8": (8, 8, 0), "primal8": (8, 0, 0)}
-_ORIG = (F.norm_forward, B.norm_backward)
-_VEC = [VARIANTS["v0"]]
+SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048), (4096, 16384)]
+# variant: forward.FP8_X_VECTOR while it is traced (None: the rule, forward._fp8_vector)
+VARIANTS = {"v0": 0, "v8": 8, "rule": None}
 
 
-def _forward(*a, **k):
-  vec = _VEC[0][0 if not k.get("return_residuals", True) else 1]
-  old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, vec
-  try:
-    return _ORIG[0](*a, **k)
-  finally:
-    F.FP8_X_VECTOR = old
-
-
-def _backward(*a, **k):
-  old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, _VEC[0][2]
-  try:
-    return _ORIG[1](*a, **k)
-  finally:
-    F.FP8_X_VECTOR = old
-
-
-F.norm_forward, B.norm_backward = _forward, _backward
-
-
-def _traced(fn, variant):
+def _compiled(fn, variant, x):
+  """fn compiled ahead of time with ``variant``'s FP8_X_VECTOR, after clearing JAX's
+  caches: the ops' module-level jit (``ops._norm_nd_jit``) would otherwise hand every
+  variant the kernels traced for the first one."""
   def wrapped(*args):
-    _VEC[0] = VARIANTS[variant]
-    return fn(*args)
-  return jax.jit(wrapped)
+    old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, VARIANTS[variant]
+    try:
+      return fn(*args)
+    finally:
+      F.FP8_X_VECTOR = old
+  jax.clear_caches()
+  return jax.jit(wrapped).lower(x).compile()
 
 
 def main(out_path):
@@ -86,14 +73,17 @@ def main(out_path):
         return (y,) + pull(dy)
 
       for pas, fn in (("fwd", op), ("fwdbwd", fwdbwd)):
-        fns = {v: _traced(fn, v) for v in VARIANTS}
+        fns = {v: _compiled(fn, v, xs8[0]) for v in VARIANTS}
         ref = jax.block_until_ready(fns["v0"](xs8[0]))
+        hlo0 = fns["v0"].as_text()
         rows = {}
         for v, f in fns.items():
           got = jax.block_until_ready(f(xs8[0]))
           same = all(bool(jnp.array_equal(a, r)) for a, r in
                      zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
-          rows[v] = dict(bitwise_equal_v0=same, rounds=[], kernel_us=[])
+          # the compiled program holds other kernels than v0's (a check on the A/B)
+          rows[v] = dict(bitwise_equal_v0=same, program_differs_v0=f.as_text() != hlo0,
+                         rounds=[], kernel_us=[])
         for _ in range(ROUNDS):
           for v, f in fns.items():
             t = timing.cupti_time(f, [(x,) for x in xs8], 10)
@@ -106,7 +96,7 @@ def main(out_path):
           row["kernel_us"] = [round(sorted(c)[len(c) // 2], 2) for c in zip(*ks)]
           print(f"{'layer' if layer else 'rms':5s} {pas:6s} {m}x{n} {v:8s} "
                 f"{row['us']:7.1f} us  kernels {row['kernel_us']}  bitwise="
-                f"{row['bitwise_equal_v0']}", flush=True)
+                f"{row['bitwise_equal_v0']} differs={row['program_differs_v0']}", flush=True)
         results.append(dict(op="layer" if layer else "rms", pass_=pas, m=m, n=n, rows=rows))
   json.dump(dict(device=C.device_info().name, copy_gbs=copy, rounds=ROUNDS,
                  results=results, note=__doc__), open(out_path, "w"), indent=1)

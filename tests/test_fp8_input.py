@@ -389,13 +389,30 @@ def test_vector_cols_are_the_columns():
   Triton's axis analysis, docs/fp8.md#fp8-x-vector) holds the same column numbers, for
   tile starts at any multiple of the tile and every vector width (0: cols itself)."""
   from pallas_norm.kernels import forward
-  assert forward.FP8_X_VECTOR in (0, 4, 8, 16)
+  assert forward.FP8_X_VECTOR is None  # the rule, not an A/B's override
   for start in (0, 16, 512, 4096, 2**20):
     cols = start + jnp.arange(512, dtype=jnp.int32)
     for vec in (0, 4, 8, 16):
       got = forward._vector_cols(cols, vec)
       assert got.dtype == jnp.int32
       np.testing.assert_array_equal(np.asarray(got), np.asarray(cols))
+
+
+def test_fp8_vector_rule(monkeypatch):
+  """forward._fp8_vector, the measured rule (docs/fp8.md#fp8-x-vector): runs of 8 but
+  for the kernels of _FP8_VECTOR_16 (16-value runs, 0), N' capped at 16384;
+  FP8_X_VECTOR overrides it."""
+  from pallas_norm.kernels import forward
+  v = forward._fp8_vector
+  assert [v("forward", sm, n) for sm in (False, True) for n in (1000, 4096, 8192, 65536)
+          ] == [8] * 8
+  assert [v("forward_res", False, n) for n in (4096, 5000, 16384, 65536)] == [8, 0, 0, 0]
+  assert [v("forward_res", True, n) for n in (4096, 8192, 16384)] == [8, 8, 8]
+  assert [v("backward", False, n) for n in (1000, 1500, 4096, 16384)] == [8, 0, 8, 8]
+  assert [v("backward", True, n) for n in (2048, 4096, 8192, 12288, 65536)] == [8, 8, 0, 0, 0]
+  assert v("stats", True, 8192) == v("apply", False, 2048) == 8
+  monkeypatch.setattr(forward, "FP8_X_VECTOR", 0)
+  assert v("forward", False, 4096) == 0
 
 
 # --------------------------------------------------------------------------- GPU only

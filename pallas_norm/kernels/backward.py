@@ -129,7 +129,7 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, n_extra_in=0, has_dh=F
   (FP8 x), x_ref is the forward's _Fp8 of x and x_scale."""
   refs = list(refs)
   dy_ref = refs.pop(0)
-  x_ref = _x_src(refs.pop(0), refs, group_size)
+  x_ref = _x_src(refs.pop(0), refs, group_size, "backward", subtract_mean)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)
@@ -320,7 +320,7 @@ def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, bloc
   chunks."""
   refs = list(refs)
   dy_ref = refs.pop(0)
-  x_ref = _x_src(refs.pop(0), refs, group_size)
+  x_ref = _x_src(refs.pop(0), refs, group_size, "backward", subtract_mean)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref, c1_ref, *c2_ref = refs  # c2 only for LayerNorm
@@ -448,7 +448,7 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   """
   refs = list(refs)
   dy_ref = refs.pop(0)
-  x_ref = _x_src(refs.pop(0), refs, group_size)
+  x_ref = _x_src(refs.pop(0), refs, group_size, "backward", subtract_mean)
   scale_ref = refs.pop(0) if has_scale else None
   mean_ref = refs.pop(0) if subtract_mean else None
   rstd_ref = refs.pop(0)

@@ -139,28 +139,62 @@ class _Fp8:
   (_dequantise); masked elements are 0.
   """
 
-  def __init__(self, x_ref, s_ref, group_size: int):
+  def __init__(self, x_ref, s_ref, group_size: int, kernel: str, subtract_mean: bool):
     self.x, self.s, self.group_size = x_ref, s_ref, group_size
+    self.kernel, self.subtract_mean = kernel, subtract_mean  # for _fp8_vector
 
   @property
   def shape(self):
     return self.x.shape
 
 
-def _x_src(x_ref, refs: list, group_size: int):
+def _x_src(x_ref, refs: list, group_size: int, kernel: str, subtract_mean: bool):
   """x's source in a kernel: ``x_ref`` itself, or with a ``group_size`` (FP8 x) the
-  _Fp8 of it and its scales, the next ref of ``refs`` (popped)."""
-  return _Fp8(x_ref, refs.pop(0), group_size) if group_size else x_ref
+  _Fp8 of it and its scales, the next ref of ``refs`` (popped). ``kernel`` and
+  ``subtract_mean`` pick the FP8 load's vector (``_fp8_vector``)."""
+  if not group_size:
+    return x_ref
+  return _Fp8(x_ref, refs.pop(0), group_size, kernel, subtract_mean)
 
 
-# FP8 x is loaded in runs of this many contiguous elements a thread (0: as many as a
-# 16-byte vector holds, 16), the number that a 16-byte vector of the 2-byte tiles beside
-# it (dy, y, dx) holds. With 16, Triton lays the whole tile out 16 elements a thread
-# from the FP8 load and converts each bf16 store (dx) through shared memory: the FP8-x
-# LayerNorm backward at [2, 4096] x 16 warps compiled (ptxas, sm_90a) to 952
-# instructions, 80 STS / 76 LDS, 128 registers and a 16-byte stack; with 8, to 648, 16 /
-# 18, 120 registers, no stack (bf16 x: 504, 12 / 12, 117). docs/fp8.md#fp8-x-vector.
-FP8_X_VECTOR = 8
+# FP8 x's load vector (docs/fp8.md#fp8-x-vector). Triton vectorises a load up to 16 bytes
+# a thread, 16 FP8 values, and the 2-byte tiles beside it (dy, y, dx) 8; the compiler may
+# then lay the tile out from the FP8 load and convert each 2-byte store through shared
+# memory (the FP8-x LayerNorm backward at [2, 4096] x 16 warps, ptxas sm_90a: 952
+# instructions, 80 STS / 76 LDS, a 16-byte stack; x loaded in runs of 8: 648, 16 / 18,
+# none). Runs of 8 everywhere but the kernels below, which keep 16-value runs: H100,
+# 2026-11-26, benchmarks/fp8_x_vector_ab.py (the default configs; us of the kernel, runs
+# of 16 / 8). Runs of 8 gained up to 43% elsewhere (LayerNorm's backward at 32768x2048
+# 268.6 / 152.6, RMSNorm's at 4096x16384 199.7 / 144.7, LayerNorm's forward there 125.4 /
+# 89.7), and were level or 2-6% faster in the other cells. The H200 is not measured.
+# {(kernel, op, N')}: kernel "forward" (no residuals), "forward_res" (under jax.vjp),
+# "backward", or the tensor-parallel pair's "stats" / "apply"; N' capped at 16384.
+_FP8_VECTOR_16: frozenset[tuple[str, str, int]] = frozenset({
+    ("forward_res", "rms", 8192),    # 8192x8192: 79.2 / 89.3
+    ("forward_res", "rms", 16384),   # 4096x16384: 106.3 / 108.8
+    ("backward", "rms", 2048),       # 32768x2048: 140.6 / 149.2
+    ("backward", "layer", 8192),     # 8192x8192: 140.0 / 150.1
+    ("backward", "layer", 16384),    # 4096x16384, the column kernel: 163.6 / 247.6
+})
+_FP8_VECTOR, _FP8_VECTOR_MAX_N = 8, 16384
+FP8_X_VECTOR: int | None = None  # the A/B's override of _fp8_vector: 0 (16) or 8; None
+
+
+def _fp8_vector(kernel: str, subtract_mean: bool, n: int) -> int:
+  """Runs of contiguous FP8 values a thread's load of x takes in ``kernel`` ("forward",
+  "forward_res", "backward", "stats", "apply") for rows of ``n`` (0: as many as 16
+  bytes hold): ``_FP8_VECTOR_16``'s kernels keep 0, the others take 8."""
+  if FP8_X_VECTOR is not None:
+    return FP8_X_VECTOR
+  key = (kernel, "layer" if subtract_mean else "rms",
+         min(next_power_of_2(n), _FP8_VECTOR_MAX_N))
+  return 0 if key in _FP8_VECTOR_16 else _FP8_VECTOR
+
+
+def _fwd_kernel(return_residuals: bool) -> str:
+  """_fp8_vector's name of a forward kernel: "forward_res" writes the backward's
+  residuals (under jax.vjp), "forward" does not."""
+  return "forward_res" if return_residuals else "forward"
 
 
 def _vector_cols(cols, vec):
@@ -189,8 +223,9 @@ def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
   smask = None
   if mask is not None:  # the groups of the elements in the mask (G divides N)
     smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
-  q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, FP8_X_VECTOR)[None, :]],
-                   mask, eviction_policy)
+  vec = _fp8_vector(src.kernel, src.subtract_mean, n)
+  q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, vec)[None, :]], mask,
+                   eviction_policy)
   s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
   x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
   return x.reshape(block_m, block_n)
@@ -519,7 +554,8 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
   ones are None. With a residual, x_ref is the _Sum of x and residual (storing h); with
   a ``group_size``, the _Fp8 of x and x_scale."""
   refs = list(refs)
-  x_ref = _x_src(refs.pop(0), refs, group_size)
+  x_ref = _x_src(refs.pop(0), refs, group_size, _fwd_kernel(return_residuals),
+                 subtract_mean)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -622,7 +658,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   so CPU tests run both paths.
   """
   refs = list(refs)
-  x_ref = _x_src(x_ref, refs, group_size)
+  x_ref = _x_src(x_ref, refs, group_size, _fwd_kernel(return_residuals), subtract_mean)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -845,7 +881,7 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
   dy; the machinery is _split_rows_refs / _split_rows_loop / _split_rows_call.
   """
   refs = list(refs)
-  x_ref = _x_src(x_ref, refs, group_size)
+  x_ref = _x_src(x_ref, refs, group_size, _fwd_kernel(return_residuals), subtract_mean)
   r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
@@ -1139,7 +1175,7 @@ def _stats_kernel(*refs, n, subtract_mean, has_residual, group_size, block_m, bl
   """Per row of this shard: RMSNorm s1 = sum(x^2); LayerNorm s1 = mean, s2 = M2 (of
   h = x + residual with one, storing h)."""
   refs = list(refs)
-  x_ref = _x_src(refs.pop(0), refs, group_size)
+  x_ref = _x_src(refs.pop(0), refs, group_size, "stats", subtract_mean)
   r_ref = refs.pop(0) if has_residual else None
   s1_ref = refs.pop(0)
   s2_ref = [refs.pop(0)] if subtract_mean else []
@@ -1163,7 +1199,7 @@ def _apply_kernel(x_ref, *refs, n, scale_offset, subtract_mean, has_scale, has_b
   """y from x (+ residual) and the whole row's mean (LayerNorm) and rstd, [M] f32
   inputs."""
   refs = list(refs)
-  x_ref = _x_src(x_ref, refs, group_size)
+  x_ref = _x_src(x_ref, refs, group_size, "apply", subtract_mean)
   if has_residual:
     x_ref = _Sum(x_ref, refs.pop(0), None)  # h was stored by the statistics kernel
   scale_ref = refs.pop(0) if has_scale else None
