@@ -468,6 +468,19 @@ _FP8_LN_FWD_H100_RES_8192_2B = (2, 16)  # (block_m, num_warps)
 # _stage1_flags rule): 77.5 / 149.6 against 82.3 / 159.0 (--stage1-flags). The H200 is not
 # measured. [T#fp8-in-bwd]
 _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
+# FP8 x on the H100 at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by
+# op and by whether it also writes mean/rstd (jax.vjp's forward). H100, 2026-11-26,
+# benchmarks/fp8_input_wide_modes.py (bf16 scale/bias; us at 4096x16384 / 8192x16384,
+# this mode / the heuristic's): RMSNorm's forward alone multi_wave_cached (rows split
+# over programs) 79.3 / 106.4, 156.8 / 205.8; under jax.vjp static_persistent 102.9 /
+# 107.3, 204.7 / 206.7; LayerNorm's under jax.vjp multi_wave_cached 109.0 / 137.9,
+# 211.4 / 270.7. LayerNorm's forward alone keeps the heuristic's static_persistent (90.0
+# against 110.6 split). The H200 is not measured. [docs/fp8.md#fp8-x-wide]
+# {(subtract_mean, return_residuals): mode}
+_FP8_WIDE_MODES_H100 = {(False, False): "multi_wave_cached",
+                        (False, True): "static_persistent",
+                        (True, True): "multi_wave_cached"}
+_FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
 # without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
@@ -659,6 +672,17 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
   return None
 
 
+def _fp8_wide_mode(n: int, dtype, subtract_mean: bool, residual: bool,
+                   return_residuals: bool, backend: str, device: DeviceInfo) -> str | None:
+  """The forward mode of the Pallas FP8-x forward of N-long rows, 8192 < N <= 16384, on
+  the H100 without a residual add (``_FP8_WIDE_MODES_H100``), or None (the heuristic's
+  other rules). [docs/fp8.md#fp8-x-wide]"""
+  if (backend != "pallas" or residual or np.dtype(dtype).itemsize != 1
+      or "H100" not in device.name or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
+    return None
+  return _FP8_WIDE_MODES_H100.get((subtract_mean, return_residuals))
+
+
 def _fp8_h100_8192(n: int, dtype, subtract_mean: bool, residual: bool,
                    return_residuals: bool, device: DeviceInfo, param_dtype=None) -> bool:
   """Whether the Pallas FP8-x forward of N-long rows (4096 < N <= 8192) takes the
@@ -710,10 +734,13 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       RMSNorm's 8192 on the H100 only), and with FP8 x at 4096 < N <= 8192 on the H100.
     return_residuals: whether the forward also writes mean/rstd (under ``jax.vjp``):
       on the H100, FP8-x RMSNorm rows of 4096 < N <= 8192 then take the one-tile
-      static_persistent forward.
+      static_persistent forward; FP8-x rows of 8192 < N <= 16384 pick by it (below).
 
   Returns:
     One of ``MODES``, first match wins:
+      H100, FP8 x, 8192 < N <= 16384   RMSNorm: multi_wave_cached (split rows), under
+                                       jax.vjp static_persistent; LayerNorm under
+                                       jax.vjp: multi_wave_cached (Pallas, no residual)
       static_persistent (f32 params)   as param_dtype says
       static_persistent (split rows)   LayerNorm, Pallas, 16384 < N <= 4096 x SMs
       static_persistent (one tile)     Pallas: LayerNorm 8192 < N <= 16384; H200 only,
@@ -729,6 +756,10 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     and ln-persistent-split.
   """
   del m
+  wide = _fp8_wide_mode(n, dtype, subtract_mean, residual, return_residuals, backend,
+                        device)
+  if wide:
+    return wide
   if _f32_params_tile(n, dtype, param_dtype, subtract_mean, backend, device, residual):
     return "static_persistent"
   if _ln_persistent_split(n, subtract_mean, backend, device):

@@ -415,6 +415,28 @@ def test_fp8_vector_rule(monkeypatch):
   assert v("forward", False, 4096) == 0
 
 
+def test_wide_fp8_mode_rule():
+  """config._FP8_WIDE_MODES_H100 (docs/fp8.md#fp8-x-wide): on the H100, FP8 x at
+  8192 < N <= 16384 picks its forward mode by op and by return_residuals; bf16 x, the
+  H200, N outside the range, a residual add and the Triton backend keep the heuristic's
+  other rules."""
+  h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+  h200 = pn_config.DeviceInfo("gpu", "NVIDIA H200", 132)
+  f8 = jnp.float8_e4m3fn
+  pick = lambda n, dev=h100, dt=f8, **kw: pn_config.choose_mode(4096, n, dt, dev, **kw)
+  assert pick(16384, return_residuals=False) == "multi_wave_cached"
+  assert pick(12288, return_residuals=True) == "static_persistent"
+  assert pick(16384, subtract_mean=True, return_residuals=True) == "multi_wave_cached"
+  assert pick(16384, subtract_mean=True, return_residuals=False) == "static_persistent"
+  for kw in (dict(dev=h200), dict(residual=True), dict(backend="triton")):
+    # FP8 x there picks as bf16 x does (the 2-byte rules)
+    assert (pick(16384, return_residuals=False, **kw)
+            == pick(16384, return_residuals=False, dt=jnp.bfloat16, **kw)), kw
+  assert pick(16384, return_residuals=False, dt=jnp.bfloat16) == "multi_wave_reload"
+  assert pick(8192, return_residuals=False) == "multi_wave_cached"  # N' 8192's own rules
+  assert pick(32768, return_residuals=False) == "multi_wave_cached"  # split rows
+
+
 # --------------------------------------------------------------------------- GPU only
 
 
