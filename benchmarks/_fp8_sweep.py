@@ -4,7 +4,8 @@ jitted functions, bytes, inputs, default) timed in interleaved rounds (every gro
 every config once a round, within a time budget), the median of the rounds a config,
 printed and written as JSON with each group's best.
 CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
-the rotated inputs)."""
+the rotated inputs). ``time_rounds``: the A/B scripts' interleaved rounds with each
+kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py)."""
 import json
 import time
 
@@ -22,6 +23,26 @@ def inputs(m, n, param_dtype=jnp.float32):
   xs = [(jax.random.normal(jax.random.key(i), (m, n), jnp.bfloat16),) for i in range(sets)]
   s = 1 + 0.1 * jax.random.normal(jax.random.key(7), (n,))
   return xs, s.astype(param_dtype), (0.1 * s).astype(param_dtype)
+
+
+def time_rounds(fns, rows, arg_sets, *, rounds=5, iters=10):
+  """Time ``fns`` ({name: callable}) in ``rounds`` interleaved rounds (each once a round,
+  ``timing.cupti_time`` over ``arg_sets``, ``iters`` calls), skipping the names whose
+  ``rows[name]`` holds an "error". Fills ``rows[name]``: "rounds" (us a round), "us" (their
+  median) and "kernel_us" (each kernel's median over the rounds, in launch order)."""
+  live = [k for k in fns if "error" not in rows[k]]
+  for k in live:
+    rows[k].update(rounds=[], kernel_us=[])
+  for _ in range(rounds):
+    for k in live:
+      t = timing.cupti_time(fns[k], arg_sets, iters)
+      rows[k]["rounds"].append(t.get("us"))
+      rows[k]["kernel_us"].append(t.get("kernel_us"))
+  for k in live:
+    row = rows[k]
+    r = sorted(row["rounds"])
+    row["us"] = r[len(r) // 2]
+    row["kernel_us"] = [round(sorted(c)[len(c) // 2], 2) for c in zip(*row["kernel_us"])]
 
 
 def run(groups, out, *, budget_s, t0, num_sms, note, rounds=3, iters=10, describe=str):

@@ -21,6 +21,8 @@ import pallas_norm
 from pallas_norm import config as C
 from pallas_norm.bench import timing
 
+import _fp8_sweep
+
 ROUNDS = 5
 G = 16
 SHAPES = [(4096, 16384), (8192, 16384)]
@@ -59,22 +61,13 @@ def main(out_path):
         for name, f in fns.items():
           try:
             jax.block_until_ready(f(xs8[0]))
-            rows[name] = dict(rounds=[], kernel_us=[])
+            rows[name] = {}
           except Exception as e:  # a mode that refuses the shape: recorded
             rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
-        for _ in range(ROUNDS):
-          for name, f in fns.items():
-            if "error" not in rows[name]:
-              t = timing.cupti_time(f, [(x,) for x in xs8], 10)
-              rows[name]["rounds"].append(t.get("us"))
-              rows[name]["kernel_us"].append(t.get("kernel_us"))
+        _fp8_sweep.time_rounds(fns, rows, [(x,) for x in xs8], rounds=ROUNDS)
         nbytes = m * n * ((1 + 4 / G + 2) + (0 if pas == "fwd" else 2 + 1 + 4 / G + 2))
         for name, row in rows.items():
           if row.get("rounds"):
-            r = sorted(row["rounds"])
-            row["us"] = r[len(r) // 2]
-            row["kernel_us"] = [round(sorted(c)[len(c) // 2], 2)
-                                for c in zip(*row["kernel_us"])]
             row["pct_copy"] = 100 * nbytes / (row["us"] * 1e-6) / 1e9 / copy
           print(f"{'layer' if layer else 'rms':5s} {pas:6s} {m}x{n} {name:18s} "
                 f"{row.get('us', 0):7.1f} us {row.get('pct_copy', 0):5.1f}%  "

@@ -26,6 +26,8 @@ from pallas_norm import config as C
 from pallas_norm.bench import timing
 from pallas_norm.kernels import forward as F
 
+import _fp8_sweep
+
 ROUNDS = 5
 G = 16
 SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048), (4096, 16384)]
@@ -82,18 +84,9 @@ def main(out_path):
           same = all(bool(jnp.array_equal(a, r)) for a, r in
                      zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
           # the compiled program holds other kernels than v0's (a check on the A/B)
-          rows[v] = dict(bitwise_equal_v0=same, program_differs_v0=f.as_text() != hlo0,
-                         rounds=[], kernel_us=[])
-        for _ in range(ROUNDS):
-          for v, f in fns.items():
-            t = timing.cupti_time(f, [(x,) for x in xs8], 10)
-            rows[v]["rounds"].append(t.get("us"))
-            rows[v]["kernel_us"].append(t.get("kernel_us"))
+          rows[v] = dict(bitwise_equal_v0=same, program_differs_v0=f.as_text() != hlo0)
+        _fp8_sweep.time_rounds(fns, rows, [(x,) for x in xs8], rounds=ROUNDS)
         for v, row in rows.items():
-          r = sorted(row["rounds"])
-          row["us"] = r[len(r) // 2]
-          ks = row["kernel_us"]
-          row["kernel_us"] = [round(sorted(c)[len(c) // 2], 2) for c in zip(*ks)]
           print(f"{'layer' if layer else 'rms':5s} {pas:6s} {m}x{n} {v:8s} "
                 f"{row['us']:7.1f} us  kernels {row['kernel_us']}  bitwise="
                 f"{row['bitwise_equal_v0']} differs={row['program_differs_v0']}", flush=True)
