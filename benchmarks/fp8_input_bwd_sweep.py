@@ -9,11 +9,13 @@ x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked again
 default config's (max |diff|).
 
 Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
-[--vector] [--bf16-params] (``--stage1-flags``: the default config with
+[--vector] [--wide] [--bf16-params] (``--stage1-flags``: the default config with
 BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
 instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
 runs of ``forward.FP8_X_VECTOR`` = 8 elements a thread and the default config with 0
-(16-byte runs) beside them, docs/fp8.md#fp8-x-vector; ``--bf16-params``: scale/bias in
+(16-byte runs) beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16384
+(4096x16384, 8192x16384), the split-row backward's widths, occupancy and lag, and the
+row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--bf16-params``: scale/bias in
 bf16, not float32)
 """
 import dataclasses
@@ -43,6 +45,32 @@ VECTOR_VARIANTS = [(None, 8), (None, 0), ((2, 16, 1), 8), ((1, 16, 1), 8), ((2, 
                    ((2, 16, 1), 0)]
 
 
+# --wide: (name, fields of BackwardConfig set on the default, from (default, sms, n)), the
+# default being the split-row kernel of W = 512 at 1 warp (docs/tuning.md#bwd-split):
+# W and its warps doubled keep the default's programs (as its rule would), ``occupancy``
+# scales them; the pair's grid is occupancy x SMs / chunks, as _BWD_CHUNK_OCCUPANCY's.
+def _split(w, occupancy=1.0, lag=2, early=False):
+  return lambda d, sms, n: dict(split_rows=True, block_n=w, num_warps=w // 512,
+                                num_programs=max(1, int(d.num_programs * occupancy)),
+                                split_lag=lag, split_early_publish=early)
+
+
+def _pair(block_n, warps, occupancy=2):
+  return lambda d, sms, n: dict(split_rows=False, block_n=block_n, num_warps=warps,
+                                num_programs=max(1, occupancy * sms // -(-n // block_n)),
+                                prefetch_stats=False, joint_row_sums=False)
+
+
+WIDE_SHAPES = [(4096, 16384), (8192, 16384)]
+WIDE_VARIANTS = [None, ("split W1024", _split(1024)), ("split W2048", _split(2048)),
+                 ("split W512 x0.5", _split(512, 0.5)),
+                 ("split W512 lag3", _split(512, 1, 3)),
+                 ("split W512 early", _split(512, 1, 3, True)),
+                 ("split W1024 early", _split(1024, 1, 3, True)),
+                 ("pair 4096 w16", _pair(4096, 16)), ("pair 2048 w8", _pair(2048, 8)),
+                 ("pair 4096 w16 x4", _pair(4096, 16, 4))]
+
+
 def _traced_with(fn, vec):
   """fn with forward.FP8_X_VECTOR = vec while it is traced (None: as it is)."""
   if vec is None:
@@ -63,16 +91,22 @@ def _variant(dflt, v, sms):
     return "default", dflt
   if isinstance(v, dict):
     return "+" + "+".join(v), dataclasses.replace(dflt, **v)
+  if callable(v[1]):  # --wide: (name, fields of the config from (default, sms, n))
+    return v[0], dataclasses.replace(dflt, **v[1](dflt, sms, dflt_n[0]))
   return f"bm{v[0]} w{v[1]} {v[2]}/SM", dataclasses.replace(
       dflt, block_m=v[0], num_warps=v[1], num_programs=v[2] * sms)
 
 
-def main(out_path, variants=VARIANTS):
+dflt_n = [0]  # the row length _variant's --wide entries size their grids by
+
+
+def main(out_path, variants=VARIANTS, shapes=None):
   sms = C.device_info().num_sms
   copy = timing.torch_copy_gbs(20)
   print("device", C.device_info().name, "copy GB/s", copy, flush=True)
   results = []
-  for m, n in SHAPES:
+  for m, n in shapes or SHAPES:
+    dflt_n[0] = n
     for layer in (False, True):
       k = jax.random.split(jax.random.key(0), 4)
       x8 = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
@@ -90,7 +124,8 @@ def main(out_path, variants=VARIANTS):
       dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
       fns = {}
       for v in variants:
-        v, vec = v if isinstance(v, tuple) and len(v) == 2 else (v, None)
+        v, vec = v if isinstance(v, tuple) and isinstance(v[-1], int) and len(v) == 2 else (
+            v, None)
         name, cfg = _variant(dflt, v, sms)
         name += "" if vec is None else f" v{vec}"
         fns[name] = (jax.jit(_traced_with(lambda dy, cfg=cfg: B.norm_backward(
@@ -135,5 +170,7 @@ def main(out_path, variants=VARIANTS):
 PARAM = jnp.float32
 if __name__ == "__main__":
   PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
+  wide = "--wide" in sys.argv[2:]
   main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else
-       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else VARIANTS)
+       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else WIDE_VARIANTS if wide else VARIANTS,
+       WIDE_SHAPES if wide else None)
