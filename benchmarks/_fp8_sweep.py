@@ -5,7 +5,10 @@ every config once a round, within a time budget), the median of the rounds a con
 printed and written as JSON with each group's best.
 CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
 the rotated inputs). ``time_rounds``: the A/B scripts' interleaved rounds with each
-kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py)."""
+kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py); ``forced_fp8_vector``:
+FP8 x's load vector forced while a function is traced (fp8_x_vector_ab.py,
+fp8_input_bwd_sweep.py --vector)."""
+import contextlib
 import json
 import time
 
@@ -14,6 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm.bench import timing
+from pallas_norm.kernels import forward
+
+
+@contextlib.contextmanager
+def forced_fp8_vector(vec):
+  """Inside: every FP8-x kernel traced loads x in runs of ``vec`` values a thread (0: 16,
+  the loads before ``forward._fp8_vector``'s rule), whatever the rule says; ``vec`` None:
+  the rule."""
+  if vec is None:
+    yield
+    return
+  rule = forward._fp8_vector
+  forward._fp8_vector = lambda kernel, subtract_mean, n: vec
+  try:
+    yield
+  finally:
+    forward._fp8_vector = rule
 
 
 def inputs(m, n, param_dtype=jnp.float32):

@@ -12,8 +12,8 @@ Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1
 [--vector] [--wide] [--bf16-params] (``--stage1-flags``: the default config with
 BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
 instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
-runs of ``forward.FP8_X_VECTOR`` = 8 elements a thread and the default config with 0
-(16-byte runs) beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16384
+runs of 8 elements a thread (``_fp8_sweep.forced_fp8_vector``) and the default config
+with 16-value runs beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16384
 (4096x16384, 8192x16384), the split-row backward's widths, occupancy and lag, and the
 row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--bf16-params``: scale/bias in
 bf16, not float32)
@@ -30,6 +30,8 @@ from pallas_norm.bench import timing
 from pallas_norm.kernels import backward as B
 from pallas_norm.kernels import forward as F
 
+import _fp8_sweep
+
 ROUNDS = 5
 G = 16
 SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
@@ -39,7 +41,7 @@ VARIANTS = [None, (1, 8, 2), (1, 8, 3), (1, 16, 1), (2, 16, 1), (2, 8, 2), (1, 4
 # --stage1-flags: BackwardConfig fields set on the default config
 FLAG_VARIANTS = [None, dict(prefetch_stats=True), dict(joint_row_sums=True),
                  dict(prefetch_stats=True, joint_row_sums=True)]
-# --vector: (variant, forward.FP8_X_VECTOR while it is traced)
+# --vector: (variant, FP8 x's load vector forced while it is traced: 8, or 0 for 16)
 VECTOR_VARIANTS = [(None, 8), (None, 0), ((2, 16, 1), 8), ((1, 16, 1), 8), ((2, 8, 2), 8),
                    ((2, 32, 1), 8), ((1, 8, 2), 8), ((4, 16, 1), 8), ((1, 32, 1), 0),
                    ((2, 16, 1), 0)]
@@ -72,16 +74,13 @@ WIDE_VARIANTS = [None, ("split W1024", _split(1024)), ("split W2048", _split(204
 
 
 def _traced_with(fn, vec):
-  """fn with forward.FP8_X_VECTOR = vec while it is traced (None: as it is)."""
+  """fn with FP8 x's load vector forced to ``vec`` while it is traced (None: the rule)."""
   if vec is None:
     return fn
 
   def wrapped(*args):
-    old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, vec
-    try:
+    with _fp8_sweep.forced_fp8_vector(vec):
       return fn(*args)
-    finally:
-      F.FP8_X_VECTOR = old
   return wrapped
 
 

@@ -1,8 +1,8 @@
-"""A/B of ``kernels.forward.FP8_X_VECTOR`` (docs/fp8.md#fp8-x-vector): the public FP8-input
-ops (x float8_e4m3fn, float32 scales a group of 16, bf16 scale/bias, y and dx bf16) with
-the FP8 x tile loaded in runs of 16 elements a thread ("v0"), of 8 ("v8"), or by the
-rule (``forward._fp8_vector``: 8 for tiles up to 4096 wide and the forward without
-residuals, else 16). The forward alone (outside jax.vjp) and the forward + backward
+"""A/B of FP8 x's load vector (``kernels.forward._fp8_vector``, docs/fp8.md#fp8-x-vector):
+the public FP8-input ops (x float8_e4m3fn, float32 scales a group of 16, bf16 scale/bias,
+y and dx bf16) with the FP8 x tile loaded in runs of 16 elements a thread ("v0", the
+loads before the rule), of 8 ("v8"), or by the rule ("rule": runs of 8 but in the kernels
+of ``_FP8_VECTOR_16``). The forward alone (outside jax.vjp) and the forward + backward
 (jax.vjp, then the pullback of a bf16 dy), RMSNorm and LayerNorm at 8192x4096,
 16384x4096, 8192x8192, 32768x2048 and 4096x16384 (rows split or chunked), at the default
 configs.
@@ -24,29 +24,22 @@ import jax.numpy as jnp
 import pallas_norm
 from pallas_norm import config as C
 from pallas_norm.bench import timing
-from pallas_norm.kernels import forward as F
-
 import _fp8_sweep
 
 ROUNDS = 5
 G = 16
 SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048), (4096, 16384)]
-# variant: forward.FP8_X_VECTOR while it is traced (None: the rule, forward._fp8_vector)
+# variant: the vector forced while it is traced (None: the rule, forward._fp8_vector)
 VARIANTS = {"v0": 0, "v8": 8, "rule": None}
 
 
 def _compiled(fn, variant, x):
-  """fn compiled ahead of time with ``variant``'s FP8_X_VECTOR, after clearing JAX's
-  caches: the ops' module-level jit (``ops._norm_nd_jit``) would otherwise hand every
-  variant the kernels traced for the first one."""
-  def wrapped(*args):
-    old, F.FP8_X_VECTOR = F.FP8_X_VECTOR, VARIANTS[variant]
-    try:
-      return fn(*args)
-    finally:
-      F.FP8_X_VECTOR = old
+  """fn compiled ahead of time with ``variant``'s vector, after clearing JAX's caches:
+  the ops' module-level jit (``ops._norm_nd_jit``) would otherwise hand every variant
+  the kernels traced for the first one."""
   jax.clear_caches()
-  return jax.jit(wrapped).lower(x).compile()
+  with _fp8_sweep.forced_fp8_vector(VARIANTS[variant]):
+    return jax.jit(fn).lower(x).compile()
 
 
 def main(out_path):

@@ -385,11 +385,10 @@ def test_lowers_for_cuda():
 
 
 def test_vector_cols_are_the_columns():
-  """The FP8 load's index (forward._vector_cols: columns as runs of FP8_X_VECTOR for
+  """The FP8 load's index (forward._vector_cols: columns as runs of 8 for
   Triton's axis analysis, docs/fp8.md#fp8-x-vector) holds the same column numbers, for
   tile starts at any multiple of the tile and every vector width (0: cols itself)."""
   from pallas_norm.kernels import forward
-  assert forward.FP8_X_VECTOR is None  # the rule, not an A/B's override
   for start in (0, 16, 512, 4096, 2**20):
     cols = start + jnp.arange(512, dtype=jnp.int32)
     for vec in (0, 4, 8, 16):
@@ -398,10 +397,10 @@ def test_vector_cols_are_the_columns():
       np.testing.assert_array_equal(np.asarray(got), np.asarray(cols))
 
 
-def test_fp8_vector_rule(monkeypatch):
+def test_fp8_vector_rule():
   """forward._fp8_vector, the measured rule (docs/fp8.md#fp8-x-vector): runs of 8 but
-  for the kernels of _FP8_VECTOR_16 (16-value runs, 0), N' capped at 16384;
-  FP8_X_VECTOR overrides it."""
+  for the kernels of _FP8_VECTOR_16 (16-value runs, 0), N' capped at 16384; _x_src gives
+  each FP8 source its kernel's vector."""
   from pallas_norm.kernels import forward
   v = forward._fp8_vector
   assert [v("forward", sm, n) for sm in (False, True) for n in (1000, 4096, 8192, 65536)
@@ -411,8 +410,11 @@ def test_fp8_vector_rule(monkeypatch):
   assert [v("backward", False, n) for n in (1000, 1500, 4096, 16384)] == [8, 0, 8, 8]
   assert [v("backward", True, n) for n in (2048, 4096, 8192, 12288, 65536)] == [8, 8, 0, 0, 0]
   assert v("stats", True, 8192) == v("apply", False, 2048) == 8
-  monkeypatch.setattr(forward, "FP8_X_VECTOR", 0)
-  assert v("forward", False, 4096) == 0
+  refs = [object()]
+  src = forward._x_src(jax.ShapeDtypeStruct((64, 8192), jnp.float8_e4m3fn), refs, 16,
+                       "backward", True)
+  assert (src.group_size, src.vector, refs) == (16, 0, [])
+  assert forward._x_src("x", [], 0, "backward", True) == "x"  # not FP8: x itself
 
 
 def test_wide_fp8_mode_rule():

@@ -139,9 +139,9 @@ class _Fp8:
   (_dequantise); masked elements are 0.
   """
 
-  def __init__(self, x_ref, s_ref, group_size: int, kernel: str, subtract_mean: bool):
+  def __init__(self, x_ref, s_ref, group_size: int, vector: int):
     self.x, self.s, self.group_size = x_ref, s_ref, group_size
-    self.kernel, self.subtract_mean = kernel, subtract_mean  # for _fp8_vector
+    self.vector = vector  # runs of FP8 values a thread's load of x takes (_fp8_vector)
 
   @property
   def shape(self):
@@ -154,7 +154,8 @@ def _x_src(x_ref, refs: list, group_size: int, kernel: str, subtract_mean: bool)
   ``subtract_mean`` pick the FP8 load's vector (``_fp8_vector``)."""
   if not group_size:
     return x_ref
-  return _Fp8(x_ref, refs.pop(0), group_size, kernel, subtract_mean)
+  return _Fp8(x_ref, refs.pop(0), group_size,
+              _fp8_vector(kernel, subtract_mean, x_ref.shape[1]))
 
 
 # FP8 x's load vector (docs/fp8.md#fp8-x-vector). Triton vectorises a load up to 16 bytes
@@ -177,15 +178,13 @@ _FP8_VECTOR_16: frozenset[tuple[str, str, int]] = frozenset({
     ("backward", "layer", 16384),    # 4096x16384, the column kernel: 163.6 / 247.6
 })
 _FP8_VECTOR, _FP8_VECTOR_MAX_N = 8, 16384
-FP8_X_VECTOR: int | None = None  # the A/B's override of _fp8_vector: 0 (16) or 8; None
 
 
 def _fp8_vector(kernel: str, subtract_mean: bool, n: int) -> int:
   """Runs of contiguous FP8 values a thread's load of x takes in ``kernel`` ("forward",
   "forward_res", "backward", "stats", "apply") for rows of ``n`` (0: as many as 16
-  bytes hold): ``_FP8_VECTOR_16``'s kernels keep 0, the others take 8."""
-  if FP8_X_VECTOR is not None:
-    return FP8_X_VECTOR
+  bytes hold): ``_FP8_VECTOR_16``'s kernels keep 0, the others take 8. (The A/B scripts
+  replace this function while they trace: benchmarks/_fp8_sweep.forced_fp8_vector.)"""
   key = (kernel, "layer" if subtract_mean else "rms",
          min(next_power_of_2(n), _FP8_VECTOR_MAX_N))
   return 0 if key in _FP8_VECTOR_16 else _FP8_VECTOR
@@ -223,8 +222,7 @@ def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
   smask = None
   if mask is not None:  # the groups of the elements in the mask (G divides N)
     smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
-  vec = _fp8_vector(src.kernel, src.subtract_mean, n)
-  q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, vec)[None, :]], mask,
+  q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, src.vector)[None, :]], mask,
                    eviction_policy)
   s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
   x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
