@@ -15,8 +15,10 @@ instead of the launch configs; ``--vector``: the launch configs with FP8 x loade
 runs of 8 elements a thread (``_fp8_sweep.forced_fp8_vector``) and the default config
 with 16-value runs beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16384
 (4096x16384, 8192x16384), the split-row backward's widths, occupancy and lag, and the
-row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--bf16-params``: scale/bias in
-bf16, not float32)
+row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--occupancy``: [1, N'] x 16
+warps at two programs a SM, which fit only in 64 registers a thread, with and without
+the flags that free them (BackwardConfig.reload_scale, recompute_dx;
+docs/fp8.md#fp8-x-occupancy); ``--bf16-params``: scale/bias in bf16, not float32)
 """
 import dataclasses
 import json
@@ -63,6 +65,23 @@ def _pair(block_n, warps, occupancy=2):
                                 prefetch_stats=False, joint_row_sums=False)
 
 
+def _occ(warps, per_sm, **flags):
+  return lambda d, sms, n: dict(block_m=1, num_warps=warps, num_programs=per_sm * sms,
+                                prefetch_stats=True, joint_row_sums=True, **flags)
+
+
+# --occupancy: (name, fields of the config), docs/fp8.md#fp8-x-occupancy
+OCC_VARIANTS = [None,
+                ("x16 2/SM recompute+reload", _occ(16, 2, recompute_dx=True,
+                                                   reload_scale=True)),
+                ("x16 2/SM recompute", _occ(16, 2, recompute_dx=True)),
+                ("x16 2/SM reload", _occ(16, 2, reload_scale=True)),
+                ("x16 2/SM", _occ(16, 2)),
+                ("x16 1/SM recompute+reload", _occ(16, 1, recompute_dx=True,
+                                                   reload_scale=True)),
+                ("x32 1/SM recompute+reload", _occ(32, 1, recompute_dx=True,
+                                                   reload_scale=True))]
+OCC_SHAPES = [(8192, 4096), (16384, 4096)]
 WIDE_SHAPES = [(4096, 16384), (8192, 16384)]
 WIDE_VARIANTS = [None, ("split W1024", _split(1024)), ("split W2048", _split(2048)),
                  ("split W512 x0.5", _split(512, 0.5)),
@@ -170,6 +189,8 @@ PARAM = jnp.float32
 if __name__ == "__main__":
   PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
   wide = "--wide" in sys.argv[2:]
+  occ = "--occupancy" in sys.argv[2:]
   main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else
-       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else WIDE_VARIANTS if wide else VARIANTS,
-       WIDE_SHAPES if wide else None)
+       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else WIDE_VARIANTS if wide else
+       OCC_VARIANTS if occ else VARIANTS,
+       WIDE_SHAPES if wide else OCC_SHAPES if occ else None)

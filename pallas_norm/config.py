@@ -213,11 +213,16 @@ class BackwardConfig:
     recompute_dx: the persistent stage 1 accumulates the dscale/dbias partials first
       and computes dx from the raw bf16 x and dy tiles converted again after the row
       reductions, so that the float32 x_hat and g are not live across them (bf16 x and
-      dy, cast="torch"; otherwise the flag changes nothing).
+      dy, cast="torch"; otherwise only the partials move ahead of the row reductions,
+      which shortens what is live across them). Bitwise the same either way.
     prefetch_stats: the persistent stage 1 loads the next row block's mean and rstd
       with its x and dy tiles (one row block ahead), not at the top of the row block
       that uses them: with one program a SM its barriers keep the warps in step, and
       that load's latency was exposed once a row block.
+    reload_scale: the persistent stage 1 loads the scale's tile each row block (from
+      L1/L2) instead of holding it in registers across the row blocks: fewer registers,
+      so that two programs of 16 warps fit a SM (FP8-x LayerNorm with 2-byte scale/bias
+      and recompute_dx: 64 registers, against 79 with the scale held). Bitwise the same.
     joint_row_sums: a row that fits the tile reduces LayerNorm's two row sums
       (sum(x_hat g) and sum(g)) as one reduction of the pair: one set of cross-warp
       barriers instead of two. Bitwise the same sums; no effect on RMSNorm (one sum).
@@ -248,6 +253,7 @@ class BackwardConfig:
   recompute_dx: bool = False
   prefetch_stats: bool = False
   joint_row_sums: bool = False
+  reload_scale: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))

@@ -11,6 +11,7 @@ mode; ``make gpu-check`` runs this file with interpret=False, plus the ``gpu`` t
 real shapes.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -292,6 +293,31 @@ def test_kernel_variants(fwd, bwd, g, fp8, layer):
   """Every forward and backward kernel on a ragged M and an N that needs masking (the
   chunked and split ones over 3 tiles), run twice for the same bits."""
   _launch_case(9, 384 - g, g, fp8, layer, FWD[fwd], BWD[bwd])
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_stage1_flags_bitwise(layer):
+  """FP8 x through the persistent stage 1 with the flags that free registers for two
+  programs a SM (BackwardConfig.reload_scale and recompute_dx, with prefetch_stats and
+  joint_row_sums; docs/fp8.md#fp8-x-occupancy): dx, dscale and dbias bit for bit the
+  stock kernel's on the same tile (the same float32 operations in the same order). On
+  the GPU (``--gpu``) at the tile of the rule and ragged rows."""
+  from pallas_norm.kernels import backward
+  m, n, g, w = (13, 256, 3, 4) if _interpret() else (1000, 4096, 264, 16)  # >= 3 steps
+  x, s, scale, _, dy = _inputs(m, n, 16, layer=layer)
+  _, mean, rstd = reference.norm(reference.dequantise(x, s), scale, None, eps=1e-5,
+                                 subtract_mean=layer)
+  base = pn_config.BackwardConfig(1, n, w, g, **pn_config.reduce_config(n, g))
+  run = lambda cfg: backward.norm_backward(
+      dy, x, scale.astype(jnp.bfloat16), mean, rstd, has_bias=layer, scale_offset=0.0,
+      subtract_mean=layer, config=cfg, interpret=_interpret(), scale_dtype=jnp.bfloat16,
+      bias_dtype=jnp.bfloat16, x_scale=s)
+  want = run(base)
+  got = run(dataclasses.replace(base, reload_scale=True, recompute_dx=True,
+                                prefetch_stats=True, joint_row_sums=True))
+  for a, b in zip(got, want):
+    if b is not None:
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_tensor_parallel_kernels():

@@ -289,6 +289,8 @@ def test_dh_loaded_at_store(monkeypatch, bwd):
 _STAGE1_KNOBS = {"recompute": dict(recompute_dx=True),
                  "stats_joint": dict(prefetch_stats=True, joint_row_sums=True),
                  "depth3_all": dict(prefetch_depth=3, recompute_dx=True,
+                                    prefetch_stats=True, joint_row_sums=True),
+                 "reload_all": dict(reload_scale=True, recompute_dx=True,
                                     prefetch_stats=True, joint_row_sums=True)}
 
 
@@ -298,8 +300,9 @@ _STAGE1_KNOBS = {"recompute": dict(recompute_dx=True),
 def test_stage1_knobs_bitwise(layer, residual, knobs):
   """The persistent stage 1 with row blocks prefetched further ahead, dx computed from x
   and dy converted again after the row reductions, mean/rstd loaded a row block ahead,
-  or LayerNorm's two row sums as one reduction (BackwardConfig.prefetch_depth,
-  recompute_dx, prefetch_stats, joint_row_sums): the same values as the stock kernel, bit
+  LayerNorm's two row sums as one reduction, or the scale loaded each row block
+  (BackwardConfig.prefetch_depth, recompute_dx, prefetch_stats, joint_row_sums,
+  reload_scale): the same values as the stock kernel, bit
   for bit (the same float32 operations in the same order); bf16, so that recompute_dx
   takes its path. On the GPU (``--gpu``) at a width of the rules ([T#recompute-dx],
   [T#stage1-flags]) and ragged rows."""

@@ -203,14 +203,15 @@ def _row_sums(a, b):
 
 def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n,
                         num_programs, pieces=(), cast=None, prefetch_depth=1,
-                        recompute_dx=False, prefetch_stats=False, joint_row_sums=False):
+                        recompute_dx=False, prefetch_stats=False, joint_row_sums=False,
+                        reload_scale=False):
   """Program (r, k): dx and partials of column chunk k for row blocks r, r + G, ...
 
   ``c_refs`` is None when the row fits the tile (c1, c2 are computed here), else the
   [M] f32 refs (c1, and c2 for LayerNorm) from the row-statistics kernel. ``pieces``
   (single tile only): the tile as column pieces of these widths, side by side from
   column 0, instead of one block_n-wide tile. ``prefetch_depth``, ``recompute_dx``,
-  ``prefetch_stats`` and ``joint_row_sums``: BackwardConfig's.
+  ``prefetch_stats``, ``joint_row_sums`` and ``reload_scale``: BackwardConfig's.
   """
   dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = refs
   m = x_ref.shape[0]
@@ -222,10 +223,14 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
   else:  # column chunk k (a program id in the column-tiled pair)
     tiles = [functools.partial(_tile_index, k=k, m=m, n=n, block_m=block_m,
                                block_n=block_n)]
-  ws = []  # scale, hoisted: one [width] f32 a piece
-  for tile in tiles:
-    _, cols, _, col_mask, _ = tile(0)
-    ws.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
+  def load_scale():  # one [width] f32 a piece
+    out = []
+    for tile in tiles:
+      _, cols, _, col_mask, _ = tile(0)
+      out.append(_load_params(scale_ref, None, cols, col_mask, scale_offset)[0])
+    return out
+
+  hoisted = None if reload_scale else load_scale()  # held across the row blocks
 
   prefetch_dh = mean_ref is not None and block_n <= PREFETCH_DH_MAX_BLOCK_N  # LayerNorm
 
@@ -255,6 +260,7 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
     idx = [tile(rb, rows_in_bounds=True) for tile in tiles]
     rows, row_mask = idx[0][0], idx[0][2]
     mean, rstd = stats if prefetch_stats else _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    ws = load_scale() if reload_scale else hoisted
     parts = [_x_hat_g(x, dy, t[4], mean, rstd, w, cast)
              for (x, dy, _), t, w in zip(xdy, idx, ws)]
 
@@ -298,7 +304,7 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                            has_dh, has_dres, block_m, block_n, num_programs, chunked,
                            pieces=(), cast=None, group_size=0, prefetch_depth=1,
                            recompute_dx=False, prefetch_stats=False,
-                           joint_row_sums=False):
+                           joint_row_sums=False, reload_scale=False):
   """Stage 1. Single tile: grid (G,), c1/c2 computed in the tile. Chunked: grid
   (G, cdiv(N, block_n)), c1 (and c2 for LayerNorm) read from the row-statistics kernel."""
   n_c = (2 if subtract_mean else 1) if chunked else 0
@@ -311,7 +317,7 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       block_m=block_m, block_n=block_n, num_programs=num_programs,
                       pieces=pieces, cast=cast, prefetch_depth=prefetch_depth,
                       recompute_dx=recompute_dx, prefetch_stats=prefetch_stats,
-                      joint_row_sums=joint_row_sums)
+                      joint_row_sums=joint_row_sums, reload_scale=reload_scale)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -677,7 +683,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
                           prefetch_depth=cfg.prefetch_depth,
                           recompute_dx=cfg.recompute_dx,
                           prefetch_stats=cfg.prefetch_stats,
-                          joint_row_sums=cfg.joint_row_sums),
+                          joint_row_sums=cfg.joint_row_sums,
+                          reload_scale=cfg.reload_scale),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
