@@ -18,7 +18,8 @@ with 16-value runs beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16
 row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--occupancy``: [1, N'] x 16
 warps at two programs a SM, which fit only in 64 registers a thread, with and without
 the flags that free them (BackwardConfig.reload_scale, recompute_dx;
-docs/fp8.md#fp8-x-occupancy); ``--bf16-params``: scale/bias in bf16, not float32)
+docs/fp8.md#fp8-x-occupancy; ``--occupancy-widths``: the same 8 elements a thread at
+N' = 8192 and 2048); ``--bf16-params``: scale/bias in bf16, not float32)
 """
 import dataclasses
 import json
@@ -82,6 +83,22 @@ OCC_VARIANTS = [None,
                 ("x32 1/SM recompute+reload", _occ(32, 1, recompute_dx=True,
                                                    reload_scale=True))]
 OCC_SHAPES = [(8192, 4096), (16384, 4096)]
+
+
+def _occ8(**flags):  # 8 elements a thread, 1024 threads a SM, at any N'
+  return lambda d, sms, n: dict(block_m=1, num_warps=d.block_n // 256,
+                                num_programs=max(1, 8192 // d.block_n) * sms,
+                                prefetch_stats=True, joint_row_sums=True, **flags)
+
+
+# --occupancy-widths: the same at N' = 8192 and 2048 ([1, 8192] x 32, 1 a SM; [1, 2048] x
+# 8, 4 a SM)
+OCC_WIDTH_VARIANTS = [None, ("1024/SM recompute+reload", _occ8(recompute_dx=True,
+                                                                reload_scale=True)),
+                      ("1024/SM recompute", _occ8(recompute_dx=True)),
+                      ("1024/SM reload", _occ8(reload_scale=True)),
+                      ("1024/SM", _occ8())]
+OCC_WIDTH_SHAPES = [(8192, 8192), (32768, 2048)]
 WIDE_SHAPES = [(4096, 16384), (8192, 16384)]
 WIDE_VARIANTS = [None, ("split W1024", _split(1024)), ("split W2048", _split(2048)),
                  ("split W512 x0.5", _split(512, 0.5)),
@@ -139,7 +156,8 @@ def main(out_path, variants=VARIANTS, shapes=None):
                                      interpret=False, x_scale=xs, y_dtype=jnp.bfloat16)
       kw = dict(has_bias=layer, scale_offset=0.0, subtract_mean=layer, interpret=False,
                 scale_dtype=PARAM, bias_dtype=PARAM)
-      dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer)
+      dflt = C.backward_config(m, n, jnp.float8_e4m3fn, subtract_mean=layer,
+                               param_dtype=PARAM)
       fns = {}
       for v in variants:
         v, vec = v if isinstance(v, tuple) and isinstance(v[-1], int) and len(v) == 2 else (
@@ -190,7 +208,8 @@ if __name__ == "__main__":
   PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
   wide = "--wide" in sys.argv[2:]
   occ = "--occupancy" in sys.argv[2:]
+  occw = "--occupancy-widths" in sys.argv[2:]
   main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else
        VECTOR_VARIANTS if "--vector" in sys.argv[2:] else WIDE_VARIANTS if wide else
-       OCC_VARIANTS if occ else VARIANTS,
-       WIDE_SHAPES if wide else OCC_SHAPES if occ else None)
+       OCC_VARIANTS if occ else OCC_WIDTH_VARIANTS if occw else VARIANTS,
+       WIDE_SHAPES if wide else OCC_SHAPES if occ else OCC_WIDTH_SHAPES if occw else None)

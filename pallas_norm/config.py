@@ -474,6 +474,15 @@ _FP8_LN_FWD_H100_RES_8192_2B = (2, 16)  # (block_m, num_warps)
 # _stage1_flags rule): 77.5 / 149.6 against 82.3 / 159.0 (--stage1-flags). The H200 is not
 # measured. [T#fp8-in-bwd]
 _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
+# With a 2-byte scale the same backward fits two programs of 16 warps a SM: [1, 4096] x 16
+# with recompute_dx and reload_scale (besides prefetch_stats and joint_row_sums) takes
+# 64 registers a thread (ptxas sm_90a; 79 with the scale held, 77-86 at any other
+# setting). H100, 2026-11-26, benchmarks/fp8_input_bwd_sweep.py --occupancy
+# --bf16-params (stage 1 + 2, us, this / [1, 4096] x 32 at 1 a SM): 8192x4096 68.6 / 77.1,
+# 16384x4096 129.4 / 149.0; without either flag 81.6-91.0 / 152.8-170.9. With a float32
+# scale it does not fit (103.0 / 77.6, 195.1 / 149.7). The H200 is not measured.
+# [docs/fp8.md#fp8-x-occupancy]
+_FP8_LN_4096_BWD_H100_2B = (1, 16, 2)  # (block_m, num_warps, programs a SM)
 # FP8 x on the H100 at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by
 # op and by whether it also writes mean/rstd (jax.vjp's forward). H100, 2026-11-26,
 # benchmarks/fp8_input_wide_modes.py (bf16 scale/bias; us at 4096x16384 / 8192x16384,
@@ -997,7 +1006,7 @@ def _bwd_tile(m: int, n: int, bn_full: int, subtract_mean: bool, backend: str,
 
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                     subtract_mean: bool = False, backend: str = "pallas",
-                    residual: bool = False) -> BackwardConfig:
+                    residual: bool = False, param_dtype=None) -> BackwardConfig:
   """Default backward launch config for x viewed as [m, n] of ``dtype``.
 
   Args:
@@ -1011,6 +1020,9 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     residual: the fused residual add (x is h, plus dh): LayerNorm N' = 8192 at 32
       warps on an H100 or H200 in 2-byte dtypes, and with ``recompute_dx`` on any GPU
       in bf16.
+    param_dtype: the scale's dtype, or None (unknown, or no scale): with FP8 x and a
+      2-byte scale the H100's LayerNorm at N' = 4096 runs two programs of 16 warps a SM
+      (``_FP8_LN_4096_BWD_H100_2B``).
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -1038,8 +1050,13 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
         and device.platform == "gpu" and "H100" in device.name
         and np.dtype(dtype).itemsize == 1):  # FP8 x
       block_m, num_warps, per_sm = _FP8_LN_4096_BWD_H100
+      two_byte_scale = param_dtype is not None and np.dtype(param_dtype).itemsize == 2
+      if two_byte_scale:  # its registers freed by recompute_dx and reload_scale
+        block_m, num_warps, per_sm = _FP8_LN_4096_BWD_H100_2B
+        flags = dict(recompute_dx=True, reload_scale=True)
       num_programs = per_sm * device.num_sms
-    flags = _stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend, device)
+    flags = dict(_stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend,
+                               device), **flags)
   elif split is not None:  # each row split over programs that exchange their row sums
     block_n, num_warps, num_programs, lag, early = split
     block_m = 1

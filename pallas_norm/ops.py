@@ -328,7 +328,8 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
                           fused=combine_row_sums is not None or x_scale is not None,
                           residual=st.residual_dtype is not None)
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
-                               backend=backend, residual=st.residual_dtype is not None)
+                               backend=backend, residual=st.residual_dtype is not None,
+                               param_dtype=None if scale is None else scale.dtype)
   _, bwd = _backend_module(backend)
   dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
   res = {}

@@ -443,6 +443,42 @@ def test_fp8_vector_rule():
   assert forward._x_src("x", [], 0, "backward", True) == "x"  # not FP8: x itself
 
 
+def test_fp8_ln_bwd_two_byte_scale_rule():
+  """config._FP8_LN_4096_BWD_H100_2B (docs/fp8.md#fp8-x-occupancy): the H100's FP8-x
+  LayerNorm backward at N' = 4096 with a 2-byte scale runs [1, 4096] x 16 at two programs
+  a SM with recompute_dx and reload_scale; a float32 or unknown scale, RMSNorm, bf16 x,
+  the H200 and other widths keep their configs; ops passes the scale's dtype."""
+  h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+  bwd = functools.partial(pn_config.backward_config, 8192, 4096, jnp.float8_e4m3fn, h100,
+                          subtract_mean=True)
+  for pd in (jnp.bfloat16, jnp.float16):
+    c = bwd(param_dtype=pd)
+    assert (c.block_m, c.block_n, c.num_warps, c.num_programs) == (1, 4096, 16, 264)
+    assert c.recompute_dx and c.reload_scale and c.prefetch_stats and c.joint_row_sums
+  for c in (bwd(param_dtype=jnp.float32), bwd()):
+    assert (c.num_warps, c.num_programs, c.recompute_dx, c.reload_scale) == (32, 132, 0, 0)
+  others = [pn_config.backward_config(8192, 4096, jnp.float8_e4m3fn, h100,
+                                      param_dtype=jnp.bfloat16),
+            pn_config.backward_config(8192, 4096, jnp.bfloat16, h100, subtract_mean=True,
+                                      param_dtype=jnp.bfloat16),
+            pn_config.backward_config(8192, 4096, jnp.float8_e4m3fn,
+                                      pn_config.DeviceInfo("gpu", "NVIDIA H200", 132),
+                                      subtract_mean=True, param_dtype=jnp.bfloat16),
+            pn_config.backward_config(8192, 8192, jnp.float8_e4m3fn, h100,
+                                      subtract_mean=True, param_dtype=jnp.bfloat16)]
+  assert not any(c.reload_scale for c in others)
+  seen = []
+  real = pn_config.backward_config
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pn_config, "backward_config",
+               lambda *a, **k: seen.append(k.get("param_dtype")) or real(*a, **k))
+    x, s, scale, bias, dy = _inputs(4, 256, 16, layer=True)
+    jax.clear_caches()  # the ops' jit may hold a trace of these shapes
+    y, pull = jax.vjp(lambda w: _op(True)(x, s, w, bias), scale.astype(jnp.bfloat16))
+    pull(dy)
+  assert seen and all(jnp.dtype(d) == jnp.bfloat16 for d in seen)
+
+
 def test_wide_fp8_mode_rule():
   """config._FP8_WIDE_MODES_H100 (docs/fp8.md#fp8-x-wide): on the H100, FP8 x at
   8192 < N <= 16384 picks its forward mode by op and by return_residuals; bf16 x, the
