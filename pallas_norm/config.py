@@ -474,15 +474,28 @@ _FP8_LN_FWD_H100_RES_8192_2B = (2, 16)  # (block_m, num_warps)
 # _stage1_flags rule): 77.5 / 149.6 against 82.3 / 159.0 (--stage1-flags). The H200 is not
 # measured. [T#fp8-in-bwd]
 _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
-# With a 2-byte scale the same backward fits two programs of 16 warps a SM: [1, 4096] x 16
-# with recompute_dx and reload_scale (besides prefetch_stats and joint_row_sums) takes
-# 64 registers a thread (ptxas sm_90a; 79 with the scale held, 77-86 at any other
-# setting). H100, 2026-11-26, benchmarks/fp8_input_bwd_sweep.py --occupancy
-# --bf16-params (stage 1 + 2, us, this / [1, 4096] x 32 at 1 a SM): 8192x4096 68.6 / 77.1,
-# 16384x4096 129.4 / 149.0; without either flag 81.6-91.0 / 152.8-170.9. With a float32
-# scale it does not fit (103.0 / 77.6, 195.1 / 149.7). The H200 is not measured.
-# [docs/fp8.md#fp8-x-occupancy]
-_FP8_LN_4096_BWD_H100_2B = (1, 16, 2)  # (block_m, num_warps, programs a SM)
+# With a 2-byte scale the FP8-x backward's one-tile stage 1 fits 8 elements a thread at
+# 1024 threads a SM where the flags that free registers let it (64 registers a thread):
+# recompute_dx (the partials before the row reductions) and reload_scale (the scale's
+# tile loaded each row block, not held). At N' = 4096 LayerNorm takes 64 with both (ptxas
+# sm_90a; 79 with the scale held, 77-86 at any other setting). H100, 2026-11-26,
+# benchmarks/fp8_input_bwd_sweep.py --bf16-params with --occupancy (cf0483f's parent) and
+# --occupancy-widths (cf0483f), stage 1 + 2, us, this / the tile before: LayerNorm
+# 8192x4096 68.6 / 77.1, 16384x4096 129.4 / 149.0 ([1, 4096] x 32 at 1 a SM; either flag
+# alone 81.6-91.0 / 152.8-170.9), 8192x8192 132.4 / 141.7 ([1, 8192] x 16; with both
+# flags 149.2), 32768x2048 126.8 / 152.4 ([2, 2048] x 8 at 2 a SM); RMSNorm 32768x2048
+# 123.6 / 139.6 ([2, 2048] x 4 at 2 a SM). RMSNorm at N' = 4096 and 8192 keeps its tiles
+# (no faster). A float32 scale does not fit (LayerNorm 8192x4096 103.0 against 77.6).
+# The H200 is not measured. [docs/fp8.md#fp8-x-occupancy]
+# {(subtract_mean, N'): (block_m, num_warps, programs a SM, BackwardConfig flags)}, the
+# flags as measured (prefetch_stats and joint_row_sums on in every variant of the sweep)
+_LN_FLAGS = dict(prefetch_stats=True, joint_row_sums=True)
+_FP8_BWD_H100_2B = {
+    (True, 2048): (1, 8, 4, dict(_LN_FLAGS, reload_scale=True)),
+    (True, 4096): (1, 16, 2, dict(_LN_FLAGS, recompute_dx=True, reload_scale=True)),
+    (True, 8192): (1, 32, 1, dict(_LN_FLAGS, recompute_dx=True)),
+    (False, 2048): (1, 8, 4, dict(prefetch_stats=True, recompute_dx=True)),
+}
 # FP8 x on the H100 at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by
 # op and by whether it also writes mean/rstd (jax.vjp's forward). H100, 2026-11-26,
 # benchmarks/fp8_input_wide_modes.py (bf16 scale/bias; us at 4096x16384 / 8192x16384,
@@ -1021,8 +1034,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
       warps on an H100 or H200 in 2-byte dtypes, and with ``recompute_dx`` on any GPU
       in bf16.
     param_dtype: the scale's dtype, or None (unknown, or no scale): with FP8 x and a
-      2-byte scale the H100's LayerNorm at N' = 4096 runs two programs of 16 warps a SM
-      (``_FP8_LN_4096_BWD_H100_2B``).
+      2-byte scale the H100's one-tile stage 1 takes ``_FP8_BWD_H100_2B``'s tiles and
+      flags (8 elements a thread at 1024 threads a SM).
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -1046,14 +1059,14 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     if subtract_mean and block_n == 8192 and _residual_rules(
         residual, dtype, backend, device, _RES_LN_8192_BWD_WARPS_DEVICES):
       num_warps = _RES_LN_8192_BWD_WARPS
-    if (subtract_mean and block_n == 4096 and not pieces and backend == "pallas"
-        and device.platform == "gpu" and "H100" in device.name
-        and np.dtype(dtype).itemsize == 1):  # FP8 x
+    fp8_h100 = (not pieces and backend == "pallas" and device.platform == "gpu"
+                and "H100" in device.name and np.dtype(dtype).itemsize == 1)  # FP8 x
+    if fp8_h100 and subtract_mean and block_n == 4096:
       block_m, num_warps, per_sm = _FP8_LN_4096_BWD_H100
-      two_byte_scale = param_dtype is not None and np.dtype(param_dtype).itemsize == 2
-      if two_byte_scale:  # its registers freed by recompute_dx and reload_scale
-        block_m, num_warps, per_sm = _FP8_LN_4096_BWD_H100_2B
-        flags = dict(recompute_dx=True, reload_scale=True)
+      num_programs = per_sm * device.num_sms
+    two_byte = fp8_h100 and param_dtype is not None and np.dtype(param_dtype).itemsize == 2
+    if two_byte and (subtract_mean, block_n) in _FP8_BWD_H100_2B:
+      block_m, num_warps, per_sm, flags = _FP8_BWD_H100_2B[subtract_mean, block_n]
       num_programs = per_sm * device.num_sms
     flags = dict(_stage1_flags(block_n, pieces, subtract_mean, residual, dtype, backend,
                                device), **flags)

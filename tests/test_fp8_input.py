@@ -443,30 +443,35 @@ def test_fp8_vector_rule():
   assert forward._x_src("x", [], 0, "backward", True) == "x"  # not FP8: x itself
 
 
-def test_fp8_ln_bwd_two_byte_scale_rule():
-  """config._FP8_LN_4096_BWD_H100_2B (docs/fp8.md#fp8-x-occupancy): the H100's FP8-x
-  LayerNorm backward at N' = 4096 with a 2-byte scale runs [1, 4096] x 16 at two programs
-  a SM with recompute_dx and reload_scale; a float32 or unknown scale, RMSNorm, bf16 x,
-  the H200 and other widths keep their configs; ops passes the scale's dtype."""
+def test_fp8_bwd_two_byte_scale_rule():
+  """config._FP8_BWD_H100_2B (docs/fp8.md#fp8-x-occupancy): on the H100 the FP8-x
+  backward's one-tile stage 1 with a 2-byte scale runs 8 elements a thread at 1024
+  threads a SM with the flags measured (LayerNorm N' = 2048, 4096, 8192; RMSNorm N' =
+  2048); a float32 or unknown scale, RMSNorm at 4096, bf16 x, the H200 and other widths
+  keep their configs; ops passes the scale's dtype."""
   h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
+  want = {(True, 2048): (8, 528, False, True), (True, 4096): (16, 264, True, True),
+          (True, 8192): (32, 132, True, False), (False, 2048): (8, 528, True, False)}
+  for (layer, n), (warps, g, recompute, reload) in want.items():
+    for pd in (jnp.bfloat16, jnp.float16):
+      c = pn_config.backward_config(8192, n, jnp.float8_e4m3fn, h100, subtract_mean=layer,
+                                    param_dtype=pd)
+      assert (c.block_m, c.block_n, c.num_warps, c.num_programs) == (1, n, warps, g)
+      assert (c.recompute_dx, c.reload_scale, c.prefetch_stats) == (recompute, reload, True)
+      assert c.joint_row_sums == layer
   bwd = functools.partial(pn_config.backward_config, 8192, 4096, jnp.float8_e4m3fn, h100,
                           subtract_mean=True)
-  for pd in (jnp.bfloat16, jnp.float16):
-    c = bwd(param_dtype=pd)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_programs) == (1, 4096, 16, 264)
-    assert c.recompute_dx and c.reload_scale and c.prefetch_stats and c.joint_row_sums
   for c in (bwd(param_dtype=jnp.float32), bwd()):
     assert (c.num_warps, c.num_programs, c.recompute_dx, c.reload_scale) == (32, 132, 0, 0)
-  others = [pn_config.backward_config(8192, 4096, jnp.float8_e4m3fn, h100,
-                                      param_dtype=jnp.bfloat16),
-            pn_config.backward_config(8192, 4096, jnp.bfloat16, h100, subtract_mean=True,
-                                      param_dtype=jnp.bfloat16),
-            pn_config.backward_config(8192, 4096, jnp.float8_e4m3fn,
-                                      pn_config.DeviceInfo("gpu", "NVIDIA H200", 132),
-                                      subtract_mean=True, param_dtype=jnp.bfloat16),
-            pn_config.backward_config(8192, 8192, jnp.float8_e4m3fn, h100,
-                                      subtract_mean=True, param_dtype=jnp.bfloat16)]
-  assert not any(c.reload_scale for c in others)
+  h200 = pn_config.DeviceInfo("gpu", "NVIDIA H200", 132)
+  for m, n, dtype, dev, layer in [(8192, 4096, jnp.float8_e4m3fn, h100, False),
+                                  (8192, 8192, jnp.float8_e4m3fn, h100, False),
+                                  (8192, 1024, jnp.float8_e4m3fn, h100, True),
+                                  (8192, 4096, jnp.bfloat16, h100, True),
+                                  (8192, 4096, jnp.float8_e4m3fn, h200, True),
+                                  (8192, 2048, jnp.float8_e4m3fn, h200, False)]:
+    cfg = functools.partial(pn_config.backward_config, m, n, dtype, dev, subtract_mean=layer)
+    assert cfg(param_dtype=jnp.bfloat16) == cfg(), (m, n, dtype, dev.name, layer)
   seen = []
   real = pn_config.backward_config
   with pytest.MonkeyPatch.context() as mp:
