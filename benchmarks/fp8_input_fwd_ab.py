@@ -7,9 +7,10 @@ over 3 rotated x, the median of ``ROUNDS`` rounds; % of torch ``copy_`` on the b
 model read x (1) and its scales (4/16), write y (2) a element; y checked against the
 default config's (max |diff|).
 
-Usage (GPU machine): [N8192=1 | N8192P=1] python benchmarks/fp8_input_fwd_ab.py OUT.json
-[bf16|f32]  (scale's and bias's dtype; default f32; N8192P: static_persistent variants at
-8192x8192 where the default is another mode)
+Usage (GPU machine): [N8192=1 | N8192P=1 | N16384=1] python benchmarks/fp8_input_fwd_ab.py
+OUT.json [bf16|f32]  (scale's and bias's dtype; default f32; N8192P: static_persistent
+variants at 8192x8192 where the default is another mode; N16384: whole-row tiles of
+static_persistent and multi_wave_cached at N = 16384)
 """
 import dataclasses
 import json
@@ -38,6 +39,12 @@ if os.environ.get("N8192P"):  # N = 8192 where the default is not persistent (th
   VARIANTS = [None, (2, 16, "static_persistent", 2), (2, 16, "static_persistent", 1),
               (1, 16, "static_persistent", 2), (2, 8, "static_persistent", 2),
               (2, 8, "static_persistent", 3)]
+if os.environ.get("N16384"):  # N = 16384, whole-row tiles of both modes (fp8.md#fp8-x-wide)
+  SHAPES = [(4096, 16384), (8192, 16384)]
+  VARIANTS = [None, (1, 16, "static_persistent", 1), (1, 32, "static_persistent", 1),
+              (1, 8, "static_persistent", 2), (2, 32, "static_persistent", 1),
+              (1, 8, "multi_wave_cached"), (1, 16, "multi_wave_cached"),
+              (1, 32, "multi_wave_cached"), (2, 32, "multi_wave_cached")]
 
 
 def main(out_path):
