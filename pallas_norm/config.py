@@ -509,6 +509,15 @@ _FP8_WIDE_MODES_H100 = {(False, False): "multi_wave_cached",
                         (False, True): "static_persistent",
                         (True, True): "multi_wave_cached"}
 _FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
+# LayerNorm's plain forward there (no mean/rstd written) with 2-byte scale/bias: the
+# whole row in [1, 16384] x 16 (multi_wave_cached), not the one-program-a-SM
+# static_persistent tile of the same shape. H100, 2026-11-26, N16384=1
+# benchmarks/fp8_input_fwd_ab.py OUT bf16 at d607702 (us at 4096x16384 / 8192x16384):
+# 82.9 / 161.3 against 89.7 / 174.4 ([1, 16384] x 8 84.0 / 163.3, x 32 86.0 / 166.6; the
+# two-row tile 110.4 / 214.3). Under jax.vjp that tile takes 159.2 / 313.3 (the rule's
+# [2, 16384] x 16 109.7 / 207.9). [docs/fp8.md#fp8-x-wide]
+_FP8_LN_WIDE_PRIMAL_2B_MODE = "multi_wave_cached"
+_FP8_LN_FWD_H100_PRIMAL_16384_2B = (1, 16)  # (block_m, num_warps)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
 # without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
@@ -701,13 +710,18 @@ def _persistent_tile(n: int, dtype, subtract_mean: bool, backend: str,
 
 
 def _fp8_wide_mode(n: int, dtype, subtract_mean: bool, residual: bool,
-                   return_residuals: bool, backend: str, device: DeviceInfo) -> str | None:
+                   return_residuals: bool, backend: str, device: DeviceInfo,
+                   param_dtype=None) -> str | None:
   """The forward mode of the Pallas FP8-x forward of N-long rows, 8192 < N <= 16384, on
-  the H100 without a residual add (``_FP8_WIDE_MODES_H100``), or None (the heuristic's
+  the H100 without a residual add (``_FP8_WIDE_MODES_H100``; LayerNorm's plain forward
+  with a 2-byte scale/bias, ``_FP8_LN_WIDE_PRIMAL_2B_MODE``), or None (the heuristic's
   other rules). [docs/fp8.md#fp8-x-wide]"""
   if (backend != "pallas" or residual or np.dtype(dtype).itemsize != 1
       or "H100" not in device.name or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
     return None
+  if (subtract_mean and not return_residuals and param_dtype is not None
+      and np.dtype(param_dtype).itemsize == 2):
+    return _FP8_LN_WIDE_PRIMAL_2B_MODE
   return _FP8_WIDE_MODES_H100.get((subtract_mean, return_residuals))
 
 
@@ -768,7 +782,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     One of ``MODES``, first match wins:
       H100, FP8 x, 8192 < N <= 16384   RMSNorm: multi_wave_cached (split rows), under
                                        jax.vjp static_persistent; LayerNorm under
-                                       jax.vjp: multi_wave_cached (Pallas, no residual)
+                                       jax.vjp, or alone with 2-byte scale/bias:
+                                       multi_wave_cached (Pallas, no residual)
       static_persistent (f32 params)   as param_dtype says
       static_persistent (split rows)   LayerNorm, Pallas, 16384 < N <= 4096 x SMs
       static_persistent (one tile)     Pallas: LayerNorm 8192 < N <= 16384; H200 only,
@@ -785,7 +800,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
   """
   del m
   wide = _fp8_wide_mode(n, dtype, subtract_mean, residual, return_residuals, backend,
-                        device)
+                        device, param_dtype)
   if wide:
     return wide
   if _f32_params_tile(n, dtype, param_dtype, subtract_mean, backend, device, residual):
@@ -953,7 +968,8 @@ def _fp8_ln_h100_tile(block_n: int, dtype, subtract_mean: bool, backend: str,
   """(block_m, num_warps) of the FP8-x LayerNorm forward's whole-row
   (multi_wave_cached) tile on the H100 with 2-byte scale/bias and no residual add (Pallas),
   or None: N' = 4096 without mean/rstd written, ``_FP8_LN_FWD_H100_PRIMAL_2B``; N' = 8192
-  with them, ``_FP8_LN_FWD_H100_RES_8192_2B``. [T#fp8-in-fwd]"""
+  with them, ``_FP8_LN_FWD_H100_RES_8192_2B``; N' = 16384 without them,
+  ``_FP8_LN_FWD_H100_PRIMAL_16384_2B``. [T#fp8-in-fwd]"""
   if not subtract_mean or backend != "pallas" or residual or "H100" not in device.name:
     return None
   if param_dtype is None or np.dtype(param_dtype).itemsize != 2:
@@ -964,6 +980,8 @@ def _fp8_ln_h100_tile(block_n: int, dtype, subtract_mean: bool, backend: str,
     return _FP8_LN_FWD_H100_PRIMAL_2B
   if block_n == 8192 and return_residuals:
     return _FP8_LN_FWD_H100_RES_8192_2B
+  if block_n == 16384 and not return_residuals:
+    return _FP8_LN_FWD_H100_PRIMAL_16384_2B
   return None
 
 

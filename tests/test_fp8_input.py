@@ -486,7 +486,8 @@ def test_fp8_bwd_two_byte_scale_rule():
 
 def test_wide_fp8_mode_rule():
   """config._FP8_WIDE_MODES_H100 (docs/fp8.md#fp8-x-wide): on the H100, FP8 x at
-  8192 < N <= 16384 picks its forward mode by op and by return_residuals; bf16 x, the
+  8192 < N <= 16384 picks its forward mode by op and by return_residuals (LayerNorm's
+  plain forward with 2-byte scale/bias by _FP8_LN_WIDE_PRIMAL_2B_MODE); bf16 x, the
   H200, N outside the range, a residual add and the Triton backend keep the heuristic's
   other rules."""
   h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
@@ -497,6 +498,19 @@ def test_wide_fp8_mode_rule():
   assert pick(12288, return_residuals=True) == "static_persistent"
   assert pick(16384, subtract_mean=True, return_residuals=True) == "multi_wave_cached"
   assert pick(16384, subtract_mean=True, return_residuals=False) == "static_persistent"
+  assert pick(16384, subtract_mean=True, return_residuals=False,
+              param_dtype=jnp.float32) == "static_persistent"
+  # LayerNorm's plain forward with 2-byte scale/bias: [1, 16384] x 16, multi_wave_cached
+  for pd in (jnp.bfloat16, jnp.float16):
+    assert pick(16384, subtract_mean=True, return_residuals=False,
+                param_dtype=pd) == "multi_wave_cached"
+    c = pn_config.forward_config(4096, 16384, f8, device=h100, subtract_mean=True,
+                                 return_residuals=False, param_dtype=pd)
+    assert (c.mode, c.block_m, c.block_n, c.num_warps) == ("multi_wave_cached", 1, 16384, 16)
+  assert pick(16384, subtract_mean=True, return_residuals=True,
+              param_dtype=jnp.bfloat16) == "multi_wave_cached"  # the vjp rule's
+  assert pn_config.forward_config(4096, 16384, f8, device=h100, subtract_mean=True,
+                                  param_dtype=jnp.bfloat16).block_m == 2
   for kw in (dict(dev=h200), dict(residual=True), dict(backend="triton")):
     # FP8 x there picks as bf16 x does (the 2-byte rules)
     assert (pick(16384, return_residuals=False, **kw)
