@@ -5,9 +5,10 @@ every config once a round, within a time budget), the median of the rounds a con
 printed and written as JSON with each group's best.
 CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
 the rotated inputs). ``time_rounds``: the A/B scripts' interleaved rounds with each
-kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py); ``forced_fp8_vector``:
-FP8 x's load vector forced while a function is traced (fp8_x_vector_ab.py,
-fp8_input_bwd_sweep.py --vector)."""
+kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py, fp8_input_wide_vjp_ab.py);
+``fp8x_inputs``: the FP8-input A/Bs' inputs; ``forced_fp8_vector``: FP8 x's load vector
+forced while a function is traced (fp8_x_vector_ab.py, fp8_input_bwd_sweep.py --vector,
+fp8_input_wide_vjp_ab.py)."""
 import contextlib
 import json
 import time
@@ -34,6 +35,19 @@ def forced_fp8_vector(vec):
     yield
   finally:
     forward._fp8_vector = rule
+
+
+def fp8x_inputs(m, n, group_size=16):
+  """The FP8-input A/Bs' inputs (fp8_input_wide_modes.py, fp8_input_wide_vjp_ab.py): three
+  x [M, N] float8_e4m3fn (2 N(0, 1)) to rotate, x_scale [M, N / G] f32 uniform in [0.5,
+  2), bf16 scale 1 + 0.1 N(0, 1) and bias 0.1 N(0, 1), dy [M, N] bf16 N(0, 1)."""
+  xs8 = [(2 * jax.random.normal(jax.random.key(20 + i), (m, n))).astype(
+      jnp.float8_e4m3fn) for i in range(3)]
+  s = jax.random.uniform(jax.random.key(1), (m, n // group_size), minval=0.5, maxval=2.0)
+  w = (1 + 0.1 * jax.random.normal(jax.random.key(2), (n,))).astype(jnp.bfloat16)
+  b = (0.1 * jax.random.normal(jax.random.key(3), (n,))).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
+  return xs8, s, w, b, dy
 
 
 def inputs(m, n, param_dtype=jnp.float32):

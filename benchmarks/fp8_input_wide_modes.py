@@ -35,12 +35,7 @@ def main(out_path):
   results = []
   for m, n in SHAPES:
     for layer in (False, True):
-      xs8 = [(2 * jax.random.normal(jax.random.key(20 + i), (m, n))).astype(
-          jnp.float8_e4m3fn) for i in range(3)]
-      s = jax.random.uniform(jax.random.key(1), (m, n // G), minval=0.5, maxval=2.0)
-      w = (1 + 0.1 * jax.random.normal(jax.random.key(2), (n,))).astype(jnp.bfloat16)
-      b = (0.1 * jax.random.normal(jax.random.key(3), (n,))).astype(jnp.bfloat16)
-      dy = jax.random.normal(jax.random.key(9), (m, n), jnp.bfloat16)
+      xs8, s, w, b, dy = _fp8_sweep.fp8x_inputs(m, n, G)
 
       def norm(x, w_, b_, mode):
         if layer:
