@@ -226,8 +226,8 @@ class BackwardConfig:
     joint_row_sums: a row that fits the tile reduces LayerNorm's two row sums
       (sum(x_hat g) and sum(g)) as one reduction of the pair: one set of cross-warp
       barriers instead of two. Bitwise the same sums; no effect on RMSNorm (one sum).
-      Both flags: the Pallas backend's persistent stage 1 only (the Triton backend's
-      kernel ignores them).
+      These three flags (prefetch_stats, reload_scale, joint_row_sums): the Pallas
+      backend's persistent stage 1 only (the Triton backend's kernel ignores them).
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
@@ -479,7 +479,7 @@ _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
 # recompute_dx (the partials before the row reductions) and reload_scale (the scale's
 # tile loaded each row block, not held). At N' = 4096 LayerNorm takes 64 with both (ptxas
 # sm_90a; 79 with the scale held, 77-86 at any other setting). H100, 2026-11-26,
-# benchmarks/fp8_input_bwd_sweep.py --bf16-params with --occupancy (cf0483f's parent) and
+# benchmarks/fp8_input_bwd_sweep.py --bf16-params with --occupancy (5c3caa7) and
 # --occupancy-widths (cf0483f), stage 1 + 2, us, this / the tile before: LayerNorm
 # 8192x4096 68.6 / 77.1, 16384x4096 129.4 / 149.0 ([1, 4096] x 32 at 1 a SM; either flag
 # alone 81.6-91.0 / 152.8-170.9), 8192x8192 132.4 / 141.7 ([1, 8192] x 16; with both
@@ -489,11 +489,11 @@ _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
 # The H200 is not measured. [docs/fp8.md#fp8-x-occupancy]
 # {(subtract_mean, N'): (block_m, num_warps, programs a SM, BackwardConfig flags)}, the
 # flags as measured (prefetch_stats and joint_row_sums on in every variant of the sweep)
-_LN_FLAGS = dict(prefetch_stats=True, joint_row_sums=True)
+_FP8_BWD_LN_FLAGS = dict(prefetch_stats=True, joint_row_sums=True)
 _FP8_BWD_H100_2B = {
-    (True, 2048): (1, 8, 4, dict(_LN_FLAGS, reload_scale=True)),
-    (True, 4096): (1, 16, 2, dict(_LN_FLAGS, recompute_dx=True, reload_scale=True)),
-    (True, 8192): (1, 32, 1, dict(_LN_FLAGS, recompute_dx=True)),
+    (True, 2048): (1, 8, 4, dict(_FP8_BWD_LN_FLAGS, reload_scale=True)),
+    (True, 4096): (1, 16, 2, dict(_FP8_BWD_LN_FLAGS, recompute_dx=True, reload_scale=True)),
+    (True, 8192): (1, 32, 1, dict(_FP8_BWD_LN_FLAGS, recompute_dx=True)),
     (False, 2048): (1, 8, 4, dict(prefetch_stats=True, recompute_dx=True)),
 }
 # FP8 x on the H100 at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by
