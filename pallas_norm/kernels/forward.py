@@ -224,16 +224,9 @@ def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
     smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
   q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, src.vector)[None, :]], mask,
                    eviction_policy)
-  if GATHER_SCALES:
-    vcols = _vector_cols(cols, src.vector)
-    s2 = _load_stream(src.s.at[rows[:, None], (vcols // g)[None, :]], mask, eviction_policy)
-    return q.astype(_F32) * s2
   s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
   x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
   return x.reshape(block_m, block_n)
-
-
-GATHER_SCALES = False  # experiment switch (fp8_stats_store_ab.py): gather each scale
 
 
 def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
@@ -321,22 +314,8 @@ def _affine(x_hat, w, b, y_ref=None):
   return y
 
 
-# Experiment switches of benchmarks/fp8_stats_store_ab.py (docs/fp8.md#fp8-x-stats-store),
-# reverted in the next commit: STATS_MODE "none" skips the mean/rstd stores, "before"
-# stores them before y; SCALAR_STATS stores a one-row tile's as scalars.
-SCALAR_STATS = False
-STATS_MODE = ""
-
-
 def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   if rstd_ref is None:  # no residuals wanted (a forward outside of jax.vjp)
-    return
-  if STATS_MODE == "none":
-    return
-  if SCALAR_STATS and rows.shape[0] == 1 and row_mask is None:
-    rstd_ref[rows[0]] = rstd[0]
-    if mean_ref is not None:
-      mean_ref[rows[0]] = mean[0]
     return
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:
@@ -374,13 +353,10 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
     mean = None
   var = jnp.sum(x * x, axis=1) / n  # [block_m] (mean square for RMSNorm)
   rstd = lax.rsqrt(var + _F32(eps))
-  if STATS_MODE == "before":
-    _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
   w, b = params()
   y = _affine(x * rstd[:, None], w, b, y_ref)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-  if STATS_MODE != "before":
-    _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
+  _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
 
 def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtract_mean,
