@@ -314,16 +314,8 @@ def _affine(x_hat, w, b, y_ref=None):
   return y
 
 
-STATS_ATOMIC = False  # experiment switch: the stats written by atomic exchange
-
-
 def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   if rstd_ref is None:  # no residuals wanted (a forward outside of jax.vjp)
-    return
-  if STATS_ATOMIC:
-    plgpu.atomic_xchg(rstd_ref, rows, rstd, mask=row_mask)
-    if mean_ref is not None:
-      plgpu.atomic_xchg(mean_ref, rows, mean, mask=row_mask)
     return
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:
