@@ -7,7 +7,8 @@ CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` cal
 the rotated inputs). ``time_rounds``: the A/B scripts' interleaved rounds with each
 kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py, fp8_input_wide_vjp_ab.py);
 ``fp8x_inputs``: the FP8-input A/Bs' inputs; ``forced_fp8_vector``: FP8 x's load vector
-forced while a function is traced (fp8_x_vector_ab.py, fp8_input_bwd_sweep.py --vector,
+forced while a function is traced (fp8_input_bwd_sweep.py --vector), and
+``compiled_with_vector`` a function compiled so (fp8_x_vector_ab.py,
 fp8_input_wide_vjp_ab.py)."""
 import contextlib
 import json
@@ -35,6 +36,16 @@ def forced_fp8_vector(vec):
     yield
   finally:
     forward._fp8_vector = rule
+
+
+def compiled_with_vector(fn, vec, *args):
+  """``jax.jit(fn)`` compiled ahead of time for ``args`` with FP8 x's load vector forced
+  to ``vec`` (None: the rule) while it is traced, after clearing JAX's caches: the ops'
+  module-level jit (``ops._norm_nd_jit``) would otherwise hand every variant the kernels
+  traced for the first one."""
+  jax.clear_caches()
+  with forced_fp8_vector(vec):
+    return jax.jit(fn).lower(*args).compile()
 
 
 def fp8x_inputs(m, n, group_size=16):

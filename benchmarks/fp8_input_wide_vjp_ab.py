@@ -59,10 +59,9 @@ def main(out_path):
 
       fns, rows, ref = {}, {}, None
       for name, mode, vec in VARIANTS:
-        jax.clear_caches()
         try:
-          with _fp8_sweep.forced_fp8_vector(vec):
-            fns[name] = jax.jit(lambda x, mode=mode: fwdbwd(x, mode)).lower(xs8[0]).compile()
+          fns[name] = _fp8_sweep.compiled_with_vector(lambda x, mode=mode: fwdbwd(x, mode),
+                                                      vec, xs8[0])
           got = jax.block_until_ready(fns[name](xs8[0]))
           ref = ref or got
           rows[name] = dict(max_abs_diff=[

@@ -33,15 +33,6 @@ SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048), (4096, 16384
 VARIANTS = {"v0": 0, "v8": 8, "rule": None}
 
 
-def _compiled(fn, variant, x):
-  """fn compiled ahead of time with ``variant``'s vector, after clearing JAX's caches:
-  the ops' module-level jit (``ops._norm_nd_jit``) would otherwise hand every variant
-  the kernels traced for the first one."""
-  jax.clear_caches()
-  with _fp8_sweep.forced_fp8_vector(VARIANTS[variant]):
-    return jax.jit(fn).lower(x).compile()
-
-
 def main(out_path):
   copy = timing.torch_copy_gbs(20)
   print("device", C.device_info().name, "copy GB/s", copy, flush=True)
@@ -68,7 +59,8 @@ def main(out_path):
         return (y,) + pull(dy)
 
       for pas, fn in (("fwd", op), ("fwdbwd", fwdbwd)):
-        fns = {v: _compiled(fn, v, xs8[0]) for v in VARIANTS}
+        fns = {v: _fp8_sweep.compiled_with_vector(fn, VARIANTS[v], xs8[0])
+               for v in VARIANTS}
         ref = jax.block_until_ready(fns["v0"](xs8[0]))
         hlo0 = fns["v0"].as_text()
         rows = {}

@@ -516,7 +516,8 @@ _FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
 # 82.9 / 161.3 against 89.7 / 174.4 ([1, 16384] x 8 84.0 / 163.3, x 32 86.0 / 166.6; the
 # two-row tile 110.4 / 214.3). Under jax.vjp that tile takes 159.2 / 313.3 (the rule's
 # [2, 16384] x 16 109.7 / 207.9). [docs/fp8.md#fp8-x-wide]
-_FP8_LN_WIDE_PRIMAL_2B_MODE = "multi_wave_cached"
+# {(subtract_mean, return_residuals): mode} with 2-byte scale/bias, before the table above
+_FP8_WIDE_MODES_H100_2B = {(True, False): "multi_wave_cached"}
 _FP8_LN_FWD_H100_PRIMAL_16384_2B = (1, 16)  # (block_m, num_warps)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
 # (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
@@ -713,16 +714,16 @@ def _fp8_wide_mode(n: int, dtype, subtract_mean: bool, residual: bool,
                    return_residuals: bool, backend: str, device: DeviceInfo,
                    param_dtype=None) -> str | None:
   """The forward mode of the Pallas FP8-x forward of N-long rows, 8192 < N <= 16384, on
-  the H100 without a residual add (``_FP8_WIDE_MODES_H100``; LayerNorm's plain forward
-  with a 2-byte scale/bias, ``_FP8_LN_WIDE_PRIMAL_2B_MODE``), or None (the heuristic's
+  the H100 without a residual add (``_FP8_WIDE_MODES_H100``; with 2-byte scale/bias
+  ``_FP8_WIDE_MODES_H100_2B`` first), or None (the heuristic's
   other rules). [docs/fp8.md#fp8-x-wide]"""
   if (backend != "pallas" or residual or np.dtype(dtype).itemsize != 1
       or "H100" not in device.name or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
     return None
-  if (subtract_mean and not return_residuals and param_dtype is not None
-      and np.dtype(param_dtype).itemsize == 2):
-    return _FP8_LN_WIDE_PRIMAL_2B_MODE
-  return _FP8_WIDE_MODES_H100.get((subtract_mean, return_residuals))
+  key = (subtract_mean, return_residuals)
+  if param_dtype is not None and np.dtype(param_dtype).itemsize == 2:
+    return _FP8_WIDE_MODES_H100_2B.get(key, _FP8_WIDE_MODES_H100.get(key))
+  return _FP8_WIDE_MODES_H100.get(key)
 
 
 def _fp8_h100_8192(n: int, dtype, subtract_mean: bool, residual: bool,

@@ -487,7 +487,7 @@ def test_fp8_bwd_two_byte_scale_rule():
 def test_wide_fp8_mode_rule():
   """config._FP8_WIDE_MODES_H100 (docs/fp8.md#fp8-x-wide): on the H100, FP8 x at
   8192 < N <= 16384 picks its forward mode by op and by return_residuals (LayerNorm's
-  plain forward with 2-byte scale/bias by _FP8_LN_WIDE_PRIMAL_2B_MODE); bf16 x, the
+  plain forward with 2-byte scale/bias by _FP8_WIDE_MODES_H100_2B); bf16 x, the
   H200, N outside the range, a residual add and the Triton backend keep the heuristic's
   other rules."""
   h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
