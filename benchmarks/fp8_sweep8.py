@@ -10,9 +10,10 @@ whole call (the bitcasts included), median of 10 calls over inputs rotated over 
 MiB, rounds interleaved (3; the default config timed in each); bf16 x, e4m3fn,
 scale/bias in PARAM_DTYPE (float32 by default). Before timing, each config's outputs are
 checked against the default config's (y bytes equal fraction, amax).
-Usage: python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
+Usage: [ROUNDS=3] python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
 CASES e.g. "delayed:layer:8192x4096,16384x4096", TILES a Python dict {N: [(block_m,
-num_warps, programs a SM, hoist_params, row_amax), ...]}, packed and without .cg)."""
+num_warps, programs a SM or "G<programs>", hoist_params, row_amax), ...]}, packed and
+without .cg)."""
 import ast, dataclasses, os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 import jax, jax.numpy as jnp
@@ -30,7 +31,9 @@ TILES = {
     8192: [(2, 8, 1), (2, 16, 1), (1, 16, 2), (1, 8, 2), (1, 4, 2)],
     2048: [(2, 4, 4), (2, 8, 3), (2, 4, 6), (1, 4, 8)],
 }
-P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(bm, n, w, SMS * k, True, h, ra,
+# k: programs a SM, or "G<g>" for g programs (a grid that divides the row blocks evenly)
+G = lambda k: int(k[1:]) if isinstance(k, str) else SMS * k
+P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(bm, n, w, G(k), True, h, ra,
                                                      packed=True, stream_x=False)
 OPS = ("rms", "layer")
 CASES = [("delayed", m, n) for m, n in ((8192, 4096), (16384, 4096), (32768, 2048),
@@ -74,6 +77,7 @@ for kernel, m, n in CASES:
     fns = [jax.jit(lambda x, cfg=cfg, f=f, pick=pick: f(x, cfg)[pick]) for cfg in cs]
     groups.append((f"{kernel} {op} {m}x{n}", cs, fns, nbytes, xs, d))
 _fp8_sweep.run(groups, out, budget_s=BUDGET, t0=T0, num_sms=SMS,
+               rounds=int(os.environ.get("ROUNDS", 3)),
                note=f"{__doc__}\nparam_dtype={PARAM_DTYPE.name}",
                describe=lambda c: (f"bm={c.block_m:2d} w={c.num_warps:2d} G={c.num_programs:4d} "
                                    f"tp={int(c.tile_params)} h={int(c.hoist_params)} "
