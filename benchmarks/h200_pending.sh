@@ -5,7 +5,8 @@
 # Usage, on the GPU machine from the repository root, with the wheels of
 # ../shared/tools/device-wheels.sh in .whl/ (as `make gpu-check`):
 #   bash benchmarks/h200_pending.sh PART OUTDIR [COMMIT]
-#   PART: res | fp8out | fp8in | fp8in-bench
+#   PART: res | res-quick | fp8out | fp8in | fp8in-bench   (res-quick: res's two cells
+#   under 85% only, about 4 minutes)
 # Each part fits one 10-minute device command (each step under `timeout`); on any GPU
 # other than an H200 it prints the GPU's name and exits 0 without running anything.
 set -u
@@ -44,6 +45,13 @@ res)
   bench_flags stock stock layer_res,layer 8192x4096,4096x8192
   bench_flags h100rule H100,H200 layer_res,layer 8192x4096,4096x8192
   ;;
+res-quick)
+  timeout 100 python3 -m pallas_norm.bench ab bwd --op layer --residual --rounds 5 \
+    --shapes 8192x4096,4096x8192 \
+    --configs 'default;default@ps;default@js;default@ps@js' | tee "$out/${d}_ab_stage1_flags_ln_res_$commit.txt"
+  bench_flags stock stock layer_res 8192x4096,4096x8192
+  bench_flags h100rule H100,H200 layer_res 8192x4096,4096x8192
+  ;;
 fp8out)
   cd benchmarks
   timeout 120 python3 fp8_yt_design_ab.py "$out/${d}_fp8_yt_design_ab_$commit.json"
@@ -67,6 +75,6 @@ fp8in-bench)
   timeout 200 python3 -m pallas_norm.bench --ops fp8in --shapes 8192x4096,16384x4096,8192x8192,32768x2048,4096x16384 \
     --impls pallas,xla --iters 30 --check --out "$out/${d}_fp8in_$commit.json"
   ;;
-*) echo "unknown PART $part (res | fp8out | fp8in | fp8in-bench)"; exit 2;;
+*) echo "unknown PART $part (res | res-quick | fp8out | fp8in | fp8in-bench)"; exit 2;;
 esac
 echo "done: $(date -u)"
