@@ -10,11 +10,10 @@ whole call (the bitcasts included), median of 10 calls over inputs rotated over 
 MiB, rounds interleaved (3; the default config timed in each); bf16 x, e4m3fn,
 scale/bias in PARAM_DTYPE (float32 by default). Before timing, each config's outputs are
 checked against the default config's (y bytes equal fraction, amax).
-Usage: [ROUNDS=3] [JOINT=1] python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
+Usage: [ROUNDS=3] python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
 CASES e.g. "delayed:layer:8192x4096,16384x4096", TILES a Python dict {N: [(block_m,
 num_warps, programs a SM or "G<programs>", hoist_params, row_amax), ...]}, packed and
-without .cg). JOINT=1: the candidates are the pick (timed twice a round) and, where it is
-packed, the pick with Fp8Config.joint_stats (docs/fp8.md#fp8-joint-stats)."""
+without .cg)."""
 import ast, dataclasses, os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 import jax, jax.numpy as jnp
@@ -54,8 +53,6 @@ for kernel, m, n in CASES:
     d = K.fp8_config(m, n, kernel=kernel, subtract_mean=sm, param_dtype=PARAM_DTYPE)
     cs = [d] + ([dataclasses.replace(d, stream_x=False)] if d.num_programs else [])
     cs += [P(t[0], n, *t[1:]) for t in TILES[n]]
-    if os.environ.get("JOINT"):  # the pick (twice) and, if packed, with joint_stats
-      cs = [d, d] + ([dataclasses.replace(d, joint_stats=True)] if d.packed else [])
     if kernel == "delayed":
       f = lambda x, cfg, s=s, b=b, sm=sm: K.fp8_norm_delayed(
           x, s, b if sm else None, 100.0, eps=1e-5, scale_offset=0.0, subtract_mean=sm,

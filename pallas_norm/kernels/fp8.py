@@ -122,16 +122,6 @@ class Fp8Config:
       ``_compat.stream_cache_modifier``, the forward's choice, measured on the H200's
       bf16 forward), or without (False: L1 and L2; faster for these kernels on the
       H100, docs/fp8.md#fp8-packed). Ignored otherwise.
-    joint_stats: LayerNorm in the packed kernel: the row's mean and variance from one
-      reduction of the pair (sum d, sum d^2), d = x - x[:, 0] (each row shifted by its
-      first value, loaded with the prefetch), as ``BackwardConfig.joint_row_sums``
-      reduces two sums: one cross-warp step a row block instead of two (the mean, then
-      the squared deviations from it). mean = x0 + sum(d) / N, var = sum(d^2) / N -
-      (sum(d) / N)^2 (clamped at 0): the shifted one-pass formula. Its rounding error
-      grows as ((x0 - mean) / std)^2 times float32's epsilon: rstd within 2^-16 of the
-      float64 two-pass value for ordinary rows, 5e-5 with x0 40 standard deviations out
-      (tests/test_fp8_output.py::test_joint_stats). Ignored by RMSNorm; ValueError
-      without ``packed``.
   """
 
   block_m: int
@@ -143,7 +133,6 @@ class Fp8Config:
   row_amax: bool = False
   packed: bool = False
   stream_x: bool = True
-  joint_stats: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -153,9 +142,6 @@ class Fp8Config:
     if self.num_programs < 0:
       raise ValueError(f"Fp8Config.num_programs={self.num_programs} must be >= 0 (0: a "
                        f"row block a program)")
-    if self.joint_stats and not self.packed:
-      raise ValueError("Fp8Config.joint_stats is a variant of the packed kernel: it needs "
-                       "packed=True")
 
 
 # The row-block kernels' configs. H200, bf16 x, e4m3fn, 2026-11-23 (CUPTI kernel time,
@@ -279,11 +265,6 @@ def _warps(tile_elems: int) -> int:
   return max(4, min(16, tile_elems // 256))
 
 
-# LayerNorm's packed tiles take Fp8Config.joint_stats on these devices (not yet measured:
-# none; docs/fp8.md#fp8-joint-stats).
-_JOINT_STATS_DEVICES: tuple[str, ...] = ()
-
-
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
                interpret: bool = False, param_dtype=None) -> Fp8Config:
@@ -341,11 +322,7 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
     bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x
-    cfg = Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
-    if (cfg.packed and subtract_mean
-        and any(d in device.name for d in _JOINT_STATS_DEVICES)):
-      cfg = dataclasses.replace(cfg, joint_stats=True)
-    return cfg
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
@@ -649,7 +626,7 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                   row_amax, stream_x, block_m, block_n, num_programs, joint_stats=False):
+                   row_amax, stream_x, block_m, block_n, num_programs):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -657,10 +634,8 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   loaded as their even and odd halves, and each pair of y values is quantised into one
   int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, the row sums taken in
   another order (pairs first): on the H100, y's bytes equal but for a few in 10^7, one
-  FP8 ulp apart (benchmarks/fp8_sweep8.py checks them). ``joint_stats`` (LayerNorm): the
-  statistics from one reduction of the shifted pair (``Fp8Config.joint_stats``)."""
+  FP8 ulp apart (benchmarks/fp8_sweep8.py checks them)."""
   del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
-  joint_stats = joint_stats and subtract_mean
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
       refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
   m, h = x_ref.shape
@@ -679,36 +654,19 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   if hoist_params:
     hoisted = params()
     params = lambda: hoisted
-  load_tile = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
-
-  def load(rb):  # (tile, each row's first value as f32 for joint_stats, else None)
-    if not joint_stats:
-      return load_tile(rb), None
-    rows, _, row_mask, _, _ = _tile_index(rb, 0, m, h, block_m=block_m, block_n=bh)
-    u0 = plgpu.load(x_ref.at[rows, 0], mask=row_mask,
-                    other=None if row_mask is None else jnp.array(0, x_ref.dtype))
-    return load_tile(rb), _unpack_bf16(u0)[0]
+  load = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
 
   def body(i, carry):
-    amax, (u, x0) = carry  # u: this row block's pairs as loaded, 0 outside
+    amax, u = carry  # u: this row block's pairs as loaded, 0 outside
     rb = pid + i * num_programs
-    nxt = load(rb + num_programs)  # the prefetch, carried as loaded
+    u_next = load(rb + num_programs)  # the prefetch, carried as loaded
     rows, _, row_mask, _, mask = tile(rb, 0)
     lo, hi = _unpack_bf16(u)
     mean = None
-    if joint_stats:  # one reduction of (sum d, sum d^2), d = x - x0
-      lo, hi = _where0(mask, lo - x0[:, None]), _where0(mask, hi - x0[:, None])
-      pair = jnp.sum(lax.stack([lo + hi, lo * lo + hi * hi], axis=2), axis=1)  # tt.join
-      s1, s2 = lax.unstack(pair, axis=1)
-      mu = s1 / n
-      mean = x0 + mu
-      rstd = lax.rsqrt(jnp.maximum(s2 / n - mu * mu, _F32(0)) + _F32(eps))
-      lo, hi = _where0(mask, lo - mu[:, None]), _where0(mask, hi - mu[:, None])
-    else:
-      if subtract_mean:
-        mean = jnp.sum(lo + hi, axis=1) / n
-        lo, hi = _where0(mask, lo - mean[:, None]), _where0(mask, hi - mean[:, None])
-      rstd = lax.rsqrt(jnp.sum(lo * lo + hi * hi, axis=1) / n + _F32(eps))
+    if subtract_mean:
+      mean = jnp.sum(lo + hi, axis=1) / n
+      lo, hi = _where0(mask, lo - mean[:, None]), _where0(mask, hi - mean[:, None])
+    rstd = lax.rsqrt(jnp.sum(lo * lo + hi * hi, axis=1) / n + _F32(eps))
     (we, be), (wo, bo) = params()
     ye = _affine(lo * rstd[:, None], we, be)
     yo = _affine(hi * rstd[:, None], wo, bo)
@@ -722,7 +680,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     a = _fold_amax(a, yo, fold_mask, hw_amax)
     amax = jnp.maximum(amax, _amax_out(a, (0, 1))) if row_amax else a
     _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
-    return amax, nxt
+    return amax, u_next
 
   amax, _ = lax.fori_loop(0, num_steps, body,
                           (_carry_init(row_amax, (block_m, bh), hw_amax), load(pid)))
@@ -779,11 +737,9 @@ def _row_launch(m, cfg: Fp8Config):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  statics = dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
-                 stream_x=cfg.stream_x, num_programs=g)
-  if cfg.packed:
-    return _packed_kernel, g, dict(statics, joint_stats=cfg.joint_stats), g
-  return _persistent_kernel, g, statics, g
+  return (_packed_kernel if cfg.packed else _persistent_kernel, g,
+          dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
+               stream_x=cfg.stream_x, num_programs=g), g)
 
 
 def _row_results(outs, m, subtract_mean):
