@@ -13,12 +13,12 @@ Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1
 BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
 instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
 runs of 8 elements a thread (``_fp8_sweep.forced_fp8_vector``) and the default config
-with 16-value runs beside them, docs/fp8.md#fp8-x-vector; ``--wide``: rows of 16384
+with 16-value runs beside them, docs/fp8_tuning.md#fp8-x-vector; ``--wide``: rows of 16384
 (4096x16384, 8192x16384), the split-row backward's widths, occupancy and lag, and the
-row-statistics + column pair (docs/fp8.md#fp8-x-wide); ``--occupancy``: [1, N'] x 16
+row-statistics + column pair (docs/fp8_tuning.md#fp8-x-wide); ``--occupancy``: [1, N'] x 16
 warps at two programs a SM, which fit only in 64 registers a thread, with and without
 the flags that free them (BackwardConfig.reload_scale, recompute_dx;
-docs/fp8.md#fp8-x-occupancy; ``--occupancy-widths``: the same 8 elements a thread at
+docs/fp8_tuning.md#fp8-x-occupancy; ``--occupancy-widths``: the same 8 elements a thread at
 N' = 8192 and 2048); ``--bf16-params``: scale/bias in bf16, not float32)
 """
 import dataclasses
@@ -71,7 +71,7 @@ def _occ(warps, per_sm, **flags):
                                 prefetch_stats=True, joint_row_sums=True, **flags)
 
 
-# --occupancy: (name, fields of the config), docs/fp8.md#fp8-x-occupancy
+# --occupancy: (name, fields of the config), docs/fp8_tuning.md#fp8-x-occupancy
 OCC_VARIANTS = [None,
                 ("x16 2/SM recompute+reload", _occ(16, 2, recompute_dx=True,
                                                    reload_scale=True)),

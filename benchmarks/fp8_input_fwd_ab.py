@@ -39,7 +39,7 @@ if os.environ.get("N8192P"):  # N = 8192 where the default is not persistent (th
   VARIANTS = [None, (2, 16, "static_persistent", 2), (2, 16, "static_persistent", 1),
               (1, 16, "static_persistent", 2), (2, 8, "static_persistent", 2),
               (2, 8, "static_persistent", 3)]
-if os.environ.get("N16384"):  # N = 16384, whole-row tiles of both modes (fp8.md#fp8-x-wide)
+if os.environ.get("N16384"):  # N = 16384, whole-row tiles of both modes (fp8_tuning.md#fp8-x-wide)
   SHAPES = [(4096, 16384), (8192, 16384)]
   VARIANTS = [None, (1, 16, "static_persistent", 1), (1, 32, "static_persistent", 1),
               (1, 8, "static_persistent", 2), (2, 32, "static_persistent", 1),

@@ -7,7 +7,7 @@ Run on the GPU machine: ``python benchmarks/fp8_input_time.py OUT.json`` (with
 kernel time (``pallas_norm.bench.timing.cupti_time``), median of 30 calls over 3 rotated
 input sets; GB/s on the bytes model in the JSON's meta; % of the copy measured by
 ``timing.measure_copy`` (XLA's negate of 1 GiB, in the same process). Results:
-docs/fp8.md#fp8-gpu.
+docs/fp8_tuning.md#fp8-gpu.
 """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np

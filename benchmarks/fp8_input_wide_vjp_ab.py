@@ -1,5 +1,5 @@
 """FP8-input forward + backward under ``jax.vjp`` at N = 16384: the forward's mode and
-FP8 x's load vector side by side (docs/fp8.md#fp8-x-wide-vjp). The forward that writes
+FP8 x's load vector side by side (docs/fp8_tuning.md#fp8-x-wide-vjp). The forward that writes
 mean/rstd ran slower than the plain forward at these widths (RMSNorm 4096x16384: 102.9 us
 under jax.vjp against 79.3 alone), and in ptxas's output (sm_90a, on CPU) the
 multi_wave_cached RMSNorm kernel that writes rstd converts its tiles through shared memory

@@ -1,4 +1,4 @@
-"""What the FP8 output's bytes model allows on this GPU (issue #27, docs/fp8.md#fp8-roofline).
+"""What the FP8 output's bytes model allows on this GPU (issue #27, docs/fp8_tuning.md#fp8-roofline).
 
 The FP8-output norm reads x (2 bytes an element) and writes y (1 byte): a 2:1 stream,
 unlike the copy (1:1) that the bench's "% of copy" divides by. This script times, per

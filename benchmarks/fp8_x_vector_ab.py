@@ -1,4 +1,4 @@
-"""A/B of FP8 x's load vector (``kernels.forward._fp8_vector``, docs/fp8.md#fp8-x-vector):
+"""A/B of FP8 x's load vector (``kernels.forward._fp8_vector``, docs/fp8_tuning.md#fp8-x-vector):
 the public FP8-input ops (x float8_e4m3fn, float32 scales a group of 16, bf16 scale/bias,
 y and dx bf16) with the FP8 x tile loaded in runs of 16 elements a thread ("v0", the
 loads before the rule), of 8 ("v8"), or by the rule ("rule": runs of 8 but in the kernels

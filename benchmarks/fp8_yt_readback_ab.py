@@ -1,6 +1,6 @@
 """The transposed FP8 copy (delayed scaling, ``transpose=True``) by read-back: a prototype
 kernel against the H100's design (the one-pass kernel, then XLA's transpose of y,
-docs/fp8.md#fp8-yt-separate) and the fused kernel (y_t stored from the same registers,
+docs/fp8_tuning.md#fp8-yt-separate) and the fused kernel (y_t stored from the same registers,
 32-row blocks walked twice).
 
 The read-back kernel: persistent programs walk super-blocks of ``sb_rows`` rows (r, r + G,

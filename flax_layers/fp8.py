@@ -240,7 +240,7 @@ def _quantise_xla(v, inv, fp8_dtype):
   minimum keep NaN as quantise's two selects do (+-Inf saturate, -0 stays -0). With the
   selects, XLA built the weight's quantise into transposing fusions (cuBLASLt's FP8 GEMM
   takes the weight K-contiguous) that wrote both comparison masks, [N, F] each, to memory
-  and read the weight three times (H100 HLO, docs/fp8.md#fp8-packed)."""
+  and read the weight three times (H100 HLO, docs/fp8_tuning.md#fp8-packed)."""
   hi = _fp8.fp8_max(fp8_dtype)
   return jnp.clip(v * inv, -hi, hi).astype(fp8_dtype)
 

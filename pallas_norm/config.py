@@ -486,7 +486,7 @@ _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
 # flags 149.2), 32768x2048 126.8 / 152.4 ([2, 2048] x 8 at 2 a SM); RMSNorm 32768x2048
 # 123.6 / 139.6 ([2, 2048] x 4 at 2 a SM). RMSNorm at N' = 4096 and 8192 keeps its tiles
 # (no faster). A float32 scale does not fit (LayerNorm 8192x4096 103.0 against 77.6).
-# The H200 is not measured. [docs/fp8.md#fp8-x-occupancy]
+# The H200 is not measured. [docs/fp8_tuning.md#fp8-x-occupancy]
 # {(subtract_mean, N'): (block_m, num_warps, programs a SM, BackwardConfig flags)}, the
 # flags as measured (prefetch_stats and joint_row_sums on in every variant of the sweep)
 _FP8_BWD_LN_FLAGS = dict(prefetch_stats=True, joint_row_sums=True)
@@ -503,7 +503,7 @@ _FP8_BWD_H100_2B = {
 # over programs) 79.3 / 106.4, 156.8 / 205.8; under jax.vjp static_persistent 102.9 /
 # 107.3, 204.7 / 206.7; LayerNorm's under jax.vjp multi_wave_cached 109.0 / 137.9,
 # 211.4 / 270.7. LayerNorm's forward alone keeps the heuristic's static_persistent (90.0
-# against 110.6 split). The H200 is not measured. [docs/fp8.md#fp8-x-wide]
+# against 110.6 split). The H200 is not measured. [docs/fp8_tuning.md#fp8-x-wide]
 # {(subtract_mean, return_residuals): mode}
 _FP8_WIDE_MODES_H100 = {(False, False): "multi_wave_cached",
                         (False, True): "static_persistent",
@@ -515,7 +515,7 @@ _FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
 # benchmarks/fp8_input_fwd_ab.py OUT bf16 at d607702 (us at 4096x16384 / 8192x16384):
 # 82.9 / 161.3 against 89.7 / 174.4 ([1, 16384] x 8 84.0 / 163.3, x 32 86.0 / 166.6; the
 # two-row tile 110.4 / 214.3). Under jax.vjp that tile takes 159.2 / 313.3 (the rule's
-# [2, 16384] x 16 109.7 / 207.9). [docs/fp8.md#fp8-x-wide]
+# [2, 16384] x 16 109.7 / 207.9). [docs/fp8_tuning.md#fp8-x-wide]
 # {(subtract_mean, return_residuals): mode} with 2-byte scale/bias, before the table above
 _FP8_WIDE_MODES_H100_2B = {(True, False): "multi_wave_cached"}
 _FP8_LN_FWD_H100_PRIMAL_16384_2B = (1, 16)  # (block_m, num_warps)
@@ -716,7 +716,7 @@ def _fp8_wide_mode(n: int, dtype, subtract_mean: bool, residual: bool,
   """The forward mode of the Pallas FP8-x forward of N-long rows, 8192 < N <= 16384, on
   the H100 without a residual add (``_FP8_WIDE_MODES_H100``; with 2-byte scale/bias
   ``_FP8_WIDE_MODES_H100_2B`` first), or None (the heuristic's
-  other rules). [docs/fp8.md#fp8-x-wide]"""
+  other rules). [docs/fp8_tuning.md#fp8-x-wide]"""
   if (backend != "pallas" or residual or np.dtype(dtype).itemsize != 1
       or "H100" not in device.name or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
     return None

@@ -299,7 +299,7 @@ def test_kernel_variants(fwd, bwd, g, fp8, layer):
 def test_stage1_flags_bitwise(layer):
   """FP8 x through the persistent stage 1 with the flags that free registers for two
   programs a SM (BackwardConfig.reload_scale and recompute_dx, with prefetch_stats and
-  joint_row_sums; docs/fp8.md#fp8-x-occupancy): dx, dscale and dbias bit for bit the
+  joint_row_sums; docs/fp8_tuning.md#fp8-x-occupancy): dx, dscale and dbias bit for bit the
   stock kernel's on the same tile (the same float32 operations in the same order). On
   the GPU (``--gpu``) at the tile of the rule and ragged rows."""
   from pallas_norm.kernels import backward
@@ -412,7 +412,7 @@ def test_lowers_for_cuda():
 
 def test_vector_cols_are_the_columns():
   """The FP8 load's index (forward._vector_cols: columns as runs of 8 for
-  Triton's axis analysis, docs/fp8.md#fp8-x-vector) holds the same column numbers, for
+  Triton's axis analysis, docs/fp8_tuning.md#fp8-x-vector) holds the same column numbers, for
   tile starts at any multiple of the tile and every vector width (0: cols itself)."""
   from pallas_norm.kernels import forward
   for start in (0, 16, 512, 4096, 2**20):
@@ -424,7 +424,7 @@ def test_vector_cols_are_the_columns():
 
 
 def test_fp8_vector_rule():
-  """forward._fp8_vector, the measured rule (docs/fp8.md#fp8-x-vector): runs of 8 but
+  """forward._fp8_vector, the measured rule (docs/fp8_tuning.md#fp8-x-vector): runs of 8 but
   for the kernels of _FP8_VECTOR_16 (16-value runs, 0), N' capped at 16384; _x_src gives
   each FP8 source its kernel's vector."""
   from pallas_norm.kernels import forward
@@ -444,7 +444,7 @@ def test_fp8_vector_rule():
 
 
 def test_fp8_bwd_two_byte_scale_rule():
-  """config._FP8_BWD_H100_2B (docs/fp8.md#fp8-x-occupancy): on the H100 the FP8-x
+  """config._FP8_BWD_H100_2B (docs/fp8_tuning.md#fp8-x-occupancy): on the H100 the FP8-x
   backward's one-tile stage 1 with a 2-byte scale runs 8 elements a thread at 1024
   threads a SM with the flags measured (LayerNorm N' = 2048, 4096, 8192; RMSNorm N' =
   2048); a float32 or unknown scale, RMSNorm at 4096, bf16 x, the H200 and other widths
@@ -485,7 +485,7 @@ def test_fp8_bwd_two_byte_scale_rule():
 
 
 def test_wide_fp8_mode_rule():
-  """config._FP8_WIDE_MODES_H100 (docs/fp8.md#fp8-x-wide): on the H100, FP8 x at
+  """config._FP8_WIDE_MODES_H100 (docs/fp8_tuning.md#fp8-x-wide): on the H100, FP8 x at
   8192 < N <= 16384 picks its forward mode by op and by return_residuals (LayerNorm's
   plain forward with 2-byte scale/bias by _FP8_WIDE_MODES_H100_2B); bf16 x, the
   H200, N outside the range, a residual add and the Triton backend keep the heuristic's

@@ -158,7 +158,7 @@ def _x_src(x_ref, refs: list, group_size: int, kernel: str, subtract_mean: bool)
               _fp8_vector(kernel, subtract_mean, x_ref.shape[1]))
 
 
-# FP8 x's load vector (docs/fp8.md#fp8-x-vector). Triton vectorises a load up to 16 bytes
+# FP8 x's load vector (docs/fp8_tuning.md#fp8-x-vector). Triton vectorises a load up to 16 bytes
 # a thread, 16 FP8 values, and the 2-byte tiles beside it (dy, y, dx) 8; the compiler may
 # then lay the tile out from the FP8 load and convert each 2-byte store through shared
 # memory (the FP8-x LayerNorm backward at [2, 4096] x 16 warps, ptxas sm_90a: 952

@@ -70,11 +70,11 @@ __all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quan
 _F32 = jnp.float32
 KERNELS = ("delayed", "stats", "quantise")
 # Compiled kernels cast to FP8 with the hardware's saturating conversion (``_emit``);
-# False keeps quantise's explicit clip there too (the A/B of docs/fp8.md#fp8-tuning).
+# False keeps quantise's explicit clip there too (the A/B of docs/fp8_tuning.md#fp8-tuning).
 HW_SATURATE = True
 # Compiled kernels keep the running amax as float32 |y| max-ed with PTX ``max.NaN.f32``
 # (``_fold_amax``: one FMNMX an element where the int32 bits take an AND and a max);
-# False keeps the int32 bits there too (the A/B of docs/fp8.md).
+# False keeps the int32 bits there too (the A/B of docs/fp8_tuning.md).
 HW_AMAX = True
 
 
@@ -115,13 +115,13 @@ class Fp8Config:
       used, and y leaves as int16 pairs of FP8 values (one two-value conversion each).
       The prefetched row block is then carried as loaded: carried as bf16 values, its
       128-bit loads are split one value a register inside the current row block's
-      math, which waits there for the prefetch (H100 ncu, docs/fp8.md#fp8-packed).
+      math, which waits there for the prefetch (H100 ncu, docs/fp8_tuning.md#fp8-packed).
       ValueError for x that is not bf16, an odd N, rows wider than block_n, y_t, or
       num_programs == 0.
     stream_x: persistent whole rows: x loaded with the ``.cg`` cache modifier (L2 only,
       ``_compat.stream_cache_modifier``, the forward's choice, measured on the H200's
       bf16 forward), or without (False: L1 and L2; faster for these kernels on the
-      H100, docs/fp8.md#fp8-packed). Ignored otherwise.
+      H100, docs/fp8_tuning.md#fp8-packed). Ignored otherwise.
   """
 
   block_m: int
@@ -145,7 +145,7 @@ class Fp8Config:
 
 
 # The row-block kernels' configs. H200, bf16 x, e4m3fn, 2026-11-23 (CUPTI kernel time,
-# median of 10 calls over inputs rotated over >= 256 MiB; docs/fp8.md#fp8-tuning,
+# median of 10 calls over inputs rotated over >= 256 MiB; docs/fp8_tuning.md#fp8-tuning,
 # benchmarks/results/h200_2026-11-23_sweep2_fp8_f2c3297.json): the pick against the
 # one-row-block-a-program kernel at the forward's tile, in us.
 _WHOLE_ROW_MAX = 8192  # rows up to this width stay in registers (forward's cached limit)

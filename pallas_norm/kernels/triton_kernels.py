@@ -263,7 +263,7 @@ def _group_scales(s_ptr, offs, mask, XGROUP: tl.constexpr, GROUPED: tl.constexpr
   grouped against gathered): the backward's stage 1 RMSNorm 70.8 against 102.0 us,
   LayerNorm 78.0 against 114.0; the forward RMSNorm 47.4 against 35.1 (so it gathers),
   LayerNorm 52.9 against 53.0 (it groups: ``GROUP_SCALES`` = SUBTRACT_MEAN there).
-  docs/fp8.md#fp8-input-gpu. Loaded next to a prefetched FP8 tile,
+  docs/fp8_tuning.md#fp8-input-gpu. Loaded next to a prefetched FP8 tile,
   multiplied in by ``_apply_scales`` when the tile is used."""
   BM: tl.constexpr = offs.shape[0]
   BN: tl.constexpr = offs.shape[1]
