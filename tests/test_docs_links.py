@@ -1,7 +1,7 @@
 """Every relative link of the user-facing Markdown (README.md, docs/*.md,
 benchmarks/README.md) reaches a file that exists and, with a #fragment, an anchor of
 that file: an explicit <a id="..."> or a heading's GitHub slug. Also every
-``docs/NAME.md#anchor`` named in the sources, tests and notebooks. Pure Python, no jax."""
+``docs/<name>.md#<anchor>`` named in the sources, tests and notebooks. Pure Python, no jax."""
 
 import pathlib
 import re
