@@ -32,9 +32,9 @@ TILES = {
     2048: [(2, 4, 4), (2, 8, 3), (2, 4, 6), (1, 4, 8)],
 }
 # k: programs a SM, or "G<g>" for g programs (a grid that divides the row blocks evenly)
-G = lambda k: int(k[1:]) if isinstance(k, str) else SMS * k
-P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(bm, n, w, G(k), True, h, ra,
-                                                     packed=True, stream_x=False)
+programs = lambda k: int(k[1:]) if isinstance(k, str) else SMS * k
+P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(
+    bm, n, w, programs(k), True, h, ra, packed=True, stream_x=False)
 OPS = ("rms", "layer")
 CASES = [("delayed", m, n) for m, n in ((8192, 4096), (16384, 4096), (32768, 2048),
                                         (8192, 8192))]

@@ -3,6 +3,7 @@ benchmarks/README.md) reaches a file that exists and, with a #fragment, an ancho
 that file: an explicit <a id="..."> or a heading's GitHub slug. Also every
 ``docs/<name>.md#<anchor>`` named in the sources, tests and notebooks. Pure Python, no jax."""
 
+import functools
 import pathlib
 import re
 import subprocess
@@ -16,13 +17,11 @@ def _slug(heading: str) -> str:
   return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def _anchors(path: pathlib.Path, cache={}) -> set[str]:  # noqa: B006 (a memo)
-  if path not in cache:
-    text = path.read_text()
-    found = set(re.findall(r'<a id="([^"]+)"', text))
-    found |= {_slug(m) for m in re.findall(r"^#+ (.*)$", text, re.M)}
-    cache[path] = found
-  return cache[path]
+@functools.cache
+def _anchors(path: pathlib.Path) -> frozenset[str]:
+  text = path.read_text()
+  return frozenset(re.findall(r'<a id="([^"]+)"', text)) | {
+      _slug(m) for m in re.findall(r"^#+ (.*)$", text, re.M)}
 
 
 def _broken(source: pathlib.Path, link: str) -> str | None:
