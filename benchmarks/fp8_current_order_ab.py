@@ -10,7 +10,9 @@ at 8192x4096, 16384x4096, 8192x8192, 32768x2048; bf16 x and scale/bias, e4m3fn. 
 kernel time of all of a call's kernels, median of 10 calls over inputs rotated over
 >= 256 MiB (so x is not in L2 when a call starts); y, y_t and the scale checked bitwise
 equal to "col"'s; % of copy on the issue's bytes model (read 2, write 1, + 1 with y_t),
-copy measured here. Usage: python benchmarks/fp8_current_order_ab.py OUT.json (GPU)"""
+copy measured here. Usage: python benchmarks/fp8_current_order_ab.py OUT.json (GPU), at
+5b55d8d: the hook it sets, `kernels.fp8._QUANTISE_ORDER`, was removed in the next commit
+(no order was faster: docs/fp8_tuning.md#fp8-current-order)."""
 import sys, json
 import jax, jax.numpy as jnp, numpy as np
 import pallas_norm
