@@ -3,8 +3,8 @@ stored as [block_m] vectors (the library) or as [block_m, 1] tiles, against the 
 kernel without them (docs/fp8_tuning.md#fp8-x-stats-store): multi_wave_cached whole-row
 tiles, x float8_e4m3fn with float32 scales a group of 16, bf16 scale/bias, the forward
 kernel alone (``kernels.forward.norm_forward``). Each variant compiled ahead of time with
-``kernels.forward.STATS_2D`` set while it is traced (the experiment switch of the commit
-that adds this script); CUPTI kernel time, median of 10 calls over 3 rotated x, variants
+``kernels.forward.STATS_2D`` set while it is traced (the experiment switch of b88e0b4,
+removed in the next commit: run the script at b88e0b4); CUPTI kernel time, median of 10 calls over 3 rotated x, variants
 interleaved in 5 rounds, the median; outputs checked bitwise equal between the two
 stores. Usage (GPU): python benchmarks/fp8_stats_2d_ab.py OUT.json"""
 import json, sys

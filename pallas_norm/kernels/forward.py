@@ -314,18 +314,8 @@ def _affine(x_hat, w, b, y_ref=None):
   return y
 
 
-STATS_2D = False  # experiment: mean/rstd stored as [block_m, 1] tiles
-
-
 def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   if rstd_ref is None:  # no residuals wanted (a forward outside of jax.vjp)
-    return
-  if STATS_2D:
-    idx = rows[:, None]
-    mask = None if row_mask is None else row_mask[:, None]
-    plgpu.store(rstd_ref.at[idx], rstd[:, None], mask=mask)
-    if mean_ref is not None:
-      plgpu.store(mean_ref.at[idx], mean[:, None], mask=mask)
     return
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:
