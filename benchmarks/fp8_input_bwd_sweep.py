@@ -9,13 +9,15 @@ x (1) and its scales (4/16), write dx (2) a element; dx and dscale checked again
 default config's (max |diff|).
 
 Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
-[--vector] [--wide] [--bf16-params] (``--stage1-flags``: the default config with
+[--vector] [--wide] [--wide-tile] [--bf16-params] (``--stage1-flags``: the default config with
 BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
 instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
 runs of 8 elements a thread (``_fp8_sweep.forced_fp8_vector``) and the default config
 with 16-value runs beside them, docs/fp8_tuning.md#fp8-x-vector; ``--wide``: rows of 16384
 (4096x16384, 8192x16384), the split-row backward's widths, occupancy and lag, and the
-row-statistics + column pair (docs/fp8_tuning.md#fp8-x-wide); ``--occupancy``: [1, N'] x 16
+row-statistics + column pair (docs/fp8_tuning.md#fp8-x-wide); ``--wide-tile``: the same
+rows as one register tile of 16 or 32 warps at one program a SM, with the stage-1 flags
+(docs/fp8_tuning.md#fp8-x-wide-tile); ``--occupancy``: [1, N'] x 16
 warps at two programs a SM, which fit only in 64 registers a thread, with and without
 the flags that free them (BackwardConfig.reload_scale, recompute_dx;
 docs/fp8_tuning.md#fp8-x-occupancy; ``--occupancy-widths``: the same 8 elements a thread at
@@ -107,6 +109,24 @@ WIDE_VARIANTS = [None, ("split W1024", _split(1024)), ("split W2048", _split(204
                  ("split W1024 early", _split(1024, 1, 3, True)),
                  ("pair 4096 w16", _pair(4096, 16)), ("pair 2048 w8", _pair(2048, 8)),
                  ("pair 4096 w16 x4", _pair(4096, 16, 4))]
+
+
+def _one_tile(warps, per_sm=1, **flags):
+  return lambda d, sms, n: dict(split_rows=False, block_m=1, block_n=n, num_warps=warps,
+                                num_programs=per_sm * sms, split_early_publish=False,
+                                **flags)
+
+
+# --wide-tile: a whole row of 16384 as one register tile (the single-tile stage 1 that
+# rows up to 8192 take), against the split-row default
+WIDE_TILE_VARIANTS = [None, ("one tile w32", _one_tile(32)), ("one tile w16", _one_tile(16)),
+                      ("one tile w32 +ps+js", _one_tile(32, prefetch_stats=True,
+                                                        joint_row_sums=True)),
+                      ("one tile w16 +ps+js", _one_tile(16, prefetch_stats=True,
+                                                        joint_row_sums=True)),
+                      ("one tile w32 +rdx", _one_tile(32, recompute_dx=True)),
+                      ("one tile w16 +rdx+rs", _one_tile(16, recompute_dx=True,
+                                                         reload_scale=True))]
 
 
 def _traced_with(fn, vec):
@@ -206,10 +226,12 @@ def main(out_path, variants=VARIANTS, shapes=None):
 PARAM = jnp.float32
 if __name__ == "__main__":
   PARAM = jnp.bfloat16 if "--bf16-params" in sys.argv[2:] else jnp.float32
-  wide = "--wide" in sys.argv[2:]
+  wide_tile = "--wide-tile" in sys.argv[2:]
+  wide = "--wide" in sys.argv[2:] or wide_tile
   occ = "--occupancy" in sys.argv[2:]
   occw = "--occupancy-widths" in sys.argv[2:]
   main(sys.argv[1], FLAG_VARIANTS if "--stage1-flags" in sys.argv[2:] else
-       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else WIDE_VARIANTS if wide else
+       VECTOR_VARIANTS if "--vector" in sys.argv[2:] else
+       WIDE_TILE_VARIANTS if wide_tile else WIDE_VARIANTS if wide else
        OCC_VARIANTS if occ else OCC_WIDTH_VARIANTS if occw else VARIANTS,
        WIDE_SHAPES if wide else OCC_SHAPES if occ else OCC_WIDTH_SHAPES if occw else None)
