@@ -336,14 +336,10 @@ _LN_PERSISTENT_TILES = (
 )
 
 # ---- Forward, Pallas: float32 scale/bias with a 2-byte x (the functional API called
-# with float32 parameters; the Flax layers cast them to x's dtype). The multi-wave tiles
-# re-read 4-byte scale/bias from L2 every row; static_persistent [2, N'] tiles load them
-# once a program. (LayerNorm, N', block_m, num_warps, programs a SM, devices). 2026-11-26,
-# us, float32 params default -> this tile (bf16 params default): LayerNorm 4096x8192
-# H200 62.4 -> 38.5 (37.5), H100 65.0 -> 48.4 (47.9); LayerNorm 8192x4096 H200 41.6 ->
-# 36.6 (36.2), H100 51.0 -> 47.6 (46.7); RMSNorm 8192x4096 H200 37.1 -> 34.5 (35.1), H100
-# 48.0 -> 47.6 (46.5); RMSNorm 4096x8192 H100 49.6 -> 46.9 (45.8), where the H200 keeps its
-# persistent tile (34.4). [T#f32-params]
+# with float32 parameters; the Flax layers cast them to x's dtype): static_persistent
+# [2, N'] tiles load them once a program where multi-wave tiles re-read them every row
+# (LayerNorm 4096x8192 62.4 -> 38.5). (LayerNorm, N', block_m, num_warps, programs a
+# SM, devices). [T#f32-params]
 _F32_PARAMS_TILES = (
     (True, 8192, 2, 8, 1, ("H100", "H200")),
     (True, 4096, 2, 8, 2, ("H100", "H200")),
@@ -410,11 +406,9 @@ _BWD_CHUNK_N, _BWD_CHUNK_WARPS, _BWD_CHUNK_OCCUPANCY = 4096, 16, 2
 # ---- Backward stage 2: all G partial rows of a column strip in one tile of at most
 # 8192 f32, one load deep (a loop over G cost ~8 us at N = 1024). [T#reduce]
 _REDUCE_TILE = 8192
-# Stage 2's warps on the Pallas backend: a tile / 1024 (8 for a full tile), not / 512
-# (16): up to 0.9 us faster a backward, and slower nowhere beyond the rounds' spread
-# (H200, 2026-11-26, 11 backwards, G = 16 to 528: LayerNorm + residual 8192x4096
-# 83.7/83.1, 4096x8192 86.0/85.1; RMSNorm 1024x4096 11.6/11.0). The Triton backend keeps
-# tile / 512 (not measured). [T#reduce]
+# Stage 2's warps on the Pallas backend: a tile / 1024 (8 for a full tile), not / 512:
+# up to 0.9 us faster a backward, slower nowhere (LayerNorm + residual 8192x4096
+# 83.7/83.1). The Triton backend keeps tile / 512 (not measured). [T#reduce]
 _REDUCE_ELEMS_PER_WARP = 1024
 _REDUCE_MAX_BLOCK_G, _REDUCE_MIN_BLOCK_N = 1024, 8  # bounds, not measured. [T#unmeasured]
 
@@ -429,66 +423,32 @@ _RES_NO_PERSISTENT_TILE_MAX_N = 8192
 _RES_LN_4096_FWD = (1, 8)  # (block_m, num_warps)
 
 # ---- FP8 x (x_scale=), RMSNorm forward at N' = 4096: [2, 4096] x 4 warps, not the
-# one-row tile. H200, 2026-11-26, e4m3 x, bf16 scale and y, us with the residuals
-# (mean/rstd, under jax.vjp) / without: 8192x4096 31.0/31.0 against 38.9/30.9,
-# 16384x4096 59.9/59.3 against 75.0/58.8 (float32 scale: 36.3/35.0 against 44.8/39.9).
-# The H100 is not measured. [T#fp8-in-fwd]
+# one-row tile (8192x4096 under jax.vjp: 31.0/38.9). [T#fp8-in-fwd]
 _FP8_RMS_FWD_BLOCK_N = 4096
 _FP8_RMS_FWD_TILE = (2, 4)  # (block_m, num_warps)
 # N' = 8192 (static_persistent, 2 programs a SM): [2, 8192] x 16 warps, not [1, 8192] x
 # 16. H200, 2026-11-26, 8192x8192, with / without residuals: 63.5/76.0 against
 # 84.0/79.1 us (multi_wave_cached [2, 8192] x 8: 67.7/67.2). [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192 = (2, 16)  # (block_m, num_warps)
-# On the H100 the FP8-x RMSNorm forward at N' = 8192 that also returns mean/rstd (under
-# jax.vjp; no residual add) takes that static_persistent [2, 8192] x 16 tile, 2 programs
-# a SM, instead of multi_wave_cached [1, 8192] x 8. H100, 2026-11-26, 8192x8192, us with
-# the residuals / without: bf16 scale 80.4/87.9 against 84.1/77.4, float32 scale
-# 89.8/86.4 against 103.4/92.6 (benchmarks/fp8_input_fwd_ab.py, N8192=1 and N8192P=1).
-# Without residuals the old tile stays (faster with a bf16 scale). LayerNorm keeps its
-# tile: with a bf16 scale multi_wave_cached [2, 8192] x 16 was fastest (88.4/89.6, the
-# persistent tile 100.0/89.8, the default 107.7/81.1), not a rule yet. [T#fp8-in-fwd]
+# H100: that tile at 2 programs a SM only where the forward also writes mean/rstd
+# (jax.vjp; 8192x8192 80.4/84.1 with a bf16 scale); the forward alone keeps
+# multi_wave_cached [1, 8192] x 8 (77.4/87.9). [T#fp8-in-fwd]
 _FP8_RMS_PERSISTENT_8192_H100_PER_SM = 2  # the tile: _FP8_RMS_PERSISTENT_8192
-# FP8-x LayerNorm forward at N' = 4096 on the H100 that writes no mean/rstd (the primal,
-# outside jax.vjp), with 2-byte scale/bias and no residual add: [1, 4096] x 8 warps, not
-# [2, 4096] x 4. H100, 2026-11-26, benchmarks/fp8_input_fwd_ab.py OUT bf16
-# (h100_2026-11-26_fp8in_fwd_ab_bf16_096b698.txt), us, [1, 4096] x 8 / [2, 4096] x 4:
-# 8192x4096 40.7 / 43.0, 16384x4096 78.5 / 83.1. Not with mean/rstd written (54.0 / 43.6,
-# 104.5 / 84.7) nor with float32 scale/bias (61.9 / 48.7, 117.6 / 93.2;
-# h100_2026-11-26_fp8in_fwd_ab.txt). [T#fp8-in-fwd]
+# H100, FP8-x LayerNorm forward at N' = 4096 without mean/rstd, 2-byte scale/bias, no
+# residual add: [1, 4096] x 8, not [2, 4096] x 4 (8192x4096 40.7/43.0). [T#fp8-in-fwd]
 _FP8_LN_FWD_H100_PRIMAL_2B = (1, 8)  # (block_m, num_warps)
-# FP8 x at N' = 8192 on the H100 (Pallas, no residual add), session 13, 2026-11-26,
-# benchmarks/fp8_input_fwd_ab.py with N8192=1 and N8192P=1, bf16 and f32 scale/bias
-# (h100_2026-11-26_fp8in_fwd_ab_8192_s13_{bf16,f32}.txt), us without / with mean/rstd
-# written: float32 scale/bias take the static_persistent [2, 8192] x 16, 2 a SM, tile
-# (_fp8_h100_8192) with or without residuals: LayerNorm 88.8 / 95.4 against 132.5 / 150.4
-# (multi_wave_cached [1, 8192] x 8), RMSNorm 86.2 without them against 93.3. LayerNorm
-# with 2-byte scale/bias under jax.vjp takes multi_wave_cached [2, 8192] x 16: 88.2
-# against 107.7 ([1, 8192] x 8; the static_persistent tile 100.0); without residuals
-# [1, 8192] x 8 stays (81.0). [T#fp8-in-fwd]
+# H100, FP8 x at N' = 8192: float32 scale/bias take static_persistent [2, 8192] x 16 at
+# 2 a SM (_fp8_h100_8192; LayerNorm 88.8/132.5); LayerNorm with 2-byte scale/bias under
+# jax.vjp takes multi_wave_cached [2, 8192] x 16 (88.2/107.7). [T#fp8-in-fwd]
 _FP8_LN_FWD_H100_RES_8192_2B = (2, 16)  # (block_m, num_warps)
-# FP8-x LayerNorm backward at N' = 4096 on the H100: [1, 4096] x 32 warps, 1 program a SM,
-# not the bf16 tile [2, 4096] x 16 (which spills with FP8 x: ptxas, sm_90a). H100,
-# 2026-11-26, benchmarks/fp8_input_bwd_sweep.py (stage 1 + 2, us): 8192x4096 82.8 against
-# 107.6, 16384x4096 159.5 against 206.8 ([1, 4096] x 4 at 4 a SM: 86.6 / 156.5). RMSNorm
-# and N' = 8192 keep theirs (the fastest there). With prefetch_stats on that tile (a
-# _stage1_flags rule): 77.5 / 149.6 against 82.3 / 159.0 (--stage1-flags). The H200 is not
-# measured. [T#fp8-in-bwd]
+# H100, FP8-x LayerNorm backward at N' = 4096: [1, 4096] x 32 warps, 1 a SM (the bf16
+# tile [2, 4096] x 16 spills with FP8 x; 8192x4096 82.8/107.6). [T#fp8-in-bwd]
 _FP8_LN_4096_BWD_H100 = (1, 32, 1)  # (block_m, num_warps, programs a SM)
-# With a 2-byte scale the FP8-x backward's one-tile stage 1 fits 8 elements a thread at
-# 1024 threads a SM where the flags that free registers let it (64 registers a thread):
-# recompute_dx (the partials before the row reductions) and reload_scale (the scale's
-# tile loaded each row block, not held). At N' = 4096 LayerNorm takes 64 with both (ptxas
-# sm_90a; 79 with the scale held, 77-86 at any other setting). H100, 2026-11-26,
-# benchmarks/fp8_input_bwd_sweep.py --bf16-params with --occupancy (5c3caa7) and
-# --occupancy-widths (cf0483f), stage 1 + 2, us, this / the tile before: LayerNorm
-# 8192x4096 68.6 / 77.1, 16384x4096 129.4 / 149.0 ([1, 4096] x 32 at 1 a SM; either flag
-# alone 81.6-91.0 / 152.8-170.9), 8192x8192 132.4 / 141.7 ([1, 8192] x 16; with both
-# flags 149.2), 32768x2048 126.8 / 152.4 ([2, 2048] x 8 at 2 a SM); RMSNorm 32768x2048
-# 123.6 / 139.6 ([2, 2048] x 4 at 2 a SM). RMSNorm at N' = 4096 and 8192 keeps its tiles
-# (no faster). A float32 scale does not fit (LayerNorm 8192x4096 103.0 against 77.6).
-# The H200 is not measured. [docs/fp8_tuning.md#fp8-x-occupancy]
-# {(subtract_mean, N'): (block_m, num_warps, programs a SM, BackwardConfig flags)}, the
-# flags as measured (prefetch_stats and joint_row_sums on in every variant of the sweep)
+# H100, FP8 x, 2-byte scale: the one-tile stage 1 at 8 elements a thread and 1024 threads
+# a SM where recompute_dx and reload_scale bring it to 64 registers (LayerNorm 8192x4096
+# 68.6/77.1); a float32 scale does not fit. {(subtract_mean, N'): (block_m, num_warps,
+# programs a SM, BackwardConfig flags)}, prefetch_stats and joint_row_sums on as in every
+# variant measured. [docs/fp8_tuning.md#fp8-x-occupancy]
 _FP8_BWD_LN_FLAGS = dict(prefetch_stats=True, joint_row_sums=True)
 _FP8_BWD_H100_2B = {
     (True, 2048): (1, 8, 4, dict(_FP8_BWD_LN_FLAGS, reload_scale=True)),
@@ -496,65 +456,32 @@ _FP8_BWD_H100_2B = {
     (True, 8192): (1, 32, 1, dict(_FP8_BWD_LN_FLAGS, recompute_dx=True)),
     (False, 2048): (1, 8, 4, dict(prefetch_stats=True, recompute_dx=True)),
 }
-# FP8 x on the H100 at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by
-# op and by whether it also writes mean/rstd (jax.vjp's forward). H100, 2026-11-26,
-# benchmarks/fp8_input_wide_modes.py (bf16 scale/bias; us at 4096x16384 / 8192x16384,
-# this mode / the heuristic's): RMSNorm's forward alone multi_wave_cached (rows split
-# over programs) 79.3 / 106.4, 156.8 / 205.8; under jax.vjp static_persistent 102.9 /
-# 107.3, 204.7 / 206.7; LayerNorm's under jax.vjp multi_wave_cached 109.0 / 137.9,
-# 211.4 / 270.7. LayerNorm's forward alone keeps the heuristic's static_persistent (90.0
-# against 110.6 split). The H200 is not measured. [docs/fp8_tuning.md#fp8-x-wide]
-# {(subtract_mean, return_residuals): mode}
+# H100, FP8 x at 8192 < N <= 16384 (Pallas, no residual add): the forward's mode by op and
+# by whether it writes mean/rstd (RMSNorm alone multi_wave_cached, 4096x16384
+# 79.3/106.4). {(subtract_mean, return_residuals): mode} [docs/fp8_tuning.md#fp8-x-wide]
 _FP8_WIDE_MODES_H100 = {(False, False): "multi_wave_cached",
                         (False, True): "static_persistent",
                         (True, True): "multi_wave_cached"}
 _FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
-# LayerNorm's plain forward there (no mean/rstd written) with 2-byte scale/bias: the
-# whole row in [1, 16384] x 16 (multi_wave_cached), not the one-program-a-SM
-# static_persistent tile of the same shape. H100, 2026-11-26, N16384=1
-# benchmarks/fp8_input_fwd_ab.py OUT bf16 at d607702 (us at 4096x16384 / 8192x16384):
-# 82.9 / 161.3 against 89.7 / 174.4 ([1, 16384] x 8 84.0 / 163.3, x 32 86.0 / 166.6; the
-# two-row tile 110.4 / 214.3). Under jax.vjp that tile takes 159.2 / 313.3 (the rule's
-# [2, 16384] x 16 109.7 / 207.9). [docs/fp8_tuning.md#fp8-x-wide]
-# {(subtract_mean, return_residuals): mode} with 2-byte scale/bias, before the table above
+# ... with 2-byte scale/bias, LayerNorm's plain forward: multi_wave_cached [1, 16384] x 16
+# (4096x16384 82.9/89.7), looked up before the table above. [docs/fp8_tuning.md#fp8-x-wide]
 _FP8_WIDE_MODES_H100_2B = {(True, False): "multi_wave_cached"}
 _FP8_LN_FWD_H100_PRIMAL_16384_2B = (1, 16)  # (block_m, num_warps)
-# LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16); also on the H100
-# (2026-11-26, 4096x8192 / 8192x8192 with recompute_dx: 105.5/107.7, 198.5/201.8 at 16;
-# without it 107.7/113.7, 201.0/215.0). [T#recompute-dx]
+# LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16; H100 with
+# recompute_dx 4096x8192 105.5/107.7). [T#recompute-dx]
 _RES_LN_8192_BWD_WARPS = 32
 _RES_LN_8192_BWD_WARPS_DEVICES = ("H200", "H100")
 _RES_DEVICE, _RES_MAX_ITEMSIZE = "H200", 2
-# LayerNorm + residual, N' = 8192, bf16, the Pallas backward, every GPU: the stage-1
-# kernel converts x and dy to float32 again for dx after the row reductions
-# (BackwardConfig.recompute_dx), so that the float32 x_hat and g are not live across
-# them (ptxas sm_90a: [1, 8192] x 32 warps spills 24 bytes a thread without it, none
-# with it). H100, 2026-11-26, 4096x8192 / 8192x8192: 105.5/107.7, 198.5/201.0 at 32
-# warps; 107.7/113.7, 201.8/215.0 at 16. [T#recompute-dx]
+# LayerNorm + residual, N' = 8192, bf16, Pallas, every GPU: recompute_dx, x and dy
+# converted again for dx after the row reductions ([1, 8192] x 32 spills without it;
+# H100 4096x8192 105.5/107.7 at 32 warps). [T#recompute-dx]
 _RES_LN_8192_BWD_RECOMPUTE = True
 
 # ---- Backward stage 1, the persistent one-tile kernel (N' <= 8192), Pallas, 2-byte
-# dtypes, on _STAGE1_FLAGS_DEVICES. H100, 2026-11-26, stage 1 + 2 us, stock / the rule's
-# flags (best other combination): [T#stage1-flags]
-# - prefetch_stats (mean/rstd loaded a row block ahead): LayerNorm 8192x4096 80.7/74.6,
-#   4096x4096 43.9/40.2, 16384x4096 153.0/143.0, 8192x512 14.8/13.3; RMSNorm 8192x2048
-#   42.5/39.9, 8192x1024 23.7/22.0. Not at N' = 8192 for RMSNorm (4096x8192 73.4/73.4,
-#   8192^2 139.9/140.5) or LayerNorm + residual (4096x8192 105.1/107.2).
-# - joint_row_sums (LayerNorm): 4096x8192 82.2/77.0 (78.3 without), 8192^2 154.3/143.8
-#   (146.3), 8192x3072 61.2/60.0 (65.6), 8192x1024 24.1/23.3 (24.4); with the residual
-#   8192x4096 103.6/98.4 (108.4), 16384x4096 195.3/187.8, 4096x8192 105.1/104.7, 8192^2
-#   197.9/195.9. Not for plain N' = 4096 tiles (8192x4096 74.6 with prefetch_stats alone,
-#   84.3 with both).
-# Neither for LayerNorm + residual at N' = 2048 (32768x2048 187.7/215.4 with
-# prefetch_stats, 225.8 joint_row_sums, 216.5 both; 8192x2048 53.7/62.9), which is where
-# the kernel bench caught it (fwd+bwd 96.4% -> 89.8% of copy); with N' = 512-1024 both
-# (16384x1024 59.8/55.5, 8192x1024 34.7/32.1, 16384x512 34.1/32.2). Not below N' = 512
-# (not measured). RMSNorm + residual prefetch_stats: 16384x1024 61.8/53.3, 32768x2048
-# 189.3/188.2; LayerNorm 32768x2048 148.3/140.2, 16384x1024 41.9/40.9.
-# FP8 x (1-byte x, float32 group scales, no residual; benchmarks/fp8_input_bwd_sweep.py
-# --stage1-flags): RMSNorm prefetch_stats (8192x4096 66.6/65.1, 16384x4096 126.7/124.1,
-# 8192^2 130.1/126.5); LayerNorm joint_row_sums (8192x4096 111.0/108.3, 16384x4096
-# 213.3/207.9; prefetch_stats there 131.0, 249.7) and at N' = 8192 both (153.8/141.6).
+# dtypes and FP8 x, on _STAGE1_FLAGS_DEVICES, from N' = 512: prefetch_stats (mean/rstd a
+# row block ahead) and joint_row_sums (LayerNorm) by op, N' and residual add, where each
+# measured faster (_stage1_flags; LayerNorm 8192x4096 74.6/80.7 with prefetch_stats, H100).
+# [T#stage1-flags]
 _STAGE1_FLAGS_DEVICES = ("H100",)
 _STAGE1_FLAGS_MIN_BLOCK_N = 512
 
