@@ -170,14 +170,10 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     # config (sweep 3)
     ("delayed", "layer", 8192): (2, 8, 2, True),
 }
-# H100 overrides of _PERSISTENT_ROWS (bf16 x, float32 scale/bias, e4m3fn, 2026-11-26,
-# benchmarks/fp8_sweep5.py: h100_2026-11-26_sweep5_fp8.json; every other entry above was
-# the fastest or within 1% on the H100 too): LayerNorm 8192x8192 86.3 against 90.1 us.
-# Programs a SM 0: one row block a program, scale/bias in the tile's layout (sweep 6,
-# benchmarks/fp8_sweep6.py, h100_2026-11-26_sweep6_fp8.json). The kernel bench (bf16
-# scale/bias) had no cell slower with these (h100_2026-11-26_fp8_c9feceb.json).
-# The five-element tiles take row_amax (sweep 7, benchmarks/fp8_sweep7.py,
-# h100_2026-11-26_sweep7_fp8.json; us, new / the pick before it).
+# H100 overrides of _PERSISTENT_ROWS (sweeps 5-7; every other entry above was the
+# fastest or within 1% on the H100 too); programs a SM 0: one row block a program; the
+# five-element tiles take row_amax. Us, this / the pick before it.
+# [docs/fp8_tuning.md#fp8-h100-2026-11-26, #fp8-h100-row-amax]
 _PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("delayed", "layer", 8192): (2, 16, 1, True),
     ("delayed", "rms", 2048): (1, 4, 8, True, True),   # 32768x2048: 72.3 / 75.9
@@ -189,20 +185,17 @@ _PERSISTENT_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("stats", "layer", 4096): (1, 4, 6, True, True),   # 8192x4096: 28.1 / 33.1
     ("stats", "layer", 8192): (1, 8, 2, True, True),   # 8192x8192: 61.5 / 71.2
 }
-# H100, 2-byte scale/bias (bf16/fp16), where they want another tile than float32's
-# (sweep 7 with bfloat16 params, h100_2026-11-26_sweep7_fp8_bf16.json; us, this / the
-# float32 pick, both with bf16 params): reloading 2-byte params a row block is cheap.
+# H100, 2-byte scale/bias where they want another tile than float32's (reloading 2-byte
+# params a row block is cheap); us, this / the float32 pick, both with bf16 params.
+# [docs/fp8_tuning.md#fp8-h100-row-amax]
 _PERSISTENT_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
     ("delayed", "rms", 4096): (1, 16, 3, False),    # 16384x4096: 71.0 / 74.1
     ("stats", "layer", 8192): (1, 4, 0, True),      # 8192x8192: 53.2 / 61.1
 }
-# H100, bf16 x of even N: sweep 8 (benchmarks/fp8_sweep8.py; h100_2026-11-26_sweep8_fp8
-# _f32.json / _bf16.json, scale/bias float32 / bfloat16): Fp8Config.packed (x carried as
-# bf16 pairs) and stream_x=False (x loaded without .cg), which beat every pick above on
-# the H100. {(kernel, op, N'): (block_m, num_warps, programs a SM, hoist_params,
-# row_amax, packed, stream_x)}; us at 8192x4096 / 16384x4096 (N' 4096), 32768x2048,
-# 8192x8192 (delayed) and 8192x4096, 32768x2048, 8192x8192 (stats), this / the pick
-# before it, float32 scale/bias:
+# H100, bf16 x of even N (sweep 8): Fp8Config.packed (x carried as bf16 pairs) and
+# stream_x=False (x loaded without .cg) beat every pick above. {(kernel, op, N'):
+# (block_m, num_warps, programs a SM, hoist_params, row_amax, packed, stream_x)}; us at
+# the sweep's shapes, this / the pick before it. [docs/fp8_tuning.md#fp8-packed]
 _BF16_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("delayed", "rms", 4096): (2, 8, 2, True, True, True, False),    # 35.6/38.2, 69.3/74.2
     # 39.0/43.4, 74.7/82.9; 2 a SM (the registers' limit) against 4: 39.0/39.5, 74.7/75.4
@@ -229,18 +222,12 @@ _BF16_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
 # LayerNorm 75.9 / 85.0). The second walk of a row block reads 32 * N * itemsize bytes
 # back from L2.
 _T_ROWS, _T_BLOCK_N, _T_WARPS, _T_PROGRAMS_PER_SM, _T_TILE_PARAMS = 32, 128, 16, 2, True
-# H100, LayerNorm with y_t: 4 programs a SM (benchmarks/fp8_sweep_t.py,
-# h100_2026-11-26_sweep_t_fp8.json; us, 4 / 2 a SM): 8192x4096 91.6 / 92.0, 16384x4096
-# 182.5 / 229.0, 8192x8192 179.0 / 183.9, 32768x2048 157.4 / 158.0. RMSNorm keeps 2
-# (16384x4096: 167.0 / 159.8).
+# H100, LayerNorm with y_t: 4 programs a SM (16384x4096 182.5/229.0; RMSNorm keeps 2).
+# [docs/fp8_tuning.md#fp8-h100-2026-11-26]
 _T_PROGRAMS_PER_SM_H100_LAYER = 4
 # Delayed scaling with y_t on the H100: the one-pass kernel without y_t, then XLA's
-# transpose of the FP8 y (1 + 1 more bytes an element), instead of the fused kernel above
-# (y_t stored from the same registers, but 32-row blocks walked twice). H100, 2026-11-26,
-# benchmarks/fp8_yt_design_ab.py (h100_2026-11-26_fp8_yt_design_ab.txt), bf16 x and
-# scale/bias, us, separate / fused: RMSNorm 8192x4096 64.4 / 85.5, 16384x4096 121.4 /
-# 159.1, 8192x8192 128.1 / 169.4, 32768x2048 123.4 / 143.1; LayerNorm 70.0 / 88.9, 132.4
-# / 173.9, 139.8 / 174.7, 132.9 / 152.1. The H200 is not measured.
+# transpose of the FP8 y, not the fused kernel above (RMSNorm 8192x4096 64.4/85.5). The
+# H200 is not measured. [docs/fp8_tuning.md#fp8-yt-separate]
 _T_SEPARATE_DEVICES = ("H100",)
 _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 / 38.0, but
 #                       32768x2048 80.2 / 69.2)
