@@ -1,6 +1,7 @@
 """The packed FP8-output kernel (``Fp8Config.packed``, bf16 x carried as pairs) with its
 bf16 scale/bias held as uint32 pairs and unpacked at each use (the experiment switch
-``kernels.fp8._PACKED_PARAMS`` of the commit that adds this script), against the same
+``kernels.fp8._PACKED_PARAMS`` of 8e38493, removed in the next commit: run the script
+there), against the same
 kernel holding them as float32 (the library): half the registers for the hoisted
 scale/bias, which might let more programs fit a SM. Delayed scaling and the current
 scaling's statistics kernel, RMSNorm and LayerNorm, bf16 x and scale/bias, e4m3fn, the

@@ -613,8 +613,7 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                   row_amax, stream_x, block_m, block_n, num_programs,
-                   packed_params=False):
+                   row_amax, stream_x, block_m, block_n, num_programs):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -639,24 +638,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     return tuple(_load_params(scale_ref, bias_ref, c[None, :], cm, scale_offset)
                  for c in (2 * cols, 2 * cols + 1))
 
-  if packed_params:  # experiment: bf16 scale/bias as uint32 pairs, unpacked at each use
-    def raw():
-      return tuple(None if r is None else _load(r.at[cols[None, :]], cm)
-                   for r in (scale_ref, bias_ref))
-
-    held = raw() if hoist_params else None
-
-    def params():
-      ws, bs = held if hoist_params else raw()
-      we = wo = be = bo = None
-      if ws is not None:
-        we, wo = _unpack_bf16(ws)
-        if scale_offset:
-          we, wo = we + _F32(scale_offset), wo + _F32(scale_offset)
-      if bs is not None:
-        be, bo = _unpack_bf16(bs)
-      return (we, be), (wo, bo)
-  elif hoist_params:
+  if hoist_params:
     hoisted = params()
     params = lambda: hoisted
   load = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
@@ -732,21 +714,7 @@ def _row_outs(x, subtract_mean, num_amax):
           + [out_struct((num_amax,), jnp.int32, x)])
 
 
-_PACKED_PARAMS = False  # experiment: bf16 scale/bias passed to _packed_kernel as pairs
-
-
-def _pair_params(scale, bias, cfg: Fp8Config):
-  """(scale, bias, packed): with _PACKED_PARAMS, a packed config and bf16 (or absent)
-  scale/bias, their [N / 2] uint32 pair views (a bitcast); else as given."""
-  ps = [p for p in (scale, bias) if p is not None]
-  if not (_PACKED_PARAMS and cfg.packed and ps and all(p.dtype == jnp.bfloat16 for p in ps)):
-    return scale, bias, False
-  view = lambda p: None if p is None else lax.bitcast_convert_type(
-      p.reshape(-1, 2), jnp.uint32)
-  return view(scale), view(bias), True
-
-
-def _row_launch(m, cfg: Fp8Config, params_packed: bool = False):
+def _row_launch(m, cfg: Fp8Config):
   """(kernel, grid, statics, amax partials) of the row-block kernels for ``cfg``: a row
   block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
   (_persistent_kernel, or _packed_kernel for cfg.packed; at most one a row block; an
@@ -756,11 +724,9 @@ def _row_launch(m, cfg: Fp8Config, params_packed: bool = False):
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
-  extra = dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
-               stream_x=cfg.stream_x, num_programs=g)
-  if cfg.packed and params_packed:
-    extra["packed_params"] = True
-  return (_packed_kernel if cfg.packed else _persistent_kernel, g, extra, g)
+  return (_packed_kernel if cfg.packed else _persistent_kernel, g,
+          dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
+               stream_x=cfg.stream_x, num_programs=g), g)
 
 
 def _row_results(outs, m, subtract_mean):
@@ -843,9 +809,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias))
-  scale_p, bias_p, pp = _pair_params(scale, bias, cfg)
-  kernel, grid, extra, num_amax = _row_launch(m, cfg, pp)
-  outs = _call(kernel, [_packed_x(x, cfg, transpose), scale_p, bias_p, _inv(inv)],
+  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  outs = _call(kernel, [_packed_x(x, cfg, transpose), scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose, cfg.packed)
                + _row_outs(x, subtract_mean, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
@@ -877,9 +842,8 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
                              interpret=interpret, param_dtype=_param_dtype(scale, bias))
-  scale_p, bias_p, pp = _pair_params(scale, bias, cfg)
-  kernel, grid, extra, num_amax = _row_launch(m, cfg, pp)
-  outs = _call(kernel, [_packed_x(x, cfg, False), scale_p, bias_p],
+  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  outs = _call(kernel, [_packed_x(x, cfg, False), scale, bias],
                _row_outs(x, subtract_mean, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
