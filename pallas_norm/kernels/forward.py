@@ -362,7 +362,7 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
   if STATS_TILE and rstd_ref is not None:  # experiment: stats stored from the tile's shape
     shape = (block_m, block_n)
-    sel = jnp.broadcast_to(cols[None, :] == cols[0], shape)
+    sel = jnp.broadcast_to(cols[None, :] == 0, shape)  # one tile: cols from 0
     if row_mask is not None:
       sel = sel & row_mask[:, None]
     idx = jnp.broadcast_to(rows[:, None], shape)
