@@ -315,7 +315,7 @@ def _affine(x_hat, w, b, y_ref=None):
 
 
 STATS_TILE = False  # experiment: mean/rstd stored by masked [block_m, block_n] stores
-PARAMS_2D = False  # experiment: multi_wave_cached's scale/bias as [1, block_n] rows
+PARAMS_2D = False  # experiment: the one-tile forwards' scale/bias as [1, block_n] rows
 
 
 def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
@@ -614,6 +614,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
     _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+    if PARAMS_2D:  # experiment: scale/bias as [1, block_n] rows
+      cols, col_mask = cols[None, :], None if col_mask is None else col_mask[None, :]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
