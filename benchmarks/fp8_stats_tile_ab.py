@@ -1,7 +1,8 @@
 """The FP8-x forward (multi_wave_cached) that writes mean/rstd, after ncu showed what the
 stores change (docs/fp8_tuning.md#fp8-x-stats-store): with them the compiler lays the
 tile out so that scale/bias and y go through shared memory (ldmatrix/stmatrix). Two
-switches of the commit that adds this script (``kernels.forward.STATS_TILE``: mean/rstd
+switches of 59c4c3a, removed after e05a7b5 (run the script at 59c4c3a;
+``kernels.forward.STATS_TILE``: mean/rstd
 stored by masked stores of [block_m, block_n] tiles in the tile's own shape;
 ``PARAMS_2D``: scale/bias loaded as [1, block_n] rows), each alone and both, with and
 without mean/rstd, against the library. x float8_e4m3fn with float32 scales a group of

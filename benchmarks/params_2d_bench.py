@@ -1,6 +1,7 @@
 """The kernel bench (``python -m pallas_norm.bench``) with the experiment switch
 ``kernels.forward.PARAMS_2D`` (the one-tile forwards' scale/bias loaded as
-[1, block_n] rows; the commit that adds this script) set or not, so that one bench run
+[1, block_n] rows, multi_wave_cached and static_persistent; e05a7b5, removed in the next
+commit: run the script there) set or not, so that one bench run
 each gives the switch's A/B. Usage (GPU): python benchmarks/params_2d_bench.py on|off
 BENCH_ARGS..."""
 import sys

@@ -314,10 +314,6 @@ def _affine(x_hat, w, b, y_ref=None):
   return y
 
 
-STATS_TILE = False  # experiment: mean/rstd stored by masked [block_m, block_n] stores
-PARAMS_2D = False  # experiment: the one-tile forwards' scale/bias as [1, block_n] rows
-
-
 def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   if rstd_ref is None:  # no residuals wanted (a forward outside of jax.vjp)
     return
@@ -360,16 +356,6 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   w, b = params()
   y = _affine(x * rstd[:, None], w, b, y_ref)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-  if STATS_TILE and rstd_ref is not None:  # experiment: stats stored from the tile's shape
-    shape = (block_m, block_n)
-    sel = jnp.broadcast_to(cols[None, :] == 0, shape)  # one tile: cols from 0
-    if row_mask is not None:
-      sel = sel & row_mask[:, None]
-    idx = jnp.broadcast_to(rows[:, None], shape)
-    plgpu.store(rstd_ref.at[idx], jnp.broadcast_to(rstd[:, None], shape), mask=sel)
-    if mean_ref is not None:
-      plgpu.store(mean_ref.at[idx], jnp.broadcast_to(mean[:, None], shape), mask=sel)
-    return
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
 
@@ -586,8 +572,6 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-  if PARAMS_2D:  # experiment: scale/bias loaded as [1, block_n] rows
-    cols, col_mask = cols[None, :], None if col_mask is None else col_mask[None, :]
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
                block_m=block_m, block_n=block_n)
@@ -614,8 +598,6 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks.
     _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-    if PARAMS_2D:  # experiment: scale/bias as [1, block_n] rows
-      cols, col_mask = cols[None, :], None if col_mask is None else col_mask[None, :]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
