@@ -1,7 +1,7 @@
 """What the FP8-output kernels' mean/rstd stores cost: delayed scaling and the current
 scaling's statistics kernel at the library's configs (``fp8_config``), with the stores
-(the library) and without (``kernels.fp8._NO_ROW_STATS``, the experiment switch of the
-commit that adds this script: mean/rstd left unwritten, wrong as outputs, timing only),
+(the library) and without (``kernels.fp8._NO_ROW_STATS``, the experiment switch of d00d918,
+removed in the next commit: mean/rstd left unwritten, wrong as outputs, timing only),
 RMSNorm and LayerNorm, bf16 x and scale/bias, e4m3fn, the kernel alone. CUPTI kernel
 time, median of 10 calls over inputs rotated past 256 MiB, variants interleaved in 5
 rounds, the median; y checked bitwise equal. Usage (GPU): python

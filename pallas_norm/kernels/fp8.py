@@ -474,12 +474,7 @@ def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, b
   return mean, rstd, _walk(cdiv(n, block_n), body, amax)
 
 
-_NO_ROW_STATS = False  # experiment: mean/rstd not stored (what the stores cost)
-
-
 def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
-  if _NO_ROW_STATS:
-    return
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
