@@ -17,6 +17,8 @@ import sys, json
 import jax, jax.numpy as jnp, numpy as np
 import pallas_norm
 from pallas_norm.bench import timing
+
+import _fp8_sweep as S
 from pallas_norm.kernels import fp8 as K
 out = sys.argv[1]
 timing.warm_up()
@@ -45,10 +47,7 @@ for m, n in SHAPES:
       raw = lambda outs: [np.asarray(a).tobytes() for a in outs if a is not None]
       ref = raw(fns["col"](*xs[0]))
       eq = {k: raw(f(*xs[0])) == ref for k, f in fns.items()}
-      res = {k: [] for k in fns}
-      for _ in range(5):
-        for k, f in fns.items():
-          res[k].append(timing.time_us(f, xs, 10))
+      res = S.interleaved_us(fns, xs)
       nbytes = (4 if t else 3) * m * n
       for k, v in res.items():
         us = float(np.median(v))

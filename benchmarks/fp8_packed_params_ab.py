@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from pallas_norm import config as C
 from pallas_norm.bench import timing
+
+import _fp8_sweep as S
 from pallas_norm.kernels import fp8 as K
 
 E4 = jnp.float8_e4m3fn
@@ -52,10 +54,7 @@ for kern, layer, m, n, bm, warps, per_sms in CELLS:
       name = f"{per_sm}/SM {'pairs' if pp else 'f32'}"
       fns[name] = f
       outs[name] = [np.asarray(a).tobytes() for a in jax.tree.leaves(f(xs[0][0]))]
-  res = {k: [] for k in fns}
-  for _ in range(5):
-    for k, f in fns.items():
-      res[k].append(timing.time_us(f, xs, 10))
+  res = S.interleaved_us(fns, xs)
   cell = f"{kern} {'layer' if layer else 'rms'} {m}x{n} [{bm}, {n}] x {warps}"
   for k, v in res.items():
     ref = outs[f"{k.split()[0]} f32"]

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from pallas_norm.bench import timing
+
+import _fp8_sweep as S
 from pallas_norm.kernels import fp8 as K
 
 E4 = jnp.float8_e4m3fn
@@ -41,10 +43,7 @@ for m, n in ((8192, 4096), (16384, 4096), (8192, 8192), (32768, 2048)):
         name = "no stores" if off else "library"
         fns[name] = f
         ys[name] = np.asarray(f(xs[0][0])[0]).tobytes()
-      res = {k: [] for k in fns}
-      for _ in range(5):
-        for k, f in fns.items():
-          res[k].append(timing.time_us(f, xs, 10))
+      res = S.interleaved_us(fns, xs)
       cell = f"{kern} {'layer' if layer else 'rms'} {m}x{n}"
       for k, v in res.items():
         us = float(np.median(v))

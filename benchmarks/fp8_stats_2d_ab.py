@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from pallas_norm import config as C
 from pallas_norm.bench import timing
+
+import _fp8_sweep as S
 from pallas_norm.kernels import forward as F
 
 CELLS = [(True, 4096, 16384, 16), (True, 4096, 16384, 8), (False, 4096, 16384, 8),
@@ -20,10 +22,7 @@ CELLS = [(True, 4096, 16384, 16), (True, 4096, 16384, 8), (False, 4096, 16384, 8
 rows = []
 timing.warm_up()
 for layer, m, n, warps in CELLS:
-  xs8 = [(2 * jax.random.normal(jax.random.key(i), (m, n))).astype(jnp.float8_e4m3fn)
-         for i in range(3)]
-  s = jax.random.uniform(jax.random.key(5), (m, n // 16), minval=0.5, maxval=2.0)
-  w = (1 + 0.1 * jax.random.normal(jax.random.key(2), (n,))).astype(jnp.bfloat16)
+  xs8, s, w, _, _ = S.fp8x_inputs(m, n)
   cfg = C.ForwardConfig("multi_wave_cached", 1, n, warps)
   fns, outs = {}, {}
   for name, res, two_d in (("without", False, False), ("vector", True, False),
@@ -39,10 +38,7 @@ for layer, m, n, warps in CELLS:
     fns[name] = f
     outs[name] = [np.asarray(a) for a in jax.tree.leaves(f(xs8[0]))]
   equal = all(np.array_equal(a, b) for a, b in zip(outs["vector"], outs["tile_2d"]))
-  res_t = {k: [] for k in fns}
-  for _ in range(5):
-    for k, f in fns.items():
-      res_t[k].append(timing.time_us(f, [(x,) for x in xs8], 10))
+  res_t = S.interleaved_us(fns, [(x,) for x in xs8])
   cell = f"{'layer' if layer else 'rms'} {m}x{n} [1, {n}] x {warps}"
   for k, v in res_t.items():
     us = float(np.median(v))

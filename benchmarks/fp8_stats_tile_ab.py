@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from pallas_norm import config as C
 from pallas_norm.bench import timing
+
+import _fp8_sweep as S
 from pallas_norm.kernels import forward as F
 
 CELLS = [(True, 4096, 16384, 16), (False, 4096, 16384, 8), (True, 8192, 4096, 8),
@@ -27,10 +29,7 @@ VARIANTS = [("nores", False, False, False), ("nores params_2d", False, False, Tr
 rows = []
 timing.warm_up()
 for layer, m, n, warps in CELLS:
-  xs8 = [(2 * jax.random.normal(jax.random.key(i), (m, n))).astype(jnp.float8_e4m3fn)
-         for i in range(3)]
-  s = jax.random.uniform(jax.random.key(5), (m, n // 16), minval=0.5, maxval=2.0)
-  w = (1 + 0.1 * jax.random.normal(jax.random.key(2), (n,))).astype(jnp.bfloat16)
+  xs8, s, w, _, _ = S.fp8x_inputs(m, n)
   cfg = C.ForwardConfig("multi_wave_cached", 1, n, warps)
   fns, outs = {}, {}
   for name, res, st, p2 in VARIANTS:
@@ -44,10 +43,7 @@ for layer, m, n, warps in CELLS:
       F.STATS_TILE = F.PARAMS_2D = False
     fns[name] = f
     outs[name] = [np.asarray(a).tobytes() for a in jax.tree.leaves(f(xs8[0]))]
-  res_t = {k: [] for k in fns}
-  for _ in range(5):
-    for k, f in fns.items():
-      res_t[k].append(timing.time_us(f, [(x,) for x in xs8], 10))
+  res_t = S.interleaved_us(fns, [(x,) for x in xs8])
   cell = f"{'layer' if layer else 'rms'} {m}x{n} [1, {n}] x {warps}"
   for k, v in res_t.items():
     ref = outs["res" if k.startswith("res") else "nores"]
