@@ -5,8 +5,7 @@ every config once a round, within a time budget), the median of the rounds a con
 printed and written as JSON with each group's best.
 CUPTI kernel time (``pallas_norm.bench.timing.time_us``: median of ``iters`` calls over
 the rotated inputs). ``time_rounds``: the A/B scripts' interleaved rounds with each
-kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py, fp8_input_wide_vjp_ab.py),
-``interleaved_us`` the rounds alone;
+kernel's time (fp8_x_vector_ab.py, fp8_input_wide_modes.py, fp8_input_wide_vjp_ab.py);
 ``fp8x_inputs``: the FP8-input A/Bs' inputs; ``forced_fp8_vector``: FP8 x's load vector
 forced while a function is traced (fp8_input_bwd_sweep.py --vector), and
 ``compiled_with_vector`` a function compiled so (fp8_x_vector_ab.py,
@@ -89,15 +88,6 @@ def time_rounds(fns, rows, arg_sets, *, rounds=5, iters=10):
     r = sorted(row["rounds"])
     row["us"] = r[len(r) // 2]
     row["kernel_us"] = [round(sorted(c)[len(c) // 2], 2) for c in zip(*row["kernel_us"])]
-
-
-def interleaved_us(fns, arg_sets, *, rounds=5, iters=10):
-  """{name: [us a round]}: ``time_rounds`` of ``fns`` over ``arg_sets``, the rounds only
-  (the session-18 A/B scripts: fp8_current_order_ab.py, fp8_stats_2d_ab.py,
-  fp8_stats_tile_ab.py, fp8_packed_params_ab.py, fp8_row_stats_cost_ab.py)."""
-  rows = {k: {} for k in fns}
-  time_rounds(fns, rows, arg_sets, rounds=rounds, iters=iters)
-  return {k: r["rounds"] for k, r in rows.items()}
 
 
 def run(groups, out, *, budget_s, t0, num_sms, note, rounds=3, iters=10, describe=str):
