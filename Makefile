@@ -49,7 +49,8 @@ GPU_SITE ?= /tmp/pallas_norm_site
 define gpu_env
 if ls .whl/*.whl >/dev/null 2>&1; then \
   $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl; fi; \
-export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH;
+export PYTHONPATH=$(CURDIR):$(GPU_SITE):$(CURDIR)/.whl/stubs:$$PYTHONPATH; \
+export XLA_PYTHON_CLIENT_PREALLOCATE=$${XLA_PYTHON_CLIENT_PREALLOCATE:-false};
 endef
 
 # With two or more GPUs, the sharding tests run on them too. The single-GPU part in one
@@ -58,7 +59,8 @@ endef
 # h200_2026-11-26_gpu-check_rest_partial_b48c78c.log); with pytest-xdist (its wheels and
 # execnet's in .whl: pip download pytest-xdist execnet --no-deps -d .whl),
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q --gpu -n 8 tests
-# took 5 min 54 s on an H200 (2026-11-26; benchmarks/README.md), tests/sharded then
+# (gpu_env sets that variable: with it unset, 8 workers preallocating ran an H100 out of
+# memory at collection, 2026-11-27) took 5 min 54 s on an H200 (2026-11-26; benchmarks/README.md), tests/sharded then
 # run as below, without -n. The tests marked bigmem (arrays past 2**31 elements, ~26 GiB
 # each) run afterwards in a process of their own: beside xdist workers, which keep the
 # memory they took, they ran an 80 GB H100 out of memory, on one worker as well
