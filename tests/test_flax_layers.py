@@ -289,6 +289,91 @@ def test_linen_in_a_model():
                              Net(nn.RMSNorm).apply(v_ref, x), rtol=1e-5, atol=1e-5)
 
 
+class _ScanBlock(nnx.Module):
+  """x + Linear(norm(x)), bf16 activations: the block a scanned LLM stack repeats."""
+
+  def __init__(self, norm, *, rngs: nnx.Rngs):
+    self.norm = norm(_D, rngs=rngs)
+    self.lin = nnx.Linear(_D, _D, dtype=jnp.bfloat16, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.lin(self.norm(x))
+
+
+class _ScanStack(nnx.Module):
+  """Three blocks with stacked params ([3, ...]), run by nnx.scan over nnx.remat."""
+
+  def __init__(self, norm, *, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _ScanBlock(norm, rngs=rngs)
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, block):
+      return block(x)
+    return body(x, self.blocks)
+
+
+@pytest.mark.parametrize("pair", _PAIRS, ids=["rms", "ln"])
+def test_nnx_scan_over_layers_matches_flax(pair):
+  """Layers stacked by nnx.vmap and run by nnx.scan (+ remat), as scanned LLM stacks are."""
+  x = jax.random.normal(jax.random.key(3), (2, 5, _D), jnp.bfloat16)
+  results = []
+  for cls in pair:
+    model = _ScanStack(cls, rngs=nnx.Rngs(0))
+    loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+    results.append(nnx.jit(nnx.value_and_grad(loss))(model, x))
+  (l_ref, g_ref), (l_got, g_got) = results
+  np.testing.assert_allclose(float(l_got), float(l_ref), rtol=2e-2)
+  g_ref, g_got = nnx.to_pure_dict(g_ref), nnx.to_pure_dict(g_got)
+  assert g_got["blocks"]["norm"]["scale"].shape == (3, _D)
+  for path in (("norm", "scale"), ("lin", "kernel")):
+    want = g_ref["blocks"][path[0]][path[1]]
+    got = g_got["blocks"][path[0]][path[1]]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                               atol=2e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
+@pytest.mark.parametrize("pair", _LINEN_PAIRS, ids=["rms", "ln"])
+def test_linen_scan_over_layers_matches_flax(pair):
+  """Linen: nn.scan over nn.remat blocks, params stacked on a leading layer axis."""
+  def stack(norm):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        return x + nn.Dense(_D, dtype=jnp.bfloat16)(norm()(x)), None
+
+    class Stack(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        layers = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=3)
+        return layers()(x, None)[0]
+    return Stack()
+
+  x = jax.random.normal(jax.random.key(4), (2, 5, _D), jnp.bfloat16)
+  results = []
+  for cls in pair:
+    net = stack(cls)
+    params = net.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.mean(net.apply(p, x).astype(jnp.float32) ** 2)
+    results.append((params, jax.jit(jax.value_and_grad(loss))(params, x)))
+  (p_ref, (l_ref, g_ref)), (p_got, (l_got, g_got)) = results
+  _assert_same_params(p_ref, p_got)
+  np.testing.assert_allclose(float(l_got), float(l_ref), rtol=2e-2)
+  (name,) = [k for k in g_got["params"]["ScanCheckpointBlock_0"] if "Norm" in k]
+  want = jax.tree.leaves(g_ref["params"]["ScanCheckpointBlock_0"][name])
+  got = jax.tree.leaves(g_got["params"]["ScanCheckpointBlock_0"][name])
+  for w, g in zip(want, got, strict=True):
+    assert g.shape[0] == 3
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w),
+                               atol=2e-2 * float(jnp.max(jnp.abs(w))), rtol=0)
+
+
 def test_all_names():
   assert flax_layers.__all__ == ["RMSNorm", "LayerNorm", "RMSNormDenseFP8",
                                  "LayerNormDenseFP8", "Fp8Meta", "update_fp8_meta", "linen"]

@@ -535,6 +535,72 @@ def test_nnx_with_partitioning_under_jit(axis_type):
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "residual"])
+def test_nnx_scan_over_layers_sharded(axis_type, fused):
+  """A scanned stack (nnx.vmap-stacked blocks, nnx.scan + nnx.remat) on data-parallel
+  activations: the norm's custom partitioning inside the while loop, no all-gather, and
+  the loss and dscale of flax's RMSNorm (ours: with the fused residual add, or not)."""
+  mesh = jax.make_mesh((NDEV,), ("data",), axis_types=(AXIS_TYPES[axis_type],))
+  d = 32
+
+  def stack(cls):
+    ours = cls is pallas_norm.RMSNorm
+
+    class Block(nnx.Module):
+      def __init__(self, rngs):
+        self.norm = cls(d, rngs=rngs, **({"residual_dtype": jnp.float32} if ours else {}))
+        self.lin = nnx.Linear(d, d, dtype=jnp.bfloat16, rngs=rngs)
+
+      def __call__(self, carry):
+        x, r = carry
+        if ours and fused:
+          y, h = self.norm(x, residual=r)
+        else:
+          h = x.astype(jnp.float32) + r
+          y = self.norm(h.astype(x.dtype))
+        return self.lin(y), h
+
+    class Stack(nnx.Module):
+      def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+          return Block(rngs)
+        self.blocks = make(rngs)
+
+      def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(carry, block):
+          return block(carry)
+        return body((x, jnp.zeros_like(x, dtype=jnp.float32)), self.blocks)[0]
+    return Stack(nnx.Rngs(0))
+
+  x = jax.random.normal(jax.random.key(9), (2 * NDEV, 3, d), jnp.bfloat16)
+  results = []
+  for cls in (pallas_norm.RMSNorm, nnx.RMSNorm):
+    with jax.set_mesh(mesh):
+      graphdef, state = nnx.split(stack(cls))
+      xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+
+      @jax.jit
+      def step(state, x):
+        loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss)(state)
+
+      if cls is pallas_norm.RMSNorm:
+        text = step.lower(state, xs).compile().as_text()
+        assert _collectives(text)["all-gather"] == 0, _collectives(text)
+      results.append(step(state, xs))
+  (l_got, g_got), (l_ref, g_ref) = results
+  np.testing.assert_allclose(float(l_got), float(l_ref), rtol=1e-2)
+  got = np.asarray(g_got["blocks"]["norm"]["scale"][...])
+  want = np.asarray(g_ref["blocks"]["norm"]["scale"][...])
+  assert got.shape == (3, d)
+  np.testing.assert_allclose(got, want, atol=1e-2 * float(np.max(np.abs(want))), rtol=0)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 def test_linen_with_logical_partitioning_under_jit(axis_type):
   """Linen: params boxed by nn.with_logical_partitioning, sharded by their logical rules."""
   mesh = jax.make_mesh((2, HALF), ("data", "model"),
