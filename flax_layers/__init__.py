@@ -13,22 +13,24 @@ the layers need nothing: the ops serve the sharding as it is. ``axis_name`` and
 ``axis_index_groups`` have flax's meaning, inside ``jax.shard_map``: the statistics are
 reduced over that mesh axis. Params may carry ``nnx.with_partitioning`` metadata.
 
-Differences from flax: the normalised axis is always the last one (flax's
-``reduction_axes=-1`` / ``feature_axes=-1`` defaults); there is no ``mask`` or
-``promote_dtype`` argument; LayerNorm always uses the two-pass variance (flax's
-``use_fast_variance=False``), which is at least as accurate.
+Every argument of flax's layers is accepted. Differences from flax: the normalised axis
+is always the last one (``reduction_axes`` / ``feature_axes`` other than the last axis:
+ValueError); ``mask`` is not supported (NotImplementedError); ``use_fast_variance`` does
+not change the math: the statistics are float32 and LayerNorm's variance is that of the
+centred values, at least as accurate as either flax setting.
 """
 
 from __future__ import annotations
 
 import typing as tp
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as _dtypes
 
-from flax_layers import linen
+from flax_layers import _flax_args, linen
 from flax_layers.fp8 import Fp8Meta, LayerNormDenseFP8, RMSNormDenseFP8, update_fp8_meta
 from pallas_norm import ops as _ops
 
@@ -36,11 +38,13 @@ __all__ = ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8M
            "update_fp8_meta", "linen"]
 
 
-def _maybe_param(use: bool, init, rngs: nnx.Rngs, num_features: int, param_dtype):
-  """A [num_features] Param, drawing one ``rngs.params()`` key only when used (as flax)."""
+def _maybe_param(use: bool, init, rngs: nnx.Rngs, num_features: int, param_dtype,
+                 metadata=MappingProxyType({})):
+  """A [num_features] Param with flax's ``*_metadata``, drawing one ``rngs.params()`` key
+  only when used (as flax)."""
   if not use:
     return nnx.data(None)
-  return nnx.Param(init(rngs.params(), (num_features,), param_dtype))
+  return nnx.Param(init(rngs.params(), (num_features,), param_dtype), **metadata)
 
 
 def _residual(layer, residual) -> dict:
@@ -65,14 +69,25 @@ class _Norm(nnx.Module):
       scale_offset: float = 0.0,
       mode: str | None = None,
       backend: str | None = "pallas",
+      reduction_axes: _flax_args.Axes = -1,
+      feature_axes: _flax_args.Axes = -1,
       axis_name: str | tuple[str, ...] | None = None,
       axis_index_groups: tp.Any = None,
+      use_fast_variance: bool = True,
+      promote_dtype: tp.Callable = _dtypes.promote_dtype,
       residual_dtype: tp.Any | None = None,
       cast: str = "torch",
       rngs: nnx.Rngs,
+      scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
   ):
+    _flax_args.check_axes(reduction_axes, feature_axes)
+    if cast == "llama" and promote_dtype is not _dtypes.promote_dtype:
+      raise ValueError(
+          "cast='llama' keeps x's dtype (HF's LlamaRMSNorm rounds x_hat to it) and casts "
+          "the params to `dtype`: a custom promote_dtype does not apply; pass one or the other")
     self.scale: nnx.Param[jax.Array] | None = _maybe_param(use_scale, scale_init, rngs,
-                                                            num_features, param_dtype)
+                                                            num_features, param_dtype,
+                                                            scale_metadata)
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -81,16 +96,22 @@ class _Norm(nnx.Module):
     self.scale_offset = scale_offset
     self.mode = mode
     self.backend = backend
+    self.reduction_axes = reduction_axes
+    self.feature_axes = feature_axes
     self.axis_name = axis_name
     self.axis_index_groups = axis_index_groups
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
     self.residual_dtype = residual_dtype
     self.cast = cast
 
-  def _inputs(self, x, *params):
-    """x and the params for the op: flax's promotion to ``dtype``; under cast="llama"
-    x keeps its dtype (HF rounds x_hat to it) and the params are cast to ``dtype``."""
+  def _inputs(self, x, residual, mask, *params):
+    """Checks the call (flax's axes and mask), then x and the params for the op:
+    ``promote_dtype`` (flax's promotion to ``dtype`` by default); under cast="llama" x
+    keeps its dtype (HF rounds x_hat to it) and the params are cast to ``dtype``."""
+    _flax_args.check_call(x, self.reduction_axes, self.feature_axes, mask, residual)
     if self.cast != "llama":
-      return _dtypes.promote_dtype((x, *params), dtype=self.dtype)
+      return self.promote_dtype((x, *params), dtype=self.dtype)
     return (x, *(p if p is None or self.dtype is None else p.astype(self.dtype)
                  for p in params))
 
@@ -147,18 +168,27 @@ class RMSNorm(_Norm):
       ``pallas_norm.rms_norm`` (HF's LlamaRMSNorm and GemmaRMSNorm; "gemma" implies
       ``scale_offset=1.0``, use it with ``scale_init=nnx.initializers.zeros``). Under
       "llama" x is not promoted: y's dtype is that of x times the weight.
+    reduction_axes, feature_axes: flax's; the last axis only (-1, the default, or
+      ``x.ndim - 1``); any other raises ValueError.
+    use_fast_variance: accepted for flax compatibility; no effect (the statistics are
+      float32, LayerNorm's variance that of the centred values).
+    promote_dtype: the function that promotes ``(x, scale[, bias])`` to ``dtype``
+      (default: flax's ``promote_dtype``); not with ``cast="llama"`` (ValueError).
     rngs: rng key.
+    scale_metadata: metadata of the ``scale`` Param, as in flax (for example
+      ``{"sharding": ("model",)}`` under a mesh).
   """
 
-  def __call__(self, x, residual=None):
+  def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., num_features]``; returns the same shape.
 
     With ``residual`` (x's shape), the fused residual add of a pre-norm block: returns
     ``(y, h)``, h = x + residual (in ``residual_dtype``) and y = the norm of h
-    (``pallas_norm.rms_norm(..., residual=)``).
+    (``pallas_norm.rms_norm(..., residual=)``). ``mask`` (flax's) is not supported:
+    anything but None raises NotImplementedError.
     """
     scale = None if self.scale is None else self.scale[...]
-    x, scale = self._inputs(x, scale)
+    x, scale = self._inputs(x, residual, mask, scale)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, axis_name=self.axis_name,
@@ -211,7 +241,10 @@ class LayerNorm(_Norm):
       backend measured faster on this GPU), passed to ``pallas_norm.layer_norm``.
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
     residual_dtype, cast: as in ``RMSNorm``.
+    reduction_axes, feature_axes, use_fast_variance, promote_dtype: as in ``RMSNorm``.
     rngs: rng key.
+    bias_metadata, scale_metadata: metadata of the ``bias`` / ``scale`` Params, as in
+      flax.
   """
 
   def __init__(
@@ -232,23 +265,33 @@ class LayerNorm(_Norm):
       axis_index_groups: tp.Any = None,
       residual_dtype: tp.Any | None = None,
       cast: str = "torch",
+      reduction_axes: _flax_args.Axes = -1,
+      feature_axes: _flax_args.Axes = -1,
+      use_fast_variance: bool = True,
+      promote_dtype: tp.Callable = _dtypes.promote_dtype,
       rngs: nnx.Rngs,
+      bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+      scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
   ):
     super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                      use_scale=use_scale, scale_init=scale_init, scale_offset=scale_offset,
-                     mode=mode, backend=backend, axis_name=axis_name,
-                     axis_index_groups=axis_index_groups, residual_dtype=residual_dtype,
-                     cast=cast, rngs=rngs)
+                     mode=mode, backend=backend, reduction_axes=reduction_axes,
+                     feature_axes=feature_axes, axis_name=axis_name,
+                     axis_index_groups=axis_index_groups,
+                     use_fast_variance=use_fast_variance, promote_dtype=promote_dtype,
+                     residual_dtype=residual_dtype, cast=cast, rngs=rngs,
+                     scale_metadata=scale_metadata)
     self.bias: nnx.Param[jax.Array] | None = _maybe_param(use_bias, bias_init, rngs,
-                                                           num_features, param_dtype)
+                                                           num_features, param_dtype,
+                                                           bias_metadata)
     self.use_bias = use_bias
 
-  def __call__(self, x, residual=None):
+  def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., num_features]``; returns the same shape, or ``(y, h)``
-    with a ``residual`` (as ``RMSNorm``)."""
+    with a ``residual`` (as ``RMSNorm``; ``mask``: NotImplementedError unless None)."""
     scale = None if self.scale is None else self.scale[...]
     bias = None if self.bias is None else self.bias[...]
-    x, scale, bias = self._inputs(x, scale, bias)
+    x, scale, bias = self._inputs(x, residual, mask, scale, bias)
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, axis_name=self.axis_name,

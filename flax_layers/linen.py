@@ -5,7 +5,12 @@ collection (``scale``, ``bias``: names, shapes, dtypes and initialisers) as
 ``flax.linen.RMSNorm`` / ``flax.linen.LayerNorm``. The result dtype follows flax:
 ``dtype`` if given, otherwise the result type of the input and the parameters. They
 add ``scale_offset``, ``mode`` and ``backend``, which pass through to
-``pallas_norm.rms_norm`` / ``layer_norm``. The normalised axis is always the last one.
+``pallas_norm.rms_norm`` / ``layer_norm``. Every flax attribute is accepted, in flax's
+order (positional construction matches flax's), with the NNX layers' differences: the
+normalised axis is always the last one (other ``reduction_axes`` / ``feature_axes``:
+ValueError), ``mask`` is not supported (NotImplementedError), and
+``use_fast_variance`` / ``force_float32_reductions`` do not change the math (float32
+statistics, at least as accurate as either flax setting).
 ``axis_name`` / ``axis_index_groups`` have flax's meaning (inside ``jax.shard_map``);
 sharded arrays under ``jax.jit`` need neither. ``RMSNormDenseFP8`` / ``LayerNormDenseFP8``
 are the twins of the FP8 norm -> dense layers of ``flax_layers.fp8``.
@@ -20,15 +25,20 @@ from flax import linen as nn
 from flax.linen import dtypes as _dtypes
 from flax.linen import initializers
 
+from flax_layers import _flax_args
 from flax_layers import fp8 as _fp8
 from pallas_norm import ops as _ops
 
 __all__ = ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8"]
 
 
-def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses):
-  """Creates the [N] params named ``names`` and casts x to the result dtype (under
-  cast="llama": x keeps its dtype, the params are cast to ``dtype`` if given)."""
+def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses, residual,
+                      mask):
+  """Checks flax's axes and mask, creates the [N] params named ``names`` and casts x
+  to the result dtype (under cast="llama": x keeps its dtype, the params are cast to
+  ``dtype`` if given)."""
+  _flax_args.check_axes(mdl.reduction_axes, mdl.feature_axes)
+  _flax_args.check_call(x, mdl.reduction_axes, mdl.feature_axes, mask, residual)
   feature_shape = (jnp.shape(x)[-1],)
   params = [mdl.param(name, init, feature_shape, mdl.param_dtype) if use else None
             for name, init, use in zip(names, inits, uses)]
@@ -89,6 +99,11 @@ class RMSNorm(nn.Module):
       returned residual stream h (default: None, r's dtype).
     cast: "torch" (default), "llama" or "gemma", as in ``pallas_norm.rms_norm``; under
       "llama" x keeps its dtype and the params are cast to ``dtype`` (if given).
+    reduction_axes, feature_axes: flax's; the last axis only (-1, the default, or
+      ``x.ndim - 1``); any other raises ValueError.
+    use_fast_variance, force_float32_reductions: accepted for flax compatibility; no
+      effect (the statistics are float32, LayerNorm's variance that of the centred
+      values).
   """
 
   epsilon: float = 1e-6
@@ -96,20 +111,25 @@ class RMSNorm(nn.Module):
   param_dtype: tp.Any = jnp.float32
   use_scale: bool = True
   scale_init: initializers.Initializer = initializers.ones
+  reduction_axes: _flax_args.Axes = -1
+  feature_axes: _flax_args.Axes = -1
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: tp.Any = None
+  use_fast_variance: bool = True
+  force_float32_reductions: bool = True
   scale_offset: float = 0.0
   mode: str | None = None
   backend: str | None = "pallas"
-  axis_name: str | tuple[str, ...] | None = None
-  axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None
   cast: str = "torch"
 
   @nn.compact
-  def __call__(self, x, residual=None):
+  def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., N]``; returns the same shape. With ``residual`` (x's
-    shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add)."""
+    shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add).
+    ``mask`` (flax's): NotImplementedError unless None."""
     x, (scale,) = _params_and_input(self, x, ("scale",), (self.scale_init,),
-                                    (self.use_scale,))
+                                    (self.use_scale,), residual, mask)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, **_axis_args(self),
@@ -149,6 +169,8 @@ class LayerNorm(nn.Module):
     backend: "pallas" (default), "triton", "mosaic", "xla" or None (as in ``pallas_norm.rms_norm``).
     axis_name, axis_index_groups: as in ``RMSNorm`` (flax's meaning).
     residual_dtype, cast: as in ``RMSNorm``.
+    reduction_axes, feature_axes, use_fast_variance, force_float32_reductions: as in
+      ``RMSNorm``.
   """
 
   epsilon: float = 1e-6
@@ -158,21 +180,25 @@ class LayerNorm(nn.Module):
   use_scale: bool = True
   bias_init: initializers.Initializer = initializers.zeros
   scale_init: initializers.Initializer = initializers.ones
+  reduction_axes: _flax_args.Axes = -1
+  feature_axes: _flax_args.Axes = -1
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: tp.Any = None
+  use_fast_variance: bool = True
+  force_float32_reductions: bool = True
   scale_offset: float = 0.0
   mode: str | None = None
   backend: str | None = "pallas"
-  axis_name: str | tuple[str, ...] | None = None
-  axis_index_groups: tp.Any = None
   residual_dtype: tp.Any | None = None
   cast: str = "torch"
 
   @nn.compact
-  def __call__(self, x, residual=None):
+  def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., N]``; returns the same shape, or ``(y, h)`` with a
-    ``residual`` (as ``RMSNorm``)."""
+    ``residual`` (as ``RMSNorm``; ``mask``: NotImplementedError unless None)."""
     x, (scale, bias) = _params_and_input(self, x, ("scale", "bias"),
                                          (self.scale_init, self.bias_init),
-                                         (self.use_scale, self.use_bias))
+                                         (self.use_scale, self.use_bias), residual, mask)
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, **_axis_args(self),

@@ -5,6 +5,8 @@ and once with pallas_norm's; params, outputs, gradients, an optax step, split/me
 remat must agree. Runs the Pallas kernels (interpret mode on CPU), so shapes are small.
 """
 
+import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -287,6 +289,109 @@ def test_linen_in_a_model():
   _assert_same_params(v_ref, v_got)
   np.testing.assert_allclose(jax.jit(Net(pl_linen.RMSNorm).apply)(v_got, x),
                              Net(nn.RMSNorm).apply(v_ref, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair", _PAIRS, ids=["rms", "ln"])
+def test_nnx_accepts_every_flax_argument(pair):
+  flax_cls, ours_cls = pair
+  theirs = inspect.signature(flax_cls.__init__).parameters
+  ours = inspect.signature(ours_cls.__init__).parameters
+  assert [k for k in theirs if k not in ours] == []
+  for k in theirs:
+    assert ours[k].kind == theirs[k].kind, k
+    if theirs[k].default is not inspect.Parameter.empty:
+      assert ours[k].default == theirs[k].default, k
+  assert "mask" in inspect.signature(ours_cls.__call__).parameters
+
+
+@pytest.mark.parametrize("pair", _LINEN_PAIRS, ids=["rms", "ln"])
+def test_linen_accepts_every_flax_attribute_in_flax_order(pair):
+  """Positional construction means the same as flax's: flax's fields are our prefix."""
+  flax_cls, ours_cls = pair
+  names = lambda c: [f.name for f in dataclasses.fields(c) if f.name not in ("parent", "name")]
+  assert names(ours_cls)[:len(names(flax_cls))] == names(flax_cls)
+  defaults = {f.name: f.default for f in dataclasses.fields(flax_cls)}
+  for f in dataclasses.fields(ours_cls):
+    if f.name in defaults and f.name not in ("parent", "name"):
+      assert f.default == defaults[f.name], f.name
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"reduction_axes": (-1,), "feature_axes": -1},
+    {"reduction_axes": 2, "feature_axes": [2]},           # x.ndim - 1 for a 3-D x
+    {"use_fast_variance": False},
+    {"scale_metadata": {"note": "s"}},
+], ids=["tuple_axes", "positive_axes", "slow_variance", "metadata"])
+@pytest.mark.parametrize("pair", _PAIRS, ids=["rms", "ln"])
+def test_nnx_flax_arguments_match_flax(pair, kwargs):
+  flax_cls, ours_cls = pair
+  x = _x((2, 3, _D), jnp.bfloat16)
+  ref, got = (c(_D, **kwargs, rngs=nnx.Rngs(0)) for c in pair)
+  if "scale_metadata" in kwargs:
+    assert got.scale.get_metadata()["note"] == "s"
+    assert got.scale.get_metadata() == ref.scale.get_metadata()
+  y_ref, y_got = ref(x), got(x)
+  assert y_got.dtype == y_ref.dtype
+  np.testing.assert_allclose(np.asarray(y_got, np.float32), np.asarray(y_ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
+def test_nnx_bias_metadata_and_custom_promote_dtype():
+  def to_f32(args, dtype=None):
+    return tuple(None if a is None else jnp.asarray(a, jnp.float32) for a in args)
+  kwargs = dict(bias_metadata={"note": "b"}, promote_dtype=to_f32)
+  ref = nnx.LayerNorm(_D, **kwargs, rngs=nnx.Rngs(0))
+  got = pallas_norm.LayerNorm(_D, **kwargs, rngs=nnx.Rngs(0))
+  assert got.bias.get_metadata() == ref.bias.get_metadata()
+  assert got.bias.get_metadata()["note"] == "b"
+  x = _x((4, _D), jnp.bfloat16)
+  y_ref, y_got = ref(x), got(x)
+  assert y_got.dtype == y_ref.dtype == jnp.float32   # the promotion was to_f32's
+  np.testing.assert_allclose(y_got, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{"force_float32_reductions": False},
+                                    {"use_fast_variance": False, "reduction_axes": (2,)}],
+                         ids=["bf16_reductions", "slow_variance"])
+@pytest.mark.parametrize("pair", _LINEN_PAIRS, ids=["rms", "ln"])
+def test_linen_flax_attributes_match_flax(pair, kwargs):
+  x = _x((2, 3, _D), jnp.bfloat16)
+  (v_ref, y_ref), (v_got, y_got) = [
+      (lambda m: (lambda v: (v, m.apply(v, x)))(m.init(jax.random.key(0), x)))(c(**kwargs))
+      for c in pair]
+  _assert_same_params(v_ref, v_got)
+  assert y_got.dtype == y_ref.dtype
+  np.testing.assert_allclose(np.asarray(y_got, np.float32), np.asarray(y_ref, np.float32),
+                             rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("cls", [pallas_norm.RMSNorm, pallas_norm.LayerNorm])
+def test_nnx_unsupported_flax_arguments_are_clear_errors(cls):
+  for bad in ({"reduction_axes": (-2, -1)}, {"feature_axes": -2}, {"reduction_axes": "x"}):
+    with pytest.raises(ValueError, match="last axis only"):
+      cls(_D, **bad, rngs=nnx.Rngs(0))
+  x = _x((2, 3, _D))
+  with pytest.raises(ValueError, match=r"reduction_axes=0 on x of rank 3.*last axis only"):
+    cls(_D, reduction_axes=0, rngs=nnx.Rngs(0))(x)
+  layer = cls(_D, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="mask"):
+    layer(x, mask=x > 0)
+  with pytest.raises(TypeError, match="not flax's `mask`"):
+    layer(x, x > 0)                                     # flax's RMSNorm(x, mask)
+  with pytest.raises(ValueError, match="promote_dtype"):
+    cls(_D, cast="llama", promote_dtype=lambda a, dtype=None: a, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("cls", [pl_linen.RMSNorm, pl_linen.LayerNorm])
+def test_linen_unsupported_flax_attributes_are_clear_errors(cls):
+  x = _x((2, 3, _D))
+  with pytest.raises(ValueError, match="last axis only"):
+    cls(reduction_axes=(-2, -1)).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="feature_axes=1 on x of rank 3"):
+    cls(feature_axes=1).init(jax.random.key(0), x)
+  v = cls().init(jax.random.key(0), x)
+  with pytest.raises(NotImplementedError, match="mask"):
+    cls().apply(v, x, mask=x > 0)
 
 
 class _ScanBlock(nnx.Module):
