@@ -200,25 +200,51 @@ def _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean) -> None:
 # --------------------------------------------------------------------------- FP8 pieces
 
 
-def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype):
+def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype, out_spec=None):
   """``dot_general(a, b)`` of FP8 operands accumulated in float32, times
   ``a_scale * b_scale`` (() float32 each), cast to ``out_dtype``: the pattern XLA's GPU
   gemm rewriter makes one ``__cublas$lt$matmul$f8`` of (the scales become its a/b scale
   operands, the cast its output type). ``contract``: (a's, b's) contracting dims.
 
-  On an Explicit mesh whose axes shard the contracting dims (the weight gradient of a
-  data-parallel batch: y_t [N, M] @ g [M, F] with M sharded), the output's sharding is
-  ambiguous to JAX; it is the replicated [N, F] (the partial products' psum)."""
+  ``out_spec`` (two mesh-axis entries, from ``_gemm_spec``): the output's sharding on an
+  Explicit mesh, where JAX asks for it whenever a contracting dim is sharded (the weight
+  gradient of a data-parallel batch, a row-parallel kernel) and the custom_vjp's
+  cotangents must keep the primals' shardings; ignored elsewhere (Auto meshes and one
+  device: XLA's partitioner decides)."""
   kw = {}
-  sharding = jax.typeof(a).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if (mesh is not None and not mesh.empty
-      and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-      and any(tuple(sharding.spec)[d] is not None for d in contract[0]
-              if d < len(tuple(sharding.spec)))):
-    kw["out_sharding"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  mesh = _explicit_mesh(a, b)
+  if mesh is not None and out_spec is not None:
+    kw["out_sharding"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*out_spec))
   out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=_F32, **kw)
   return (out * (a_scale * b_scale)).astype(out_dtype)
+
+
+def _explicit_mesh(*arrays):
+  """The mesh of the first array typed with an Explicit mesh axis, else None."""
+  for a in arrays:
+    mesh = getattr(jax.typeof(a).sharding, "mesh", None)
+    if (mesh is not None and not mesh.empty
+        and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)):
+      return mesh
+  return None
+
+
+def _spec(a) -> tuple:
+  """a's PartitionSpec entries, padded with None to its rank (() off a mesh)."""
+  spec = tuple(getattr(jax.typeof(a).sharding, "spec", ()) or ())
+  return spec + (None,) * (a.ndim - len(spec))
+
+
+def _axes(entry) -> set:
+  return set() if entry is None else ({entry} if isinstance(entry, str) else set(entry))
+
+
+def _gemm_spec(rows, cols) -> tuple:
+  """The [rows, cols] output spec of a GEMM: the activation's row sharding, and the
+  other operand's column sharding unless it uses a mesh axis the rows already do (FSDP:
+  a weight sharded over the data axis; the product then keeps only the row sharding,
+  XLA gathering the weight as FSDP does)."""
+  return (rows, None if _axes(rows) & _axes(cols) else cols)
 
 
 def _delayed_scale(scale, history, fp8_dtype):
@@ -275,7 +301,8 @@ def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
     k_scale = _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt)
   norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [M, N] fp8
   w, k_scale, k_amax = _quantise_tensor(kernel, k_scale, fwd_dt)  # [N, F] fp8
-  out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((1,), (0,)), x.dtype)  # [M, F]
+  out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((1,), (0,)), x.dtype,  # [M, F]
+                    _gemm_spec(_spec(x)[0], _spec(kernel)[1]))
   new = None
   if state is not None:  # this step's input and kernel entries of the new state
     new = (norm.y_scale.reshape(1), _push(state.input_amax_history, norm.amax),
@@ -302,8 +329,10 @@ def _norm_dense_bwd(st: _Static, res, dout):
     g_scale = _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
                              grad_dt)
   g, g_scale, g_amax = _quantise_tensor(dout, g_scale, grad_dt)  # [M, F] fp8
-  dy = _scaled_dot(g, g_scale, w, k_scale, ((1,), (1,)), x.dtype)  # [M, N] dgrad
-  dw = _scaled_dot(y_t, y_scale, g, g_scale, ((1,), (0,)), st.kernel_dtype)  # [N, F]
+  # dgrad [M, N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
+  # with the kernel's (a cotangent keeps its primal's sharding).
+  dy = _scaled_dot(g, g_scale, w, k_scale, ((1,), (1,)), x.dtype, _spec(x))
+  dw = _scaled_dot(y_t, y_scale, g, g_scale, ((1,), (0,)), st.kernel_dtype, _spec(w))
   dx, dscale, dbias = _fp8.norm_backward(
       dy, x, scale, ln_bias, mean, rstd, subtract_mean=st.subtract_mean,
       scale_offset=st.scale_offset, backend=st.backend, interpret=st.interpret)
@@ -485,7 +514,9 @@ _ARGS_DOC = """
     scale_offset: y = x_hat * (scale_offset + scale) (default 0.0; 1.0 with zeros
       scale_init for Gemma's zero-centred gamma).
     use_bias: add the dense bias (default True, as nnx.Linear); param ``bias`` [F].
-    kernel_init: initializer for ``kernel`` [N, F] (default: nnx.Linear's lecun_normal).
+    kernel_init: initializer for ``kernel`` [N, F] (default: nnx.Linear's lecun_normal);
+      wrap it in ``nnx.with_partitioning(init, spec)`` to shard the kernel (column or
+      row parallel, FSDP; docs/fp8.md).
     bias_init: initializer for bias (default: zeros).
     dtype: the compute and result dtype (default None: the result type of x and the
       params, as flax; pass jnp.bfloat16 for a bf16 model).
