@@ -258,6 +258,57 @@ def test_delayed_scaling_history_in_training():
       pytest.approx(amaxes[::-1], rel=1e-6)
 
 
+def test_scanned_stack_matches_unrolled_layers():
+  """Three delayed-scaling blocks stacked by nnx.vmap and run by nnx.scan (+ remat), as a
+  scanned LLM stack: the loss, every gradient and each layer's new amax histories equal
+  those of the same three layers applied one after another."""
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.proj = flax_layers.RMSNormDenseFP8(64, 64, dtype=jnp.bfloat16, use_bias=False,
+                                              amax_history_length=4, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.proj(x)
+
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(rngs)
+
+  def scanned(blocks, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, block):
+      return block(x)
+    return body(x, blocks)
+
+  blocks = make(nnx.Rngs(0))
+  graph, state = nnx.split(blocks)
+  layers = [nnx.merge(graph, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(3)]
+
+  def unrolled(layers, x):
+    for layer in layers:
+      x = layer(x)
+    return x
+
+  x = _inputs(32, 64, dtype=jnp.bfloat16)[0].reshape(4, 8, 64)
+  diff = nnx.DiffState(0, (nnx.Param, flax_layers.Fp8Meta))
+  grad = lambda f: nnx.jit(nnx.value_and_grad(
+      lambda m, x: jnp.mean(f(m, x).astype(jnp.float32) ** 2), argnums=diff))
+  l_scan, g_scan = grad(scanned)(blocks, x)
+  l_loop, g_loop = grad(unrolled)(layers, x)
+  np.testing.assert_allclose(float(l_scan), float(l_loop), rtol=1e-3)  # bf16 roundings
+  g_scan = nnx.to_pure_dict(g_scan)["proj"]
+  for i, g in enumerate(g_loop):
+    for name, want in nnx.to_pure_dict(g)["proj"].items():
+      got = np.asarray(g_scan[name][i], np.float32)
+      want = np.asarray(want, np.float32)
+      np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                                 err_msg=f"layer {i} {name}")
+  h = np.asarray(g_scan["input_amax_history"])         # the new histories, per layer
+  assert h.shape == (3, 4) and np.all(h[:, 0] > 0) and not np.any(h[:, 1:])
+
+
 def test_current_scaling_has_no_state_and_trains():
   layer = flax_layers.LayerNormDenseFP8(64, 16, scaling="current", backend="xla",
                                         rngs=nnx.Rngs(0))
