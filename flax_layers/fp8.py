@@ -206,7 +206,7 @@ def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype, out_spec=None):
   gemm rewriter makes one ``__cublas$lt$matmul$f8`` of (the scales become its a/b scale
   operands, the cast its output type). ``contract``: (a's, b's) contracting dims.
 
-  ``out_spec`` (two mesh-axis entries, from ``_gemm_spec``): the output's sharding on an
+  ``out_spec`` (one mesh-axis entry a dim, from ``_gemm_spec``): the output's sharding on an
   Explicit mesh, where JAX asks for it whenever a contracting dim is sharded (the weight
   gradient of a data-parallel batch, a row-parallel kernel) and the custom_vjp's
   cotangents must keep the primals' shardings; ignored elsewhere (Auto meshes and one
@@ -239,12 +239,13 @@ def _axes(entry) -> set:
   return set() if entry is None else ({entry} if isinstance(entry, str) else set(entry))
 
 
-def _gemm_spec(rows, cols) -> tuple:
-  """The [rows, cols] output spec of a GEMM: the activation's row sharding, and the
-  other operand's column sharding unless it uses a mesh axis the rows already do (FSDP:
-  a weight sharded over the data axis; the product then keeps only the row sharding,
-  XLA gathering the weight as FSDP does)."""
-  return (rows, None if _axes(rows) & _axes(cols) else cols)
+def _gemm_spec(rows: tuple, cols) -> tuple:
+  """The [*rows, cols] output spec of a GEMM: the activation's row dims' sharding, and
+  the other operand's column sharding unless it uses a mesh axis the rows already do
+  (FSDP: a weight sharded over the data axis; the product then keeps only the row
+  sharding, XLA gathering the weight as FSDP does)."""
+  used = set().union(*map(_axes, rows)) if rows else set()
+  return (*rows, None if used & _axes(cols) else cols)
 
 
 def _delayed_scale(scale, history, fp8_dtype):
@@ -285,24 +286,30 @@ def _quantise_tensor(v, scale, fp8_dtype):
 
 
 def _norm_fp8(st: _Static, x, scale, ln_bias, y_scale, transpose: bool) -> _fp8.Fp8Norm:
-  kw = dict(y_scale=y_scale, fp8_dtype=st.fp8_dtype, transpose=transpose, eps=st.eps,
-            scale_offset=st.scale_offset, backend=st.backend, interpret=st.interpret)
-  if st.subtract_mean:
-    return _fp8.layer_norm_fp8(x, scale, ln_bias, **kw)
-  return _fp8.rms_norm_fp8(x, scale, **kw)
+  """``rms_norm_fp8`` / ``layer_norm_fp8`` of x [..., N], y_t as [N, *lead] (served for
+  every row sharding; the weight-gradient GEMM contracts its row dims)."""
+  op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
+  return _fp8._norm_fp8(op, x, scale, ln_bias if st.subtract_mean else None,
+                        eps=st.eps, y_scale=y_scale, fp8_dtype=st.fp8_dtype,
+                        transpose=transpose, scale_offset=st.scale_offset,
+                        subtract_mean=st.subtract_mean, mode=None, backend=st.backend,
+                        interpret=st.interpret, yt_lead=True)
 
 
 def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
-  """out [M, F] in x's dtype and the residuals (x [M, N], kernel [N, F])."""
+  """out [..., F] in x's dtype and the residuals (x [..., N], kernel [N, F]). x keeps its
+  row dims (no reshape to [M, N]: on a mesh that would move the rows of a sequence-
+  parallel x); the GEMMs contract over N, or over the row dims (the weight gradient)."""
   fwd_dt = jnp.dtype(st.fp8_dtype)
   y_scale = k_scale = None
   if state is not None:
     y_scale = _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt)
     k_scale = _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt)
-  norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [M, N] fp8
+  norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [..., N] fp8
   w, k_scale, k_amax = _quantise_tensor(kernel, k_scale, fwd_dt)  # [N, F] fp8
-  out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((1,), (0,)), x.dtype,  # [M, F]
-                    _gemm_spec(_spec(x)[0], _spec(kernel)[1]))
+  last = x.ndim - 1
+  out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((last,), (0,)), x.dtype,  # [..., F]
+                    _gemm_spec(_spec(x)[:-1], _spec(kernel)[1]))
   new = None
   if state is not None:  # this step's input and kernel entries of the new state
     new = (norm.y_scale.reshape(1), _push(state.input_amax_history, norm.amax),
@@ -329,10 +336,13 @@ def _norm_dense_bwd(st: _Static, res, dout):
     g_scale = _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
                              grad_dt)
   g, g_scale, g_amax = _quantise_tensor(dout, g_scale, grad_dt)  # [M, F] fp8
-  # dgrad [M, N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
-  # with the kernel's (a cotangent keeps its primal's sharding).
-  dy = _scaled_dot(g, g_scale, w, k_scale, ((1,), (1,)), x.dtype, _spec(x))
-  dw = _scaled_dot(y_t, y_scale, g, g_scale, ((1,), (0,)), st.kernel_dtype, _spec(w))
+  # dgrad [..., N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
+  # from y_t [N, *lead] and g [*lead, F] over the row dims, with the kernel's sharding
+  # (a cotangent keeps its primal's).
+  last, rows = x.ndim - 1, tuple(range(x.ndim - 1))
+  dy = _scaled_dot(g, g_scale, w, k_scale, ((last,), (1,)), x.dtype, _spec(x))
+  dw = _scaled_dot(y_t, y_scale, g, g_scale, (tuple(r + 1 for r in rows), rows),
+                   st.kernel_dtype, _spec(w))
   dx, dscale, dbias = _fp8.norm_backward(
       dy, x, scale, ln_bias, mean, rstd, subtract_mean=st.subtract_mean,
       scale_offset=st.scale_offset, backend=st.backend, interpret=st.interpret)
@@ -398,8 +408,8 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
     kernel = jnp.asarray(kernel)
     st = _Static(bool(subtract_mean), float(eps), float(scale_offset), fwd_dt.name,
                  grad_dt.name, kernel.dtype.name, backend, interpret)
-    out = _norm_dense(st, x.reshape(-1, n), scale, ln_bias, kernel, state)
-    out = out.reshape(*lead, f)
+    x2 = x.reshape(1, n) if x.ndim == 1 else x   # x keeps its row dims (see _forward)
+    out = _norm_dense(st, x2, scale, ln_bias, kernel, state).reshape(*lead, f)
   if bias is not None:
     out = out + bias.astype(out.dtype)
   return out

@@ -119,6 +119,7 @@ class _Fp8Static:
   delayed: bool
   backend: str
   interpret: bool
+  yt_lead: bool = False  # y_t as [N, *x.shape[:-1]] (the FP8 dense layer's), not [N, M]
 
 
 def _check_backend(op: str, mode, backend: str) -> None:
@@ -192,7 +193,9 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   if y_scale is None:
     y_scale = current_scale(amax, dt)
   q = quantise(y, _F32(1.0) / y_scale, dt)
-  y_t = q.reshape(-1, n).T if st.transpose else None
+  y_t = None
+  if st.transpose:
+    y_t = jnp.moveaxis(q, -1, 0) if st.yt_lead else q.reshape(-1, n).T
   return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
 
 
@@ -240,6 +243,8 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8N
     if sep:
       y_t = y.T
     amax = amax_of(row_amax)
+  if y_t is not None and st.yt_lead:  # [N, M] -> [N, *lead]: the same bytes
+    y_t = y_t.reshape(n, *lead)
   return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
                  rstd.reshape(lead))
 
@@ -274,7 +279,9 @@ def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
   op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
   spec, row_spec, p_spec, rows, hidden = spmd._plan(mesh, x_shape, x_sharding)
   yt_spec = None
-  if st.transpose:
+  if st.transpose and st.yt_lead:  # [N, *lead]: laid out like x, any row layout
+    yt_spec = P(tuple(spec)[-1], *tuple(spec)[:-1])
+  elif st.transpose:
     sharded = [d for d, e in enumerate(tuple(spec)[:-1]) if spmd._axes(e)]
     if sharded not in ([], [0]):
       raise ValueError(
@@ -322,7 +329,8 @@ def _fp8_cp_rule(st, mesh, operand_types, result_types):
   lead = spmd._letters(len(operand_types[0].shape))
   ops = [f"{lead} n"] + ["n" if len(t.shape) == 1 else "" for t in operand_types[1:]]
   rows = f"({lead})" if " " in lead else lead  # y_t's M: the leading dims flattened
-  res = [f"{lead} n", "", ""] + ([f"n {rows}"] if st.transpose else []) + [lead, lead]
+  yt = f"n {lead}" if st.yt_lead else f"n {rows}"
+  res = [f"{lead} n", "", ""] + ([yt] if st.transpose else []) + [lead, lead]
   return f"{', '.join(ops)} -> {', '.join(res)}"
 
 
@@ -355,12 +363,14 @@ def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
 
 
 def _empty(x, y_scale, st: _Fp8Static) -> Fp8Norm:
-  """M == 0: empty y (and y_t [N, 0]); amax 0, y_scale 1 (current) or the given one."""
+  """M == 0: empty y (and y_t [N, 0], or [N, *lead]); amax 0, y_scale 1 (current) or
+  the given one."""
   n, lead = x.shape[-1], x.shape[:-1]
   dt = jnp.dtype(st.fp8_dtype)
   amax = jnp.zeros((), _F32)
+  yt_shape = (n, *lead) if st.yt_lead else (n, 0)
   return Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
-                 else y_scale, amax, jnp.zeros((n, 0), dt) if st.transpose else None,
+                 else y_scale, amax, jnp.zeros(yt_shape, dt) if st.transpose else None,
                  jnp.zeros(lead, _F32), jnp.zeros(lead, _F32))
 
 
@@ -396,11 +406,15 @@ _fp8_norm_jit = jax.jit(_fp8_norm, static_argnums=(4,))
 
 
 def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_offset,
-              subtract_mean, mode, backend, interpret) -> Fp8Norm:
+              subtract_mean, mode, backend, interpret, yt_lead=False) -> Fp8Norm:
+  """The public ops' body. ``yt_lead`` (the FP8 dense layer's): y_t as [N, *lead], the
+  bytes of [N, M] with x's row dims kept, so that it is served for every row sharding
+  (sequence parallel too) and contracted over those dims by the weight-gradient GEMM."""
   dt, y_scale = _check(op, x, scale, bias, eps=eps, y_scale=y_scale, fp8_dtype=fp8_dtype,
                        transpose=transpose, mode=mode, backend=backend)
   st = _Fp8Static(float(eps), float(scale_offset), subtract_mean, dt.name, bool(transpose),
-                  y_scale is not None, backend, ops._resolve_interpret(interpret))
+                  y_scale is not None, backend, ops._resolve_interpret(interpret),
+                  bool(yt_lead))
   return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale, st)
 
 

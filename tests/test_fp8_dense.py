@@ -412,20 +412,24 @@ def test_call_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rank", [2, 3])
 @pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
-def test_gpu_d4096_matches_recipe_and_uses_fp8_gemms(subtract_mean):
+def test_gpu_d4096_matches_recipe_and_uses_fp8_gemms(subtract_mean, rank):
   """Compiled on the GPU at d=4096 (Pallas kernels): the jitted forward and grads
   against the jnp recipe (cuBLASLt accumulates in its own order: a looser float32
   tolerance), and XLA's program calls cuBLASLt's FP8 GEMM three times (forward, dgrad,
-  wgrad) and no float GEMM."""
+  wgrad) and no float GEMM. Rank 3: the layer sees x [2, 1024, N] (its GEMMs contract
+  N, or the two row dims for the weight gradient)."""
   x, kernel, scale, ln_bias, bias, dout = _inputs(m=2048, n=4096, f=4096, dtype=jnp.bfloat16,
                                                   subtract_mean=subtract_mean)
   state = _state(length=16)
   state = state._replace(input_amax_history=state.input_amax_history / 9.0 * 12.0)
 
   def f(x, kernel, scale, ln_bias, bias, state):
-    return fp8.norm_dense_fp8(x, kernel, scale, ln_bias, bias, subtract_mean=subtract_mean,
-                              eps=_EPS, state=state)
+    xr = x.reshape(2, -1, x.shape[-1]) if rank == 3 else x
+    out = fp8.norm_dense_fp8(xr, kernel, scale, ln_bias, bias, subtract_mean=subtract_mean,
+                             eps=_EPS, state=state)
+    return out.reshape(x.shape[0], -1)
 
   def fwd_bwd(*args):
     out, vjp = jax.vjp(f, *args)

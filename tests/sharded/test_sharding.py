@@ -834,3 +834,35 @@ def test_fp8_dense_layer_sharded_kernel(axis_type, kernel_spec):
   for line in gathered:
     shape = line.split(" = ", 1)[1].split("{", 1)[0]
     assert str(m_rows) not in shape.replace("[", ",").replace("]", ",").split(","), line
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout", ["sp", "dp_sp"])
+def test_fp8_dense_layer_sequence_parallel(axis_type, layout):
+  """RMSNormDenseFP8 on x [B, S, N] with the sequence dim sharded (alone, or with the
+  batch): the layer keeps x's row dims (the transposed copy y_t [N, B, S] is laid out
+  like x), so the step matches the unsharded one with no all-gather at all (before
+  2026-11-27 it reshaped x to [M, N]: an all-gather of x on Auto meshes, a JAX reshape
+  error on Explicit ones)."""
+  import flax_layers
+  mesh_shape, names, spec = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  x = _inputs((4, 4 * NDEV, 64), jnp.bfloat16, seed=47)[0]
+  diff = nnx.DiffState(0, (nnx.Param, flax_layers.Fp8Meta))
+  loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+  layer = flax_layers.LayerNormDenseFP8(64, 48, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  l1, g1 = nnx.jit(lambda m, x: nnx.value_and_grad(loss, argnums=diff)(m, x))(layer, x)
+  with jax.set_mesh(mesh):
+    graph, state = nnx.split(layer)
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    step = jax.jit(lambda s, x: nnx.value_and_grad(loss, argnums=diff)(nnx.merge(graph, s), x))
+    text = step.lower(state, xs).compile().as_text()
+    l2, g2 = step(state, xs)
+  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g1)),
+                               jax.tree_util.tree_leaves_with_path(g2)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max() + 1e-30,
+                               err_msg=jax.tree_util.keystr(path))
+  assert _collectives(text)["all-gather"] == 0, _collectives(text)
+  assert _collectives(text)["all-to-all"] == 0, _collectives(text)
