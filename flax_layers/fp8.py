@@ -319,16 +319,44 @@ def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
   return out, res
 
 
+def _first_order_only(fn):
+  """``fn(st, *args)`` as a custom_jvp whose JVP raises a TypeError: differentiating the
+  layer's vjp rules again (jax.grad of jax.grad, jax.hessian) would reach the kernels,
+  which JAX cannot differentiate, and the FP8 roundings have no useful derivative."""
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+  def f(st, *args):
+    return fn(st, *args)
+
+  @f.defjvp
+  def f_jvp(st, primals, tangents):
+    raise TypeError(
+        "norm_dense_fp8 (RMSNormDenseFP8 / LayerNormDenseFP8) is differentiable once: "
+        "its backward runs FP8 GEMMs and pallas_norm's kernels, which have no derivative "
+        "of their own (jax.grad of jax.grad, jax.hessian, jax.jvp of its gradient). "
+        "Differentiate the bf16 model (pallas_norm.RMSNorm + a dense layer) for "
+        "higher-order derivatives")
+  return f
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm_dense(st: _Static, x, scale, ln_bias, kernel, state):
   return _forward(st, x, scale, ln_bias, kernel, state, transpose=False)[0]
 
 
 def _norm_dense_fwd(st: _Static, x, scale, ln_bias, kernel, state):
-  return _forward(st, x, scale, ln_bias, kernel, state, transpose=True)
+  return _forward_guarded(st, x, scale, ln_bias, kernel, state)
+
+
+_forward_guarded = _first_order_only(
+    lambda st, x, scale, ln_bias, kernel, state: _forward(st, x, scale, ln_bias, kernel,
+                                                          state, transpose=True))
 
 
 def _norm_dense_bwd(st: _Static, res, dout):
+  return _backward_guarded(st, res, dout)
+
+
+def _backward(st: _Static, res, dout):
   x, scale, ln_bias, y_t, y_scale, mean, rstd, w, k_scale, state, new = res
   grad_dt = jnp.dtype(st.grad_fp8_dtype)
   g_scale = None
@@ -353,6 +381,7 @@ def _norm_dense_bwd(st: _Static, res, dout):
   return dx, dscale, dbias, dw, new_state
 
 
+_backward_guarded = _first_order_only(_backward)
 _norm_dense.defvjp(_norm_dense_fwd, _norm_dense_bwd)
 
 

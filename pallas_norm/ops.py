@@ -347,6 +347,111 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   return out if res else (out[0], None, *out[1:])
 
 
+# --------------------------------------------------------------------------- the jnp math
+
+
+def _xla_forward(x, residual, scale, bias, *, eps, scale_offset, subtract_mean, names,
+                 groups, llama, h_dtype=None, x_scale=None, out_dtype=None):
+  """backend="xla"'s forward, and the reference the kernels' higher-order derivatives
+  come from: (y, mean [...] f32, rstd [...] f32, h or None). With a residual, h = x +
+  residual in float32 (returned in h_dtype) and y the norm of that sum in x's dtype;
+  ``llama`` (cast="llama"): x_hat rounded to x's dtype before the weight."""
+  kw = dict(eps=eps, subtract_mean=subtract_mean, axis_name=names, axis_index_groups=groups)
+  if residual is None:
+    return (*reference.norm(x, scale, bias, scale_offset=scale_offset, x_scale=x_scale,
+                            cast="llama" if llama else "torch", out_dtype=out_dtype,
+                            **kw), None)
+  h = x.astype(jnp.float32) + residual.astype(jnp.float32)
+  y, mean, rstd = _xla_norm_of_sum(h, scale, bias, x.dtype, llama=llama,
+                                   scale_offset=scale_offset, **kw)
+  return y, mean, rstd, h.astype(h_dtype)
+
+
+def _xla_norm_of_sum(h, scale, bias, x_dtype, *, llama, scale_offset, **kw):
+  """(y in x's dtype, mean, rstd) of the float32 residual sum h (the fused residual's y;
+  ``llama``: x_hat rounded to x's dtype before the weight)."""
+  if llama:
+    xr, mean, rstd = reference.norm(h, None, None, **kw)
+    y = xr.astype(x_dtype)
+    y = y if scale is None else y * scale
+    return (y if bias is None else y + bias), mean, rstd
+  y, mean, rstd = reference.norm(h, scale, bias, scale_offset=scale_offset, **kw)
+  return y.astype(x_dtype), mean, rstd
+
+
+def _xla_of(st: "_Static", x, residual, scale, bias, x_scale=None):
+  """``_xla_forward`` with the arguments ``st`` holds."""
+  return _xla_forward(x, residual, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
+                      subtract_mean=st.subtract_mean, names=st.axis_name,
+                      groups=st.axis_index_groups, llama=st.llama is not None,
+                      h_dtype=st.residual_dtype, x_scale=x_scale, out_dtype=st.out_dtype)
+
+
+# Higher-order derivatives. The custom_vjp rules below call the kernels, which JAX cannot
+# differentiate (Pallas' JVP of a kernel body fails inside the grid). A second
+# differentiation (jax.grad of jax.grad, jax.hessian, a Hessian-vector product) goes
+# through the rules themselves, so each kernel call is a custom_jvp whose tangent is
+# that of the same math in jnp (``_xla_forward`` and its vjp): the values stay the
+# kernels', the derivatives of the derivatives are the reference's.
+
+
+def _with_reference_jvp(kernel_fn, reference_fn):
+  """``kernel_fn(st, *args)`` (a tuple, entries may be None) as a custom_jvp whose tangent
+  is ``reference_fn(st, *args)``'s (the same structure, cast to the kernel's dtypes)."""
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+  def f(st, *args):
+    return kernel_fn(st, *args)
+
+  @f.defjvp
+  def f_jvp(st, primals, tangents):
+    out = kernel_fn(st, *primals)
+    _, t = jax.jvp(lambda *a: reference_fn(st, *a), primals, tangents)
+    return out, tuple(None if o is None else ti.astype(o.dtype).reshape(o.shape)
+                      for o, ti in zip(out, t))
+  return f
+
+
+def _fwd_kernels(st: "_Static", x, x_scale, scale, bias, residual):
+  return spmd.forward(_forward, x, scale, bias, st, True, residual, x_scale=x_scale)
+
+
+def _fwd_reference(st: "_Static", x, x_scale, scale, bias, residual):
+  return _xla_of(st, x, residual, scale, bias, x_scale)
+
+
+def _bwd_kernels(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
+  return spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st, dh, x_scale=x_scale)
+
+
+def _bwd_reference(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
+  """The backward's math in jnp from x (or h) alone: mean and rstd are functions of it,
+  so their tangents are not added again."""
+  del mean, rstd
+  if x_scale is not None:  # FP8 x: the cotangent of the dequantised x, in out_dtype
+    xd = reference.dequantise(x, x_scale)
+    _, pull = jax.vjp(lambda a, s, b: _xla_of(st, a, None, s, b)[0], xd, scale, bias)
+    dx, dscale, dbias = pull(dy)
+    return dx.astype(st.out_dtype), None, dscale, dbias
+  if dh is None:
+    _, pull = jax.vjp(lambda a, s, b: _xla_of(st, a, None, s, b)[0], x, scale, bias)
+    dx, dscale, dbias = pull(dy)
+    return dx, None, dscale, dbias
+  # the fused residual: y is the norm of h (the saved sum); dx = dresidual = dy's + dh
+  def y_of_h(a, s, b):
+    return _xla_norm_of_sum(a, s, b, st.x_dtype, llama=st.llama is not None,
+                            scale_offset=st.scale_offset, eps=st.eps,
+                            subtract_mean=st.subtract_mean, axis_name=st.axis_name,
+                            axis_index_groups=st.axis_index_groups)[0]
+  _, pull = jax.vjp(y_of_h, x.astype(jnp.float32), scale, bias)
+  dsum, dscale, dbias = pull(dy)
+  dsum = dsum + dh.astype(jnp.float32)
+  return dsum.astype(st.x_dtype), dsum.astype(st.residual_in_dtype), dscale, dbias
+
+
+_fwd_diff = _with_reference_jvp(_fwd_kernels, _fwd_reference)
+_bwd_diff = _with_reference_jvp(_bwd_kernels, _bwd_reference)
+
+
 # --------------------------------------------------------------------------- custom_vjp
 
 
@@ -365,14 +470,13 @@ def _norm_nd(x, x_scale, scale, bias, st: _Static):
 
 
 def _norm_nd_fwd(x, x_scale, scale, bias, st: _Static):
-  y, mean, rstd, _ = spmd.forward(_forward, x, scale, bias, st, True, x_scale=x_scale)
+  y, mean, rstd, _ = _fwd_diff(st, x, x_scale, scale, bias, None)
   return y, (x, x_scale, scale, bias, mean, rstd)
 
 
 def _norm_nd_bwd(st: _Static, res, dy):
   x, x_scale, scale, bias, mean, rstd = res
-  dx, _, dscale, dbias = spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st,
-                                       x_scale=x_scale)
+  dx, _, dscale, dbias = _bwd_diff(st, dy, x, x_scale, scale, bias, mean, rstd, None)
   return dx, _zero_cotangent(x_scale), dscale, dbias
 
 
@@ -423,14 +527,14 @@ def _norm_res_nd(x, residual, scale, bias, st: _Static):
 
 
 def _norm_res_nd_fwd(x, residual, scale, bias, st: _Static):
-  y, mean, rstd, h = spmd.forward(_forward, x, scale, bias, st, True, residual)
+  y, mean, rstd, h = _fwd_diff(st, x, None, scale, bias, residual)
   return (y, h), (h, scale, bias, mean, rstd)
 
 
 def _norm_res_nd_bwd(st: _Static, res, cts):
   h, scale, bias, mean, rstd = res
   dy, dh = cts
-  return spmd.backward(_backward, dy, h, scale, bias, mean, rstd, st, dh)
+  return _bwd_diff(st, dy, h, None, scale, bias, mean, rstd, dh)
 
 
 _norm_res_nd.defvjp(_norm_res_nd_fwd, _norm_res_nd_bwd)
@@ -481,21 +585,10 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
                  names, groups, out_dtype=out_dtype)
     return _xla_fp8(x, x_scale, scale, bias, st)
   if backend == "xla":
-    ref_cast = "llama" if cast == "llama" else "torch"
-    if residual is None:
-      return reference.norm(x, scale, bias, eps=eps, scale_offset=scale_offset,
-                            subtract_mean=subtract_mean, axis_name=names,
-                            axis_index_groups=groups, cast=ref_cast)[0]
-    h = x.astype(jnp.float32) + residual.astype(jnp.float32)
-    if ref_cast == "llama":  # x_hat of the float32 sum, rounded to x's dtype
-      xr = reference.norm(h, None, None, eps=eps, subtract_mean=subtract_mean,
-                          axis_name=names, axis_index_groups=groups)[0].astype(x.dtype)
-      y = xr if scale is None else xr * scale
-      return (y if bias is None else y + bias), h.astype(h_dtype)
-    y = reference.norm(h, scale, bias, eps=eps, scale_offset=scale_offset,
-                       subtract_mean=subtract_mean, axis_name=names,
-                       axis_index_groups=groups)[0]
-    return y.astype(x.dtype), h.astype(h_dtype)
+    y, _, _, h = _xla_forward(x, residual, scale, bias, eps=eps, scale_offset=scale_offset,
+                              subtract_mean=subtract_mean, names=names, groups=groups,
+                              llama=cast == "llama", h_dtype=h_dtype)
+    return y if residual is None else (y, h)
   llama = None
   if cast == "llama":
     llama = (x.dtype.name, jnp.result_type(*(jnp.result_type(a) for a in (x, scale, bias)
@@ -612,8 +705,8 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
 
   Returns:
     y: [..., N] with x's dtype (FP8 x: ``out_dtype``) and sharding; ``(y, h)`` with a
-    residual. Differentiable in x, residual and scale (custom_vjp); dx has x's
-    sharding, dscale scale's. FP8 x is sharded as a float x is (rows, or the hidden dim
+    residual. Differentiable in x, residual and scale (custom_vjp; higher orders too,
+    their derivatives from the jnp math); dx has x's sharding, dscale scale's. FP8 x is sharded as a float x is (rows, or the hidden dim
     with N // group_size divisible by its shards), x_scale laid out like x.
 
   Raises:
@@ -678,7 +771,7 @@ def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dty
 
   Returns:
     y: [..., N] with x's dtype (FP8 x: ``out_dtype``); ``(y, h)`` with a residual.
-    Differentiable in x, residual, scale and bias (custom_vjp).
+    Differentiable in x, residual, scale and bias (custom_vjp; higher orders too).
 
   Raises:
     ValueError, TypeError, NotImplementedError, ImportError: as in ``rms_norm``.

@@ -862,3 +862,27 @@ def test_fp8_dense_layer_sequence_parallel(axis_type, layout):
   _assert_same_step(l1, g1, l2, g2)
   assert _collectives(text)["all-gather"] == 0, _collectives(text)
   assert _collectives(text)["all-to-all"] == 0, _collectives(text)
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_hessian_vector_product_sharded(axis_type, layout):
+  """A Hessian-vector product (jax.jvp of jax.grad) of a LayerNorm loss on sharded x:
+  the kernels' custom_jvp tangents (the jnp math) are partitioned as XLA partitions jnp;
+  equal to backend="xla"'s on one device."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 24)
+  x, scale, bias, _ = _inputs(shape, jnp.float32, seed=51)
+  v = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+  def hvp(backend, x, v):
+    loss = lambda x: jnp.sum(pallas_norm.layer_norm(x, scale, bias, backend=backend) ** 3)
+    return jax.jvp(jax.grad(loss), (x,), (v,))[1]
+
+  want = jax.jit(lambda x, v: hvp("xla", x, v))(x, v)
+  with jax.set_mesh(mesh):
+    xs, vs = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, v))
+    got = jax.jit(lambda x, v: hvp("pallas", x, v))(xs, vs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                             atol=1e-4 * float(jnp.max(jnp.abs(want))))
