@@ -288,7 +288,9 @@ class RMSNormDenseFP8(_NormDenseFP8):
     features: F, the output features (N is x's last axis).
     epsilon, use_scale, scale_init, scale_offset, use_bias, kernel_init, bias_init,
     dtype, param_dtype, scaling, amax_history_length, fp8_dtype, grad_fp8_dtype,
-    backend: as in ``flax_layers.RMSNormDenseFP8`` (checked when called).
+    backend: as in ``flax_layers.RMSNormDenseFP8`` (checked when called); wrap
+    kernel_init in ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` to shard
+    the kernel (column or row parallel, FSDP; docs/fp8.md).
   """
 
 
