@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections.abc
 import typing as tp
 
+Axes = tp.Union[int, tp.Sequence[int]]  # flax's reduction_axes / feature_axes
+
 
 def _axes_tuple(axes) -> tuple:
   if isinstance(axes, collections.abc.Iterable) and not isinstance(axes, str):
@@ -53,5 +55,3 @@ def check_call(x, reduction_axes, feature_axes, mask, residual) -> None:
           f"{name}={axes!r} on x of rank {ndim}: pallas_norm's layers normalise the last "
           f"axis only ({name}=-1 or {ndim - 1}); for other axes use flax's layer")
 
-
-Axes = tp.Union[int, tp.Sequence[int]]

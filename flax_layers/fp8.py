@@ -68,6 +68,7 @@ from flax.linen import fp8_ops as _flax_fp8
 from flax.nnx.nn.linear import default_kernel_init
 
 from pallas_norm import fp8 as _fp8
+from pallas_norm import spmd as _spmd
 
 __all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
            "norm_dense_fp8", "init_delayed_scaling", "update_fp8_meta", "gemm_calls_in",
@@ -212,21 +213,12 @@ def _scaled_dot(a, a_scale, b, b_scale, contract, out_dtype, out_spec=None):
   cotangents must keep the primals' shardings; ignored elsewhere (Auto meshes and one
   device: XLA's partitioner decides)."""
   kw = {}
-  mesh = _explicit_mesh(a, b)
-  if mesh is not None and out_spec is not None:
-    kw["out_sharding"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*out_spec))
+  explicit = _spmd._explicit_sharding(a) or _spmd._explicit_sharding(b)
+  if explicit is not None and out_spec is not None:
+    kw["out_sharding"] = jax.sharding.NamedSharding(explicit[0],
+                                                    jax.sharding.PartitionSpec(*out_spec))
   out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=_F32, **kw)
   return (out * (a_scale * b_scale)).astype(out_dtype)
-
-
-def _explicit_mesh(*arrays):
-  """The mesh of the first array typed with an Explicit mesh axis, else None."""
-  for a in arrays:
-    mesh = getattr(jax.typeof(a).sharding, "mesh", None)
-    if (mesh is not None and not mesh.empty
-        and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)):
-      return mesh
-  return None
 
 
 def _spec(a) -> tuple:
@@ -235,17 +227,13 @@ def _spec(a) -> tuple:
   return spec + (None,) * (a.ndim - len(spec))
 
 
-def _axes(entry) -> set:
-  return set() if entry is None else ({entry} if isinstance(entry, str) else set(entry))
-
-
 def _gemm_spec(rows: tuple, cols) -> tuple:
   """The [*rows, cols] output spec of a GEMM: the activation's row dims' sharding, and
   the other operand's column sharding unless it uses a mesh axis the rows already do
   (FSDP: a weight sharded over the data axis; the product then keeps only the row
   sharding, XLA gathering the weight as FSDP does)."""
-  used = set().union(*map(_axes, rows)) if rows else set()
-  return (*rows, None if used & _axes(cols) else cols)
+  used = {a for e in rows for a in _spmd._axes(e)}
+  return (*rows, None if used & set(_spmd._axes(cols)) else cols)
 
 
 def _delayed_scale(scale, history, fp8_dtype):
@@ -289,8 +277,7 @@ def _norm_fp8(st: _Static, x, scale, ln_bias, y_scale, transpose: bool) -> _fp8.
   """``rms_norm_fp8`` / ``layer_norm_fp8`` of x [..., N], y_t as [N, *lead] (served for
   every row sharding; the weight-gradient GEMM contracts its row dims)."""
   op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
-  return _fp8._norm_fp8(op, x, scale, ln_bias if st.subtract_mean else None,
-                        eps=st.eps, y_scale=y_scale, fp8_dtype=st.fp8_dtype,
+  return _fp8._norm_fp8(op, x, scale, ln_bias, eps=st.eps, y_scale=y_scale, fp8_dtype=st.fp8_dtype,
                         transpose=transpose, scale_offset=st.scale_offset,
                         subtract_mean=st.subtract_mean, mode=None, backend=st.backend,
                         interpret=st.interpret, yt_lead=True)
@@ -343,19 +330,6 @@ def _norm_dense(st: _Static, x, scale, ln_bias, kernel, state):
   return _forward(st, x, scale, ln_bias, kernel, state, transpose=False)[0]
 
 
-def _norm_dense_fwd(st: _Static, x, scale, ln_bias, kernel, state):
-  return _forward_guarded(st, x, scale, ln_bias, kernel, state)
-
-
-_forward_guarded = _first_order_only(
-    lambda st, x, scale, ln_bias, kernel, state: _forward(st, x, scale, ln_bias, kernel,
-                                                          state, transpose=True))
-
-
-def _norm_dense_bwd(st: _Static, res, dout):
-  return _backward_guarded(st, res, dout)
-
-
 def _backward(st: _Static, res, dout):
   x, scale, ln_bias, y_t, y_scale, mean, rstd, w, k_scale, state, new = res
   grad_dt = jnp.dtype(st.grad_fp8_dtype)
@@ -381,8 +355,10 @@ def _backward(st: _Static, res, dout):
   return dx, dscale, dbias, dw, new_state
 
 
-_backward_guarded = _first_order_only(_backward)
-_norm_dense.defvjp(_norm_dense_fwd, _norm_dense_bwd)
+# The vjp rules: the forward with the transposed copy, and the backward, each
+# differentiable only once (_first_order_only).
+_norm_dense.defvjp(_first_order_only(functools.partial(_forward, transpose=True)),
+                   _first_order_only(_backward))
 
 
 # --------------------------------------------------------------------------- public op

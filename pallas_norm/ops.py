@@ -406,8 +406,7 @@ def _with_reference_jvp(kernel_fn, reference_fn):
   def f_jvp(st, primals, tangents):
     out = kernel_fn(st, *primals)
     _, t = jax.jvp(lambda *a: reference_fn(st, *a), primals, tangents)
-    return out, tuple(None if o is None else ti.astype(o.dtype).reshape(o.shape)
-                      for o, ti in zip(out, t))
+    return out, tuple(None if o is None else ti.astype(o.dtype) for o, ti in zip(out, t))
   return f
 
 
