@@ -1,0 +1,45 @@
+"""jax.export of the ops (docs/usage.md, "Saving a program: jax.export")."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pallas_norm
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"  # the target docs/usage.md names
+
+
+def _inputs():
+  x = jax.random.normal(jax.random.key(0), (64, 256), jnp.bfloat16)
+  return x, jnp.linspace(0.5, 1.5, 256, dtype=jnp.float32)
+
+
+def test_export_without_gpu_runs_the_interpreted_program():
+  """Interpret mode and backend="xla" lower to plain HLO: exported with JAX's default
+  checks, and the exported call gives the jitted function's bits."""
+  x, s = _inputs()
+  for backend in ("pallas", "xla"):
+    f = jax.jit(lambda x, s, b=backend: pallas_norm.rms_norm(x, s, backend=b, interpret=True))
+    exported = export.export(f)(x, s)
+    np.testing.assert_array_equal(np.asarray(exported.call(x, s), np.float32),
+                                  np.asarray(f(x, s), np.float32))
+
+
+@pytest.mark.parametrize("what", ["forward", "grad"])
+def test_export_for_cuda_needs_the_triton_check_disabled(what):
+  """The compiled kernels (lowered for CUDA here, without a GPU) are the custom call the
+  docs name: JAX's plain export refuses it, and disabling the check for that one target
+  exports the program, the kernels inside it."""
+  x, s = _inputs()
+  loss = lambda x, s: pallas_norm.rms_norm(x, s, interpret=False)
+  if what == "grad":
+    loss = jax.grad(lambda x, s: pallas_norm.rms_norm(x, s, interpret=False)
+                    .astype(jnp.float32).sum(), argnums=(0, 1))
+  f = jax.jit(loss)
+  with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+    export.export(f, platforms=("cuda",))(x, s)
+  exported = export.export(f, platforms=("cuda",), disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(TRITON_TARGET)])(x, s)
+  assert exported.platforms == ("cuda",)
+  assert f"custom_call @{TRITON_TARGET}" in exported.mlir_module()
