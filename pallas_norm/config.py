@@ -467,6 +467,12 @@ _FP8_WIDE_MIN_N, _FP8_WIDE_MAX_N = 8192, 16384
 # (4096x16384 82.9/89.7), looked up before the table above. [docs/fp8_tuning.md#fp8-x-wide]
 _FP8_WIDE_MODES_H100_2B = {(True, False): "multi_wave_cached"}
 _FP8_LN_FWD_H100_PRIMAL_16384_2B = (1, 16)  # (block_m, num_warps)
+# ... and RMSNorm's static_persistent under jax.vjp there: rows split over programs,
+# 1024-wide splits of 1 warp, 16 programs a SM, early publish 2 ahead (forward + backward
+# 4096x16384 246.5/253.2 us with the one-tile forward, its forward 93.6/103.4; 8192x16384
+# 483.6/497.9; LayerNorm's split forwards were slower, 316.0/277.4).
+# (split width, programs a SM) [docs/fp8_tuning.md#fp8-x-wide-split]
+_FP8_RMS_VJP_SPLIT_H100 = (1024, 16)
 # LayerNorm N' = 8192 backward: 32 warps (8192^2: 158.0/171.6 at 16; H100 with
 # recompute_dx 4096x8192 105.5/107.7). [T#recompute-dx]
 _RES_LN_8192_BWD_WARPS = 32
@@ -606,6 +612,19 @@ def _ln_persistent_split(n: int, subtract_mean: bool, backend: str,
   return w, _LN_PSPLIT_COLS_PER_SM // w
 
 
+def _fp8_rms_vjp_split(n: int, dtype, subtract_mean: bool, residual: bool,
+                       return_residuals: bool, backend: str,
+                       device: DeviceInfo) -> tuple[int, int] | None:
+  """(block_n, programs a SM) of the split-row static_persistent forward that the H100's
+  FP8-x RMSNorm under jax.vjp takes at 8192 < N <= 16384 (Pallas, no residual add), or
+  None. [docs/fp8_tuning.md#fp8-x-wide-split]"""
+  if (subtract_mean or not return_residuals or residual or backend != "pallas"
+      or np.dtype(dtype).itemsize != 1 or "H100" not in device.name
+      or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
+    return None
+  return _FP8_RMS_VJP_SPLIT_H100
+
+
 def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo,
                     devices: tuple[str, ...] = (_RES_DEVICE,)) -> bool:
   """Whether the fused residual add's own picks apply (measured: Pallas, 2-byte dtypes,
@@ -708,8 +727,9 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
 
   Returns:
     One of ``MODES``, first match wins:
-      H100, FP8 x, 8192 < N <= 16384   RMSNorm: multi_wave_cached (split rows), under
-                                       jax.vjp static_persistent; LayerNorm under
+      H100, FP8 x, 8192 < N <= 16384   RMSNorm: multi_wave_cached (one tile), under
+                                       jax.vjp static_persistent (split rows,
+                                       forward_config); LayerNorm under
                                        jax.vjp, or alone with 2-byte scale/bias:
                                        multi_wave_cached (Pallas, no residual)
       static_persistent (f32 params)   as param_dtype says
@@ -791,7 +811,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       2-byte x have their own static_persistent tiles (``choose_mode``).
     return_residuals: whether the call also writes mean/rstd (the forward of
       ``jax.vjp``; default True): on the H100 the FP8-x RMSNorm forward at N' = 8192
-      then takes the one-tile static_persistent forward (``choose_mode``).
+      then takes the one-tile static_persistent forward (``choose_mode``), and at 8192
+      < N <= 16384 the split-row one (``_FP8_RMS_VJP_SPLIT_H100``).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -810,7 +831,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
   cpu = device.platform == "cpu"
-  psplit = _ln_persistent_split(n, subtract_mean, backend, device)
+  psplit = (_ln_persistent_split(n, subtract_mean, backend, device)
+            or _fp8_rms_vjp_split(n, dtype, subtract_mean, residual, return_residuals,
+                                  backend, device))
   if mode == "static_persistent" and psplit:  # rows split over persistent programs
     w, per_sm = psplit
     block_m = min(_CPU_MIN_BLOCK_M, next_power_of_2(m)) if cpu else 1

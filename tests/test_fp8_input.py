@@ -283,7 +283,8 @@ VARIANTS = [("cached", "persistent", 128, "e4m3", True),
             ("reload", "reload", 32, "e4m3", False),
             ("persistent", "pieces", 16, "e5m2", True),
             ("persistent_chunked", "columns", 64, "e4m3", False),
-            ("persistent_split", "persistent", 16, "e5m2", True)]
+            ("persistent_split", "persistent", 16, "e5m2", True),
+            ("persistent_split", "split", 16, "e4m3", False)]
 
 
 @pytest.mark.parametrize("fwd,bwd,g,fp8,layer", VARIANTS,
@@ -487,7 +488,8 @@ def test_fp8_bwd_two_byte_scale_rule():
 def test_wide_fp8_mode_rule():
   """config._FP8_WIDE_MODES_H100 (docs/fp8_tuning.md#fp8-x-wide): on the H100, FP8 x at
   8192 < N <= 16384 picks its forward mode by op and by return_residuals (LayerNorm's
-  plain forward with 2-byte scale/bias by _FP8_WIDE_MODES_H100_2B); bf16 x, the
+  plain forward with 2-byte scale/bias by _FP8_WIDE_MODES_H100_2B; RMSNorm's under
+  jax.vjp splits rows, _FP8_RMS_VJP_SPLIT_H100, #fp8-x-wide-split); bf16 x, the
   H200, N outside the range, a residual add and the Triton backend keep the heuristic's
   other rules."""
   h100 = pn_config.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 132)
@@ -507,6 +509,20 @@ def test_wide_fp8_mode_rule():
     c = pn_config.forward_config(4096, 16384, f8, device=h100, subtract_mean=True,
                                  return_residuals=False, param_dtype=pd)
     assert (c.mode, c.block_m, c.block_n, c.num_warps) == ("multi_wave_cached", 1, 16384, 16)
+  # RMSNorm under jax.vjp: rows split over persistent programs, 1024 wide, 1 warp,
+  # 16 a SM, early publish 2 ahead (_FP8_RMS_VJP_SPLIT_H100); alone, the one-tile rule
+  for n, groups in ((16384, 132), (12288, 176)):
+    for pd in (None, jnp.bfloat16, jnp.float32):
+      c = pn_config.forward_config(4096, n, f8, device=h100, param_dtype=pd)
+      assert c == pn_config.ForwardConfig("static_persistent", 1, 1024, 1, groups,
+                                          split_rows=True, split_lag=2,
+                                          split_early_publish=True), (n, pd, c)
+  c = pn_config.forward_config(4096, 16384, f8, device=h100, return_residuals=False)
+  assert (c.mode, c.block_n, c.split_rows) == ("multi_wave_cached", 16384, False)
+  for kw in (dict(device=h200), dict(device=h100, residual=True),
+             dict(device=h100, backend="triton"), dict(device=h100, subtract_mean=True)):
+    assert not pn_config.forward_config(4096, 16384, f8, **kw).split_rows, kw
+  assert not pn_config.forward_config(4096, 16384, jnp.bfloat16, device=h100).split_rows
   assert pick(16384, subtract_mean=True, return_residuals=True,
               param_dtype=jnp.bfloat16) == "multi_wave_cached"  # the vjp rule's
   assert pn_config.forward_config(4096, 16384, f8, device=h100, subtract_mean=True,
