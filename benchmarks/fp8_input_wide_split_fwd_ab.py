@@ -17,10 +17,11 @@ Method: each variant compiled after ``jax.clear_caches()``; CUPTI kernel time, m
 10 calls over 3 rotated x, variants interleaved in 5 rounds, the median of the rounds and
 each kernel's median; outputs checked against the rule's (max |diff|).
 
-Usage (GPU machine): python benchmarks/fp8_input_wide_split_fwd_ab.py OUT.json
+Usage (GPU machine): [EXTRA=1] python benchmarks/fp8_input_wide_split_fwd_ab.py OUT.json
 """
 import contextlib
 import json
+import os
 import sys
 
 import jax
@@ -36,6 +37,9 @@ ROUNDS = 5
 G = 16
 N = 16384
 SHAPES = [(4096, N), (8192, N)]
+# EXTRA=1: RMSNorm only, the rule and the split configs around its pick (session 20's
+# second run, after the rule took the 1024-wide split)
+EXTRA = os.environ.get("EXTRA") == "1"
 
 
 def variants(sms):
@@ -51,6 +55,15 @@ def variants(sms):
                   C.ForwardConfig("static_persistent", 1, w, w // 1024,
                                   per_sm * sms // (N // w), split_rows=True,
                                   split_lag=lag, split_early_publish=early)))
+  if EXTRA:  # around the pick: narrower splits, more warps, a longer lead
+    for name, w, warps, per_sm, lag in (("W512 w1 32/SM lag2", 512, 1, 32, 2),
+                                        ("W1024 w2 16/SM lag2", 1024, 2, 16, 2),
+                                        ("W1024 w1 16/SM lag3", 1024, 1, 16, 3),
+                                        ("W1024 w1 8/SM lag2", 1024, 1, 8, 2)):
+      out.append((f"psplit {name} early",
+                  C.ForwardConfig("static_persistent", 1, w, warps,
+                                  max(1, per_sm * sms // (N // w)), split_rows=True,
+                                  split_lag=lag, split_early_publish=True)))
   return out
 
 
@@ -78,7 +91,7 @@ def main(out_path):
   print("device", dev.name, "copy GB/s", copy, flush=True)
   results = []
   for m, n in SHAPES:
-    for layer in (False, True):
+    for layer in ((False,) if EXTRA else (False, True)):
       xs8, s, w, b, dy = _fp8_sweep.fp8x_inputs(m, n, G)
 
       def norm(x_, w_, b_):
@@ -92,6 +105,8 @@ def main(out_path):
 
       fns, rows, ref = {}, {}, None
       for name, cfg in variants(dev.num_sms):
+        if EXTRA and cfg is not None and not (cfg.split_rows and cfg.block_n <= 1024):
+          continue
         rows[name] = dict(config=str(cfg))
         try:
           jax.clear_caches()
