@@ -5,8 +5,11 @@
 # Usage, on the GPU machine from the repository root, with the wheels of
 # ../shared/tools/device-wheels.sh in .whl/ (as `make gpu-check`):
 #   bash benchmarks/h200_pending.sh PART OUTDIR [COMMIT]
-#   PART: res | res-quick | fp8out | fp8in | fp8in-bench   (res-quick: res's two cells
-#   under 85% only, about 4 minutes)
+#   PART: res | res-quick | fp8out | fp8in | fp8in-bench | rules   (res-quick: res's two
+#   cells under 85% only, about 4 minutes; rules: every H100-only rule at once, about 7
+#   minutes: the kernel bench of the FP8 paths and the LayerNorm + residual cells twice,
+#   with the H200's rules and with the H100's, the device named H100 to config.py:
+#   whether the H100's rules as a whole should extend to the H200)
 # Each part fits one 10-minute device command (each step under `timeout`); on any GPU
 # other than an H200 it prints the GPU's name and exits 0 without running anything.
 set -u
@@ -75,6 +78,24 @@ fp8in-bench)
   timeout 200 python3 -m pallas_norm.bench --ops fp8in --shapes 8192x4096,16384x4096,8192x8192,32768x2048,4096x16384 \
     --impls pallas,xla --iters 30 --check --out "$out/${d}_fp8in_$commit.json"
   ;;
-*) echo "unknown PART $part (res | res-quick | fp8out | fp8in | fp8in-bench)"; exit 2;;
+rules)
+  for rules in h200 h100 h200 h100; do  # alternated twice: drift between runs shows
+    timeout 140 python3 - "$rules" "$out/${d}_rules_${rules}_$commit" <<'PY'
+import os, sys
+from pallas_norm import config as C
+rules, out = sys.argv[1], sys.argv[2]
+if rules == "h100":  # every rule keyed on "H100" in the device's name applies, none on "H200"
+  cached = C._device_info_cached
+  C._device_info_cached = lambda p, name, cores: cached(
+      p, "NVIDIA H100 80GB HBM3 (the H100's rules; run on " + name.replace("H200", "H-200") + ")",
+      cores)
+n = 1 + sum(os.path.exists(f"{out}_{i}.json") for i in range(1, 3))
+from pallas_norm.bench import cli
+sys.exit(cli.main(["--ops", "fp8,fp8in,layer_res", "--shapes", "8192x4096,16384x4096,4096x8192",
+                   "--impls", "pallas", "--iters", "30", "--check", "--out", f"{out}_{n}.json"]))
+PY
+  done
+  ;;
+*) echo "unknown PART $part (res | res-quick | fp8out | fp8in | fp8in-bench | rules)"; exit 2;;
 esac
 echo "done: $(date -u)"
