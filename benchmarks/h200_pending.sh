@@ -25,7 +25,7 @@ fi
 export PYTHONPATH=$PWD:/tmp/pallas_norm_site:$PWD/.whl/stubs PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PALLAS_NORM_GIT_COMMIT=$commit
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
-d=h200_$(date -u +%F)
+d=$(case "$gpu" in *H200*) echo h200;; *H100*) echo h100;; *) echo gpu;; esac)_$(date -u +%F)  # h100_ or gpu_ only in a test
 # The kernel bench with config._STAGE1_FLAGS_DEVICES as given (stock: the library's rule).
 bench_flags() {  # VARIANT DEVICES OPS SHAPES
   timeout 120 python3 - "$1" "$2" "$3" "$4" "$out/${d}_stage1_flags_$1_$commit.json" <<'PY'
