@@ -426,15 +426,11 @@ def _bwd_reference(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
   """The backward's math in jnp from x (or h) alone: mean and rstd are functions of it,
   so their tangents are not added again."""
   del mean, rstd
-  if x_scale is not None:  # FP8 x: the cotangent of the dequantised x, in out_dtype
-    xd = reference.dequantise(x, x_scale)
+  if dh is None:  # FP8 x: the cotangent of the dequantised x, in out_dtype
+    xd = x if x_scale is None else reference.dequantise(x, x_scale)
     _, pull = jax.vjp(lambda a, s, b: _xla_of(st, a, None, s, b)[0], xd, scale, bias)
     dx, dscale, dbias = pull(dy)
-    return dx.astype(st.out_dtype), None, dscale, dbias
-  if dh is None:
-    _, pull = jax.vjp(lambda a, s, b: _xla_of(st, a, None, s, b)[0], x, scale, bias)
-    dx, dscale, dbias = pull(dy)
-    return dx, None, dscale, dbias
+    return (dx if x_scale is None else dx.astype(st.out_dtype)), None, dscale, dbias
   # the fused residual: y is the norm of h (the saved sum); dx = dresidual = dy's + dh
   def y_of_h(a, s, b):
     return _xla_norm_of_sum(a, s, b, st.x_dtype, llama=st.llama is not None,
@@ -705,8 +701,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
   Returns:
     y: [..., N] with x's dtype (FP8 x: ``out_dtype``) and sharding; ``(y, h)`` with a
     residual. Differentiable in x, residual and scale (custom_vjp; higher orders too,
-    their derivatives from the jnp math); dx has x's sharding, dscale scale's. FP8 x is sharded as a float x is (rows, or the hidden dim
-    with N // group_size divisible by its shards), x_scale laid out like x.
+    their derivatives from the jnp math); dx has x's sharding, dscale scale's. FP8 x is
+    sharded as a float x is (rows, or the hidden dim with N // group_size divisible by
+    its shards), x_scale laid out like x.
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), a residual shape other
