@@ -617,12 +617,12 @@ def _fp8_rms_vjp_split(n: int, dtype, subtract_mean: bool, residual: bool,
                        device: DeviceInfo) -> tuple[int, int] | None:
   """(block_n, programs a SM) of the split-row static_persistent forward that the H100's
   FP8-x RMSNorm under jax.vjp takes at 8192 < N <= 16384 (Pallas, no residual add), or
-  None. [docs/fp8_tuning.md#fp8-x-wide-split]"""
-  if (subtract_mean or not return_residuals or residual or backend != "pallas"
-      or np.dtype(dtype).itemsize != 1 or "H100" not in device.name
-      or not _FP8_WIDE_MIN_N < n <= _FP8_WIDE_MAX_N):
+  None: where ``_fp8_wide_mode`` applies (the same device, backend, dtype and widths).
+  [docs/fp8_tuning.md#fp8-x-wide-split]"""
+  if subtract_mean or not return_residuals:
     return None
-  return _FP8_RMS_VJP_SPLIT_H100
+  wide = _fp8_wide_mode(n, dtype, False, residual, True, backend, device)
+  return _FP8_RMS_VJP_SPLIT_H100 if wide else None
 
 
 def _residual_rules(residual: bool, dtype, backend: str, device: DeviceInfo,
