@@ -26,9 +26,14 @@ Scaling (``scaling=``):
   "delayed"  TransformerEngine's DelayedScaling and flax's ``Fp8DotGeneral``: each
              tensor's scale comes from the max of an amax history of the last
              ``amax_history_length`` steps (flax's ``compute_scale``; the previous scale
-             while the history holds no positive finite amax, so the first step runs with
-             scale 1), and this step's amax is pushed into it (flax's
-             ``compute_amax_history``). The histories and scales (input, kernel, output
+             while that max is NaN or Inf), and this step's amax is pushed into it (flax's
+             ``compute_amax_history``). A tensor whose history holds no amax yet (all
+             zeros: the first step, or every step of a train step that does not write
+             the Fp8Meta "gradients" back) is scaled by this call's amax instead, as
+             current scaling does (``lax.cond`` on the history: the delayed branch runs
+             from the second step on). flax and TransformerEngine keep scale 1 there,
+             which flushes an output gradient below float8_e5m2's smallest subnormal
+             (2^-16, about 1.5e-5: a mean loss over 2^20 outputs) to zero. The histories and scales (input, kernel, output
              gradient) are ``Fp8Meta`` variables (Linen: flax's ``_overwrite_with_gradient``
              collection). The output gradient's amax is only known in the backward, so the
              layer uses flax's overwrite-with-gradient mechanism: the vjp returns each new
@@ -244,6 +249,23 @@ def _delayed_scale(scale, history, fp8_dtype):
   return _flax_fp8.compute_scale(amax, scale, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
 
 
+def _delayed_or_current(quantise, scale, history):
+  """``quantise(scale)`` (delayed scaling's () scale), or ``quantise(None)`` (this
+  call's amax: current scaling) while ``history`` holds no amax yet (all zeros; a NaN
+  or Inf amax counts as held: ``_delayed_scale`` keeps the previous scale then). One
+  branch runs (``lax.cond``), so the delayed steps keep their one pass."""
+  if not _EMPTY_HISTORY_CURRENT:
+    return quantise(scale)
+  return jax.lax.cond(jnp.max(history) == 0, lambda: quantise(None),
+                      lambda: quantise(scale))
+
+
+# Module docstring, "delayed": a tensor whose amax history is empty takes this call's
+# amax. False restores flax's scale 1 there (benchmarks/fp8_dense_empty_history_ab.py
+# times both; the tests' recipe follows this switch).
+_EMPTY_HISTORY_CURRENT = True
+
+
 def _push(history, amax):
   """The history with this step's amax pushed in (flax's ``compute_amax_history``)."""
   return _flax_fp8.compute_amax_history(amax, history)
@@ -288,12 +310,17 @@ def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
   row dims (no reshape to [M, N]: on a mesh that would move the rows of a sequence-
   parallel x); the GEMMs contract over N, or over the row dims (the weight gradient)."""
   fwd_dt = jnp.dtype(st.fp8_dtype)
-  y_scale = k_scale = None
-  if state is not None:
-    y_scale = _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt)
-    k_scale = _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt)
-  norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [..., N] fp8
-  w, k_scale, k_amax = _quantise_tensor(kernel, k_scale, fwd_dt)  # [N, F] fp8
+  norm_fp8 = lambda y_scale: _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)
+  quantise_w = lambda k_scale: _quantise_tensor(kernel, k_scale, fwd_dt)
+  if state is None:
+    norm, (w, k_scale, k_amax) = norm_fp8(None), quantise_w(None)
+  else:
+    norm = _delayed_or_current(  # y [..., N] fp8
+        norm_fp8, _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt),
+        state.input_amax_history)
+    w, k_scale, k_amax = _delayed_or_current(  # [N, F] fp8
+        quantise_w, _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt),
+        state.kernel_amax_history)
   last = x.ndim - 1
   out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((last,), (0,)), x.dtype,  # [..., F]
                     _gemm_spec(_spec(x)[:-1], _spec(kernel)[1]))
@@ -333,11 +360,13 @@ def _norm_dense(st: _Static, x, scale, ln_bias, kernel, state):
 def _backward(st: _Static, res, dout):
   x, scale, ln_bias, y_t, y_scale, mean, rstd, w, k_scale, state, new = res
   grad_dt = jnp.dtype(st.grad_fp8_dtype)
-  g_scale = None
-  if state is not None:
-    g_scale = _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
-                             grad_dt)
-  g, g_scale, g_amax = _quantise_tensor(dout, g_scale, grad_dt)  # [M, F] fp8
+  quantise_g = lambda g_scale: _quantise_tensor(dout, g_scale, grad_dt)
+  if state is None:
+    g, g_scale, g_amax = quantise_g(None)  # [M, F] fp8
+  else:
+    g, g_scale, g_amax = _delayed_or_current(
+        quantise_g, _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
+                                   grad_dt), state.output_grad_amax_history)
   # dgrad [..., N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
   # from y_t [N, *lead] and g [*lead, F] over the row dims, with the kernel's sharding
   # (a cotangent keeps its primal's).
