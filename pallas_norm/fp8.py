@@ -458,7 +458,9 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       not () or (concrete) not finite and > 0, an unknown mode or backend; under a
       multi-device jit (rows and the hidden dim may be sharded; the amax is a pmax over
       every axis that shards x; docs/fp8.md "Multi-device"), a dimension sharded
-      unevenly, or transpose=True with a row dimension other than the first sharded.
+      unevenly, or transpose=True with a row dimension other than the first sharded
+      (on an Auto mesh XLA's compilation reports these as a jax.errors.JaxRuntimeError
+      carrying the same message).
     TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
       not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad
       through it.

@@ -716,14 +716,16 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       mode or backend, an axis_name not bound by an enclosing shard_map, a
       ``check_vma=True`` shard_map in Pallas interpret mode (CPU; JAX's interpret
       lowering rejects varying-typed operands: pass ``check_vma=False``), or x sharded
-      unevenly over a mesh axis (raised at trace/compile time, before any kernel).
+      unevenly over a mesh axis (before any kernel: at trace time on an Explicit mesh;
+      on an Auto mesh XLA's compilation reports it as a jax.errors.JaxRuntimeError
+      carrying the same message).
     TypeError: integer or complex x, scale or residual, an FP8 x other than
       float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
       bfloat16 or float16; an x_scale that is not float32; a group_size not an int.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
-      FP8 x with backend="triton" (not served yet). backend="mosaic" with what it
+      backend="mosaic" with what it
       does not serve (above), N not a multiple of 128, a row beyond one program's
       shared memory, or in interpret mode with several devices (JAX's Mosaic GPU
       interpreter runs on one).

@@ -29,7 +29,8 @@ Three ways in, one per-shard body (``_local_forward`` / ``_local_backward``):
 
 Collectives are ``jax.lax.psum`` / ``pmean`` only. A layout that cannot be served without
 gathering x (a dimension sharded unevenly) is a ``ValueError`` naming the sharding,
-raised before any kernel runs.
+raised before any kernel runs (on an Auto mesh from inside XLA's compilation, which
+reports it as a ``jax.errors.JaxRuntimeError`` carrying the message).
 """
 
 from __future__ import annotations

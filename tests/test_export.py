@@ -26,6 +26,21 @@ def test_export_without_gpu_runs_the_interpreted_program():
                                   np.asarray(f(x, s), np.float32))
 
 
+def test_serialised_round_trip():
+  """docs/usage.md's serialize() / deserialize() (flatbuffers, the "export" and "test"
+  extras): the deserialised call gives the jitted function's bits, forward and grad.
+  (Skipped only where flatbuffers is not installed: the GPU machine's own Python.)"""
+  pytest.importorskip("flatbuffers", reason="jax.export's serialize() needs flatbuffers")
+  x, s = _inputs()
+  loss = lambda x, s: pallas_norm.rms_norm(x, s, interpret=True).astype(jnp.float32).sum()
+  for f in (jax.jit(lambda x, s: pallas_norm.rms_norm(x, s, interpret=True)),
+            jax.jit(jax.grad(loss, argnums=(0, 1)))):
+    blob = export.export(f)(x, s).serialize()
+    got = export.deserialize(blob).call(x, s)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(f(x, s))):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 @pytest.mark.parametrize("what", ["forward", "grad"])
 def test_export_for_cuda_needs_the_triton_check_disabled(what):
   """The compiled kernels (lowered for CUDA here, without a GPU) are the custom call the
