@@ -25,10 +25,11 @@ from flax_layers import fp8
 from pallas_norm.bench import e2e, timing
 
 CONFIG, WARMUP, ROUNDS, STEPS, CHAIN = "d4096", 8, 7, 8, 4
+MODES = ("none", "cond", "cond_grad", "where_grad")  # fp8._EMPTY_HISTORY
 
 
 def compiled_step(cfg, variant, rule, tokens):
-  fp8._EMPTY_HISTORY_CURRENT = rule
+  fp8._EMPTY_HISTORY = rule
   _, dstep, params, opt_state = e2e.build(cfg, variant, 0)
   compiled = dstep.lower(params, opt_state, tokens).compile()  # traced under `rule`
   conds = compiled.as_text().count(" conditional(")
@@ -38,7 +39,7 @@ def compiled_step(cfg, variant, rule, tokens):
 def main(out):
   cfg = e2e.FP8_DENSE_CONFIGS[CONFIG]
   tokens = jax.random.normal(jax.random.key(0), (cfg.batch * cfg.seq, cfg.d), jax.numpy.bfloat16)
-  variants = {"flax": ("flax", True), "fp8_rule": ("fp8", True), "fp8_no_rule": ("fp8", False)}
+  variants = {"flax": ("flax", "none"), **{f"fp8_{m}": ("fp8", m) for m in MODES}}
   live, meta = {}, {"device": timing.device_meta(False), "config": cfg.name,
                     "commit": os.environ.get("PALLAS_NORM_GIT_COMMIT", "unknown"),
                     "method": f"wall clock, {ROUNDS} interleaved rounds x {STEPS} samples "
@@ -61,7 +62,7 @@ def main(out):
     ratio = np.asarray(rounds["flax"]) / np.asarray(rounds[name])
     rows.append({"variant": name, "step_ms": float(np.median(rounds[name])),
                  "round_ms": rounds[name], "speedup_vs_flax_paired": float(np.median(ratio))})
-    print(f"{name:12s} {rows[-1]['step_ms']:8.3f} ms  {rows[-1]['speedup_vs_flax_paired']:.3f}x "
+    print(f"{name:15s} {rows[-1]['step_ms']:8.3f} ms  {rows[-1]['speedup_vs_flax_paired']:.3f}x "
           f"flax (paired)  rounds {' '.join(f'{t:.2f}' for t in rounds[name])}", flush=True)
   print(f"device: {meta['device']['device']}; commit {meta['commit']}; {meta['method']}")
   with open(out, "w") as f:

@@ -249,21 +249,23 @@ def _delayed_scale(scale, history, fp8_dtype):
   return _flax_fp8.compute_scale(amax, scale, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
 
 
-def _delayed_or_current(quantise, scale, history):
-  """``quantise(scale)`` (delayed scaling's () scale), or ``quantise(None)`` (this
-  call's amax: current scaling) while ``history`` holds no amax yet (all zeros; a NaN
-  or Inf amax counts as held: ``_delayed_scale`` keeps the previous scale then). One
-  branch runs (``lax.cond``), so the delayed steps keep their one pass."""
-  if not _EMPTY_HISTORY_CURRENT:
+def _delayed_or_current(quantise, scale, history, which, amax=None):
+  """``quantise(scale)`` (delayed scaling's () scale), or this call's amax (current
+  scaling) while ``history`` holds no amax yet (all zeros), by ``_EMPTY_HISTORY``:
+  "none" (flax's previous scale), "cond" (``lax.cond``, every tensor), "cond_grad" /
+  "where_grad" (the output gradient only, ``which == "g"``; "where": the scale selected
+  from ``amax()``, computed first)."""
+  mode = _EMPTY_HISTORY
+  if mode == "none" or (mode.endswith("_grad") and which != "g"):
     return quantise(scale)
-  return jax.lax.cond(jnp.max(history) == 0, lambda: quantise(None),
-                      lambda: quantise(scale))
+  empty = jnp.max(history) == 0
+  if mode.startswith("cond"):
+    return jax.lax.cond(empty, lambda: quantise(None), lambda: quantise(scale))
+  return quantise(jnp.where(empty, _fp8.current_scale(amax(), _dt_of[which]), scale))
 
 
-# Module docstring, "delayed": a tensor whose amax history is empty takes this call's
-# amax. False restores flax's scale 1 there (benchmarks/fp8_dense_empty_history_ab.py
-# times both; the tests' recipe follows this switch).
-_EMPTY_HISTORY_CURRENT = True
+_EMPTY_HISTORY = "cond"  # experiment: "none", "cond", "cond_grad", "where_grad"
+_dt_of = {"g": jnp.float8_e5m2}
 
 
 def _push(history, amax):
@@ -317,10 +319,10 @@ def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
   else:
     norm = _delayed_or_current(  # y [..., N] fp8
         norm_fp8, _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt),
-        state.input_amax_history)
+        state.input_amax_history, "x")
     w, k_scale, k_amax = _delayed_or_current(  # [N, F] fp8
         quantise_w, _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt),
-        state.kernel_amax_history)
+        state.kernel_amax_history, "w")
   last = x.ndim - 1
   out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((last,), (0,)), x.dtype,  # [..., F]
                     _gemm_spec(_spec(x)[:-1], _spec(kernel)[1]))
@@ -364,9 +366,11 @@ def _backward(st: _Static, res, dout):
   if state is None:
     g, g_scale, g_amax = quantise_g(None)  # [M, F] fp8
   else:
+    _dt_of["g"] = grad_dt
     g, g_scale, g_amax = _delayed_or_current(
         quantise_g, _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
-                                   grad_dt), state.output_grad_amax_history)
+                                   grad_dt), state.output_grad_amax_history, "g",
+        lambda: jnp.max(jnp.abs(dout.astype(_F32))))
   # dgrad [..., N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
   # from y_t [N, *lead] and g [*lead, F] over the row dims, with the kernel's sharding
   # (a cotangent keeps its primal's).
