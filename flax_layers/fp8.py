@@ -26,14 +26,9 @@ Scaling (``scaling=``):
   "delayed"  TransformerEngine's DelayedScaling and flax's ``Fp8DotGeneral``: each
              tensor's scale comes from the max of an amax history of the last
              ``amax_history_length`` steps (flax's ``compute_scale``; the previous scale
-             while that max is NaN or Inf), and this step's amax is pushed into it (flax's
-             ``compute_amax_history``). A tensor whose history holds no amax yet (all
-             zeros: the first step, or every step of a train step that does not write
-             the Fp8Meta "gradients" back) is scaled by this call's amax instead, as
-             current scaling does (``lax.cond`` on the history: the delayed branch runs
-             from the second step on). flax and TransformerEngine keep scale 1 there,
-             which flushes an output gradient below float8_e5m2's smallest subnormal
-             (2^-16, about 1.5e-5: a mean loss over 2^20 outputs) to zero. The histories and scales (input, kernel, output
+             while the history holds no positive finite amax, so the first step runs with
+             scale 1), and this step's amax is pushed into it (flax's
+             ``compute_amax_history``). The histories and scales (input, kernel, output
              gradient) are ``Fp8Meta`` variables (Linen: flax's ``_overwrite_with_gradient``
              collection). The output gradient's amax is only known in the backward, so the
              layer uses flax's overwrite-with-gradient mechanism: the vjp returns each new
@@ -41,7 +36,12 @@ Scaling (``scaling=``):
              those "gradients" into the model instead of handing them to the optimizer
              (``update_fp8_meta(model, grads)`` in NNX, module docstring of the classes).
              A forward without a gradient (evaluation) leaves them unchanged. Call each
-             layer once per step: two calls would add their "gradients".
+             layer once per step: two calls would add their "gradients". A gradient
+             that does not differentiate the state (flax's plain
+             ``nnx.value_and_grad(loss)(model)``) would never fill the histories, so
+             every scale would stay 1 and small output gradients would flush to zero:
+             the layer sees it at trace time (custom_vjp's symbolic zeros), warns, and
+             runs current scaling for that call (docs/fp8.md, "Scaling").
   "current"  every scale is this call's amax / fp8_max (``pallas_norm.fp8.current_scale``);
              no state, one more read of W and of dout per step.
 
@@ -65,6 +65,7 @@ import functools
 import math
 import re
 import typing as tp
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -249,25 +250,6 @@ def _delayed_scale(scale, history, fp8_dtype):
   return _flax_fp8.compute_scale(amax, scale, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
 
 
-def _delayed_or_current(quantise, scale, history, which, amax=None):
-  """``quantise(scale)`` (delayed scaling's () scale), or this call's amax (current
-  scaling) while ``history`` holds no amax yet (all zeros), by ``_EMPTY_HISTORY``:
-  "none" (flax's previous scale), "cond" (``lax.cond``, every tensor), "cond_grad" /
-  "where_grad" (the output gradient only, ``which == "g"``; "where": the scale selected
-  from ``amax()``, computed first)."""
-  mode = _EMPTY_HISTORY
-  if mode == "none" or (mode.endswith("_grad") and which != "g"):
-    return quantise(scale)
-  empty = jnp.max(history) == 0
-  if mode.startswith("cond"):
-    return jax.lax.cond(empty, lambda: quantise(None), lambda: quantise(scale))
-  return quantise(jnp.where(empty, _fp8.current_scale(amax(), _dt_of[which]), scale))
-
-
-_EMPTY_HISTORY = "cond"  # experiment: "none", "cond", "cond_grad", "where_grad"
-_dt_of = {"g": jnp.float8_e5m2}
-
-
 def _push(history, amax):
   """The history with this step's amax pushed in (flax's ``compute_amax_history``)."""
   return _flax_fp8.compute_amax_history(amax, history)
@@ -312,17 +294,12 @@ def _forward(st: _Static, x, scale, ln_bias, kernel, state, transpose: bool):
   row dims (no reshape to [M, N]: on a mesh that would move the rows of a sequence-
   parallel x); the GEMMs contract over N, or over the row dims (the weight gradient)."""
   fwd_dt = jnp.dtype(st.fp8_dtype)
-  norm_fp8 = lambda y_scale: _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)
-  quantise_w = lambda k_scale: _quantise_tensor(kernel, k_scale, fwd_dt)
-  if state is None:
-    norm, (w, k_scale, k_amax) = norm_fp8(None), quantise_w(None)
-  else:
-    norm = _delayed_or_current(  # y [..., N] fp8
-        norm_fp8, _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt),
-        state.input_amax_history, "x")
-    w, k_scale, k_amax = _delayed_or_current(  # [N, F] fp8
-        quantise_w, _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt),
-        state.kernel_amax_history, "w")
+  y_scale = k_scale = None
+  if state is not None:
+    y_scale = _delayed_scale(state.input_scale, state.input_amax_history, fwd_dt)
+    k_scale = _delayed_scale(state.kernel_scale, state.kernel_amax_history, fwd_dt)
+  norm = _norm_fp8(st, x, scale, ln_bias, y_scale, transpose)  # y [..., N] fp8
+  w, k_scale, k_amax = _quantise_tensor(kernel, k_scale, fwd_dt)  # [N, F] fp8
   last = x.ndim - 1
   out = _scaled_dot(norm.y, norm.y_scale, w, k_scale, ((last,), (0,)), x.dtype,  # [..., F]
                     _gemm_spec(_spec(x)[:-1], _spec(kernel)[1]))
@@ -362,15 +339,11 @@ def _norm_dense(st: _Static, x, scale, ln_bias, kernel, state):
 def _backward(st: _Static, res, dout):
   x, scale, ln_bias, y_t, y_scale, mean, rstd, w, k_scale, state, new = res
   grad_dt = jnp.dtype(st.grad_fp8_dtype)
-  quantise_g = lambda g_scale: _quantise_tensor(dout, g_scale, grad_dt)
-  if state is None:
-    g, g_scale, g_amax = quantise_g(None)  # [M, F] fp8
-  else:
-    _dt_of["g"] = grad_dt
-    g, g_scale, g_amax = _delayed_or_current(
-        quantise_g, _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
-                                   grad_dt), state.output_grad_amax_history, "g",
-        lambda: jnp.max(jnp.abs(dout.astype(_F32))))
+  g_scale = None
+  if state is not None:
+    g_scale = _delayed_scale(state.output_grad_scale, state.output_grad_amax_history,
+                             grad_dt)
+  g, g_scale, g_amax = _quantise_tensor(dout, g_scale, grad_dt)  # [M, F] fp8
   # dgrad [..., N] with x's sharding (the norm's backward takes dy as x); wgrad [N, F]
   # from y_t [N, *lead] and g [*lead, F] over the row dims, with the kernel's sharding
   # (a cotangent keeps its primal's).
@@ -388,10 +361,50 @@ def _backward(st: _Static, res, dout):
   return dx, dscale, dbias, dw, new_state
 
 
+_forward_rule = _first_order_only(functools.partial(_forward, transpose=True))
+_backward_rule = _first_order_only(_backward)
+
+_UNDIFFERENTIATED_STATE = (
+    "{op}(scaling='delayed') is differentiated without its delayed-scaling state (the "
+    "Fp8Meta amax histories and scales are not among the differentiated variables), so "
+    "their new values, which the layer returns as their gradient, would never be written "
+    "back: the histories would stay empty, every scale 1, and output gradients under "
+    "float8_e5m2's smallest subnormal (2^-16) would be flushed to zero. This call runs "
+    "current scaling instead. For delayed scaling, differentiate Fp8Meta too and write it "
+    "back: nnx.value_and_grad(loss, argnums=nnx.DiffState(0, (nnx.Param, Fp8Meta))) and "
+    "optimizer.update(model, update_fp8_meta(model, grads)) (Linen: differentiate the "
+    "'_overwrite_with_gradient' collection and keep its gradient as its next value); or "
+    "pass scaling='current'.")
+
+
+def _fwd_rule(st: _Static, *args):
+  """custom_vjp's forward with symbolic zeros: each leaf of ``args`` is a
+  ``CustomVJPPrimal``. A delayed-scaling state that is not differentiated (``perturbed``
+  False: the train step would drop its new value) is set aside for current scaling, with
+  a warning (``_UNDIFFERENTIATED_STATE``), at trace time."""
+  is_primal = lambda v: isinstance(v, jax.custom_derivatives.CustomVJPPrimal)
+  x, scale, ln_bias, kernel, state = jax.tree.map(lambda p: p.value, args,
+                                                  is_leaf=is_primal)
+  if state is not None and not any(p.perturbed for p in jax.tree.leaves(args[-1],
+                                                                        is_leaf=is_primal)):
+    op = "LayerNormDenseFP8" if st.subtract_mean else "RMSNormDenseFP8"
+    warnings.warn(_UNDIFFERENTIATED_STATE.format(op=op), stacklevel=2)
+    state = None
+  return _forward_rule(st, x, scale, ln_bias, kernel, state)
+
+
+def _bwd_rule(st: _Static, res, dout):
+  """custom_vjp's backward with symbolic zeros: a SymbolicZero dout (the output unused)
+  becomes zeros; a state set aside by ``_fwd_rule`` gets no cotangent (None)."""
+  if isinstance(dout, jax.custom_derivatives.SymbolicZero):
+    dout = jnp.zeros(dout.aval.shape, dout.aval.dtype)
+  return _backward_rule(st, res, dout)
+
+
 # The vjp rules: the forward with the transposed copy, and the backward, each
-# differentiable only once (_first_order_only).
-_norm_dense.defvjp(_first_order_only(functools.partial(_forward, transpose=True)),
-                   _first_order_only(_backward))
+# differentiable only once (_first_order_only); symbolic zeros tell the forward whether
+# the delayed-scaling state is differentiated (_fwd_rule).
+_norm_dense.defvjp(_fwd_rule, _bwd_rule, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------- public op

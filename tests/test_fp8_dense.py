@@ -11,6 +11,7 @@ their own tests), one on the Pallas kernels in interpret mode.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +50,8 @@ def _deq(v, scale, dt):
   return fp8_ops.dequantize(q, _F32, scale)
 
 
-def _delayed(scale, hist, dt, amax):
-  """flax's compute_scale from the history; this call's amax (current scaling) while the
-  history is all zeros (the layer's rule, ``fp8._EMPTY_HISTORY_CURRENT``)."""
-  delayed = fp8_ops.compute_scale(jnp.max(hist), scale, _F32(fp8_max(dt))).reshape(())
-  if not fp8._EMPTY_HISTORY_CURRENT:
-    return delayed
-  return jnp.where(jnp.max(hist) == 0, current_scale(amax, dt), delayed)
+def _delayed(scale, hist, dt):
+  return fp8_ops.compute_scale(jnp.max(hist), scale, _F32(fp8_max(dt))).reshape(())
 
 
 def _push(hist, amax):
@@ -74,16 +70,15 @@ def _recipe(x, kernel, scale, ln_bias, bias, dout, *, subtract_mean, state, grad
   if state is None:
     s_y, s_w = current_scale(y_amax, _E4M3), current_scale(w_amax, _E4M3)
   else:
-    s_y = _delayed(state.input_scale, state.input_amax_history, _E4M3, y_amax)
-    s_w = _delayed(state.kernel_scale, state.kernel_amax_history, _E4M3, w_amax)
+    s_y = _delayed(state.input_scale, state.input_amax_history, _E4M3)
+    s_w = _delayed(state.kernel_scale, state.kernel_amax_history, _E4M3)
   y_d, w_d = _deq(y, s_y, _E4M3), _deq(wf, s_w, _E4M3)
   out = jnp.matmul(y_d, w_d, precision=_HIGHEST).astype(x.dtype)
   if bias is not None:
     out = out + bias.astype(x.dtype)
   g_amax = jnp.max(jnp.abs(dout.astype(_F32)))
   s_g = (current_scale(g_amax, grad_dt) if state is None else
-         _delayed(state.output_grad_scale, state.output_grad_amax_history, grad_dt,
-                  g_amax))
+         _delayed(state.output_grad_scale, state.output_grad_amax_history, grad_dt))
   g_d = _deq(dout, s_g, grad_dt)
   dy = jnp.matmul(g_d, w_d.T, precision=_HIGHEST).astype(x.dtype)
   dx, dscale, dln_bias = norm_vjp(dy.astype(_F32))
@@ -201,15 +196,12 @@ def test_e4m3_gradient_and_batch_dims():
   _allclose(dkernel, want_dk, tol, "dkernel")
 
 
-@pytest.mark.parametrize("fresh", [False, True], ids=["used", "empty"])
-def test_pallas_kernels_match_recipe(fresh):
+def test_pallas_kernels_match_recipe():
   """The Pallas kernels (interpret mode on CPU): the FP8 norm with its transposed copy
-  and the two-stage backward, delayed scaling, LayerNorm; an empty state too (the
-  current-scaling kernels inside the lax.cond)."""
+  and the two-stage backward, delayed scaling, LayerNorm."""
   x, kernel, scale, ln_bias, bias, dout = _inputs(m=32, n=128, f=32, subtract_mean=True)
-  state = fp8.init_delayed_scaling(8) if fresh else _state()
   _check_against_recipe(x, kernel, scale, ln_bias, bias, dout, subtract_mean=True,
-                        state=state, backend="pallas", tol=_TOL[jnp.float32] * 5)
+                        state=_state(), backend="pallas", tol=_TOL[jnp.float32] * 5)
 
 
 def test_empty_rows():
@@ -239,8 +231,8 @@ def _trainer(layer, lr=1e-2):
 def test_delayed_scaling_history_in_training():
   """Three jitted train steps: each pushes its amaxes into the histories (newest at 0,
   the one before rolled to the end), each scale is the max of the history before the
-  step over fp8_max (on the first step, whose history is empty, this step's amax over
-  fp8_max), and a forward without a gradient leaves the state alone."""
+  step over fp8_max (1 on the first step, whose history is empty), and a forward
+  without a gradient leaves the state alone."""
   layer = flax_layers.RMSNormDenseFP8(64, 16, amax_history_length=4, backend="xla",
                                       rngs=nnx.Rngs(0))
   x = _inputs()[0]
@@ -258,7 +250,7 @@ def test_delayed_scaling_history_in_training():
     h = np.asarray(layer.input_amax_history[...])
     assert h[0] == pytest.approx(amaxes[-1], rel=1e-6)
     np.testing.assert_array_equal(h[1:], np.roll(before["input_amax_history"], -1)[1:])
-    want = (amaxes[0] if i == 0 else before["input_amax_history"].max()) / 448.0
+    want = 1.0 if i == 0 else before["input_amax_history"].max() / 448.0
     assert float(layer.input_scale[0]) == pytest.approx(want, rel=1e-6)
     assert float(layer.kernel_amax_history[0]) == pytest.approx(
         float(jnp.max(jnp.abs(layer.kernel[...]))), rel=0.05)  # the kernel before the step
@@ -267,34 +259,13 @@ def test_delayed_scaling_history_in_training():
       pytest.approx(amaxes[::-1], rel=1e-6)
 
 
-@pytest.mark.parametrize("subtract_mean", [False, True], ids=["rms", "layer"])
-def test_empty_history_takes_this_calls_amax(subtract_mean, monkeypatch):
-  """A fresh delayed-scaling state (histories all zero): every tensor is scaled by this
-  call's amax, as the recipe says, so an output gradient of a mean loss (1e-7, under
-  float8_e5m2's smallest subnormal 2^-16) still reaches dx and dkernel. With flax's
-  scale 1 there (the switch off) the same gradient is flushed: dx and dkernel are 0."""
-  x, kernel, scale, ln_bias, bias, dout = _inputs(subtract_mean=subtract_mean)
-  dout = dout * 1e-4  # |dout| ~ 1e-7
-  state = fp8.init_delayed_scaling(8)
-  _, new = _check_against_recipe(x, kernel, scale, ln_bias, bias, dout,
-                                 subtract_mean=subtract_mean, state=state)
-  assert float(new.output_grad_scale[0]) == pytest.approx(
-      float(jnp.max(jnp.abs(dout))) / 57344.0, rel=1e-6)  # e5m2's max
-  f = jax.jit(lambda *a: jax.vjp(lambda x, k: fp8.norm_dense_fp8(
-      x, k, scale, ln_bias, bias, subtract_mean=subtract_mean, eps=_EPS, state=state,
-      backend="xla"), *a)[1](dout))
-  dx, dkernel = f(x, kernel)
-  assert np.abs(np.asarray(dkernel)).max() > 0 and np.abs(np.asarray(dx)).max() > 0
-  monkeypatch.setattr(fp8, "_EMPTY_HISTORY_CURRENT", False)
-  jax.clear_caches()
-  dx, dkernel = f(x, kernel)
-  assert not np.any(np.asarray(dkernel)) and not np.any(np.asarray(dx))
-
-
-def test_delayed_layer_trained_without_its_meta_runs_current_scaling():
-  """The plain flax train step (nnx.value_and_grad of the model, the Fp8Meta state not
-  differentiated, so never written back): the histories stay empty and every step is
-  current scaling, the same gradients as a scaling="current" layer's, not zeros."""
+def test_delayed_layer_trained_without_its_meta_warns_and_runs_current_scaling():
+  """The plain flax train step (nnx.grad of the model: Fp8Meta not differentiated, so
+  never written back) would leave the histories empty and every scale 1, and the output
+  gradient of a mean loss under e5m2's smallest subnormal (dkernel and dx all zero). The
+  layer sees at trace time that its state is not differentiated: a warning naming the
+  fix, and current scaling: the gradients of a scaling="current" layer, nonzero. The
+  train step that differentiates Fp8Meta (update_fp8_meta) gets no warning."""
   delayed, current = (flax_layers.RMSNormDenseFP8(64, 48, scaling=s, backend="xla",
                                                   rngs=nnx.Rngs(0))
                       for s in ("delayed", "current"))
@@ -303,15 +274,24 @@ def test_delayed_layer_trained_without_its_meta_runs_current_scaling():
   grads = {}
   for layer in (delayed, current):
     opt = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
-    g0 = grad(layer, x)
-    opt.update(layer, g0)
-    grads[layer.scaling] = [nnx.to_pure_dict(g0), nnx.to_pure_dict(grad(layer, x))]
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      g0 = grad(layer, x)
+      opt.update(layer, g0)
+      grads[layer.scaling] = [nnx.to_pure_dict(g0), nnx.to_pure_dict(grad(layer, x))]
+    msgs = [str(w.message) for w in caught if "delayed-scaling state" in str(w.message)]
+    assert len(msgs) == (1 if layer.scaling == "delayed" else 0), msgs
+    if msgs:
+      assert "RMSNormDenseFP8" in msgs[0] and "update_fp8_meta" in msgs[0]
   assert not np.any(np.asarray(delayed.input_amax_history[...]))  # never written back
   for step, (gd, gc) in enumerate(zip(grads["delayed"], grads["current"])):
     assert set(gd) == set(gc) == {"scale", "kernel", "bias"}, step
     for name in gc:
       assert np.abs(gc[name]).max() > 0, (step, name)
-      np.testing.assert_allclose(gd[name], gc[name], rtol=1e-6, atol=0, err_msg=name)
+      np.testing.assert_array_equal(gd[name], gc[name], err_msg=f"step {step} {name}")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the documented train step: delayed, no warning
+    _trainer(flax_layers.RMSNormDenseFP8(64, 48, backend="xla", rngs=nnx.Rngs(0)))(x)
 
 
 def test_scanned_stack_matches_unrolled_layers():
