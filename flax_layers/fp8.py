@@ -62,6 +62,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import math
 import re
 import typing as tp
@@ -626,7 +627,7 @@ class RMSNormDenseFP8(_NormDenseFP8):
     >>> y = layer(jnp.ones((2, 8)))
     >>> y.shape, y.dtype
     ((2, 4), dtype('float32'))
-""" + _ARGS_DOC
+"""
 
   def __init__(self, in_features: int, out_features: int, **kwargs):
     if "use_ln_bias" in kwargs:
@@ -642,13 +643,28 @@ class LayerNormDenseFP8(_NormDenseFP8):
   ``LayerNormDenseGeneral``), plus ``use_ln_bias`` (default True): LayerNorm's beta,
   param ``ln_bias`` [N] (TransformerEngine's name), initialised by ``ln_bias_init``
   (default zeros).
-""" + _ARGS_DOC
+"""
 
   subtract_mean = True
 
   def __init__(self, in_features: int, out_features: int, *, use_ln_bias: bool = True,
                **kwargs):
     super().__init__(in_features, out_features, use_ln_bias=use_ln_bias, **kwargs)
+
+
+def _document(cls, drop=(), defaults=None):
+  """The class docstring with the shared argument list appended (a string expression in
+  the class body is not its docstring), and ``__init__``'s signature as the base's, so
+  that help() and inspect.signature show every argument, not ``**kwargs``."""
+  cls.__doc__ += _ARGS_DOC
+  sig = inspect.signature(_NormDenseFP8.__init__)
+  params = [p.replace(default=(defaults or {}).get(p.name, p.default))
+            for p in sig.parameters.values() if p.name not in drop]
+  cls.__init__.__signature__ = sig.replace(parameters=params)
+
+
+_document(RMSNormDenseFP8, drop=("use_ln_bias", "ln_bias_init"))
+_document(LayerNormDenseFP8, defaults={"use_ln_bias": True})
 
 
 # --------------------------------------------------------------------------- HLO check

@@ -437,7 +437,8 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
     x: [..., N] float32, bfloat16 or float16, rank >= 1; M = prod(x.shape[:-1]).
     scale: [N] float array or None.
     y_scale: None for current scaling (this call's amax / fp8_max), or delayed scaling's
-      dequantisation scale: a float32 scalar (() array or Python float), finite and > 0
+      dequantisation scale: a float32 scalar (a () array, or a Python float or int,
+      taken as float32), finite and > 0
       (checked when concrete), e.g. from an amax history.
     fp8_dtype: jnp.float8_e4m3fn (default; fp8_max 448) or jnp.float8_e5m2 (57344).
     transpose: also return ``y_t = y.reshape(M, N).T`` [N, M], written by the same
@@ -486,7 +487,7 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
     x, scale, y_scale, fp8_dtype, transpose, scale_offset, mode, backend, interpret: as
       in ``rms_norm_fp8``.
     bias: [N] float array or None.
-    eps: added to the variance (default 1e-5, torch's).
+    eps: added to the variance (default 1e-5, torch's; None means the same).
 
   Returns:
     Fp8Norm, as in ``rms_norm_fp8``; mean is the rows' mean.
@@ -494,6 +495,8 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
   Raises:
     ValueError, TypeError, NotImplementedError: as in ``rms_norm_fp8``.
   """
+  if eps is None:
+    eps = 1e-5
   return _norm_fp8("layer_norm_fp8", x, scale, bias, eps=eps, y_scale=y_scale,
                    fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
                    subtract_mean=True, mode=mode, backend=backend, interpret=interpret)

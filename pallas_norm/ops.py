@@ -721,7 +721,8 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       carrying the same message).
     TypeError: integer or complex x, scale or residual, an FP8 x other than
       float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
-      bfloat16 or float16; an x_scale that is not float32; a group_size not an int.
+      bfloat16 or float16; an x_scale that is not float32; a group_size not an int; an
+      eps that is not a real number.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
@@ -762,7 +763,8 @@ def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dty
     residual, residual_dtype: the fused residual add, as in ``rms_norm``.
     cast: as in ``rms_norm``; "llama" adds the bias after the rounded product, in the
       promotion of x's, scale's and bias's dtypes.
-    eps: added to the variance (default 1e-5, torch's).
+    eps: added to the variance (default 1e-5, torch's; None means the same, as
+      ``rms_norm``'s None means torch's default there).
     scale_offset: y = x_hat * (scale_offset + scale) + bias.
     mode, backend, interpret, axis_name, axis_index_groups: as in ``rms_norm``;
       across shards the variance is combined with Chan et al.'s formula.
@@ -774,6 +776,8 @@ def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dty
   Raises:
     ValueError, TypeError, NotImplementedError, ImportError: as in ``rms_norm``.
   """
+  if eps is None:
+    eps = 1e-5
   return _norm("layer_norm", x, scale, bias, eps=eps, scale_offset=scale_offset,
                subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,

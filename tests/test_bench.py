@@ -167,6 +167,18 @@ def test_plot_only_merges_into_out(tmp_path, call_main):
   assert stdout.count("  merged: ") == 2
 
 
+def test_plot_only_refuses_what_it_cannot_read(tmp_path, call_main):
+  """A missing file, a file that is not JSON, and a results file of another script (a
+  sweep's) are argparse errors (exit 2) naming the file, not tracebacks."""
+  (tmp_path / "bad.json").write_text("{not json")
+  (tmp_path / "sweep.json").write_text(json.dumps({"rows": [{"config": "x", "us": 1.0}]}))
+  for name, match in (("missing.json", "cannot read it as JSON"),
+                      ("bad.json", "cannot read it as JSON"),
+                      ("sweep.json", "not a `python -m pallas_norm.bench` kernel result")):
+    rc, _, err = call_main(cli.main, "--plot-only", str(tmp_path / name))
+    assert rc == 2 and name in err and match in err, err
+
+
 def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
   """The run loop end to end on CPU: CUPTI is missing there, so timings are n/a with the
   reason (never a number), --check still compares with the reference, torch rows are

@@ -25,6 +25,24 @@ def test_parse_config():
     bench_e2e.parse_config("mistral")
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--config", "mistral"], "not one of"),
+    (["--config", "base=mistral,d=32"], "base='mistral' is not one of"),
+    (["--config", "base=qwen3,d=abc"], "d='abc' is not an integer"),
+    (["--config", "d=32,layers"], "is not key=value"),
+    (["--config", "base=llama,style=dense"], "style='dense' is not one of"),
+    (["--variants", "bogus"], "choose from flax,pallas,fused"),
+    (["--variants", "flax,fusd"], "choose from flax,pallas,fused"),  # a typo: not dropped
+    (["--fp8-dense", "--variants", "fused"], "choose from flax,pallas,fp8,fp8_current"),
+    (["--rounds", "0"], "--rounds=0 must be >= 1"),
+])
+def test_bad_arguments_are_usage_errors(argv, match, call_main):
+  """Every bad --config / --variants / count is an argparse error (exit 2) before any
+  model is built, on any machine."""
+  rc, _, err = call_main(bench_e2e.main, "--allow-cpu", *argv)
+  assert rc == 2 and match in err, err
+
+
 def test_classify_and_norm_fusions():
   hlo = "\n".join([
       'ENTRY %main {',

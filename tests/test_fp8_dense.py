@@ -294,6 +294,20 @@ def test_delayed_layer_trained_without_its_meta_warns_and_runs_current_scaling()
     _trainer(flax_layers.RMSNormDenseFP8(64, 48, backend="xla", rngs=nnx.Rngs(0)))(x)
 
 
+def test_layer_classes_document_their_arguments():
+  """help() of the FP8 layers shows the shared argument list and the real signature (a
+  string expression in a class body is not its docstring; ``**kwargs`` hides the args)."""
+  import inspect
+  for cls, has_ln_bias in ((flax_layers.RMSNormDenseFP8, False),
+                           (flax_layers.LayerNormDenseFP8, True)):
+    assert "amax_history_length" in cls.__doc__ and "Raises:" in cls.__doc__
+    params = inspect.signature(cls.__init__).parameters
+    assert {"in_features", "out_features", "scaling", "amax_history_length", "rngs"} <= set(params)
+    assert ("use_ln_bias" in params) == has_ln_bias
+  assert inspect.signature(flax_layers.LayerNormDenseFP8.__init__).parameters[
+      "use_ln_bias"].default is True
+
+
 def test_scanned_stack_matches_unrolled_layers():
   """Three delayed-scaling blocks stacked by nnx.vmap and run by nnx.scan (+ remat), as a
   scanned LLM stack: the loss, every gradient and each layer's new amax histories equal

@@ -720,6 +720,21 @@ def test_eps_none_is_float32_eps():
   assert not np.allclose(np.asarray(y_big), ref.numpy(), rtol=1e-3)
 
 
+def test_layer_norm_eps_none_is_torchs_default():
+  """layer_norm's (and layer_norm_fp8's) eps=None is torch's default, 1e-5, as rms_norm's
+  None is torch's default there; a non-number is a TypeError."""
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 64)) * 1e-3, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(pallas_norm.layer_norm(x, eps=None)),
+                                np.asarray(pallas_norm.layer_norm(x, eps=1e-5)))
+  a = pallas_norm.layer_norm_fp8(x, eps=None)
+  b = pallas_norm.layer_norm_fp8(x, eps=1e-5)
+  np.testing.assert_array_equal(np.asarray(a.y, np.float32), np.asarray(b.y, np.float32))
+  assert not np.allclose(np.asarray(pallas_norm.layer_norm(x, eps=1e-6)),
+                         np.asarray(pallas_norm.layer_norm(x)), rtol=1e-3)
+  with pytest.raises(TypeError, match="eps must be a real number"):
+    pallas_norm.layer_norm(x, eps="1e-5")
+
+
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 def test_no_scale_and_scale_offset(layer):
   x, scale, bias, _ = _inputs(7, 100, "float32", layer=layer)

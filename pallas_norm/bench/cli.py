@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
              "(interleaved A/Bs; ab --help). The results and the command behind each: "
              "benchmarks/README.md.")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
-                                  "BENCHMARKING.md table plus Llama/Qwen hidden sizes at M=8192)")
+                                  "kernel table of pallas_norm/bench/plan.py: BENCH_SHAPES plus Llama/Qwen "
+                                  "hidden sizes at M=8192, LLM_SHAPES)")
   p.add_argument("--ops", default="rms,layer",
                  help="rms,layer (default both); rms_res,layer_res: the fused residual add "
                       "(pallas, xla and flax only); FP8 output, forward only, pallas "
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
   if args.iters < 1:
     p.error(f"--iters={args.iters} must be >= 1")
   if args.plot_only:
-    doc = report.merge(args.plot_only)
+    try:
+      doc = report.merge(args.plot_only)
+    except ValueError as e:
+      p.error(str(e))
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.plot_only[0])
     if args.out:
       report.write(out, doc["meta"], doc["rows"])

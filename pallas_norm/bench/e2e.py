@@ -110,14 +110,29 @@ def parse_config(text: str, configs: dict = CONFIGS) -> Config:
     if text not in configs:
       raise ValueError(f"--config {text!r}: not one of {sorted(configs)} (or key=value,...)")
     return configs[text]
-  kv = dict(tok.split("=", 1) for tok in text.split(",") if tok)
-  base = configs[kv.pop("base", next(iter(configs)))]
+  toks = [tok for tok in text.split(",") if tok]
+  bad = [tok for tok in toks if "=" not in tok]
+  if bad:
+    raise ValueError(f"--config {text!r}: {bad} is not key=value")
+  kv = dict(tok.split("=", 1) for tok in toks)
+  base_name = kv.pop("base", next(iter(configs)))
+  if base_name not in configs:
+    raise ValueError(f"--config {text!r}: base={base_name!r} is not one of {sorted(configs)}")
+  base = configs[base_name]
   fields = {f.name: f.type for f in dataclasses.fields(Config)}
   unknown = set(kv) - set(fields)
   if unknown:
     raise ValueError(f"--config: unknown keys {sorted(unknown)}; fields: {sorted(fields)}")
-  cast = {k: (float(v) if k == "eps" else v if k in ("name", "style") else int(v))
-          for k, v in kv.items()}
+  cast = {}
+  for k, v in kv.items():
+    try:
+      cast[k] = float(v) if k == "eps" else v if k in ("name", "style") else int(v)
+    except ValueError:
+      raise ValueError(f"--config {text!r}: {k}={v!r} is not "
+                       f"{'a number' if k == 'eps' else 'an integer'}") from None
+  styles = ("dense",) if base.style == "dense" else ("llama", "qwen3", "gemma")
+  if cast.get("style", base.style) not in styles:
+    raise ValueError(f"--config {text!r}: style={cast['style']!r} is not one of {styles}")
   return dataclasses.replace(base, **{"name": f"custom_{base.name}", **cast})
 
 
@@ -578,17 +593,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
+  table = FP8_DENSE_CONFIGS if args.fp8_dense else CONFIGS
+  known = FP8_DENSE_VARIANTS if args.fp8_dense else VARIANTS
+  if args.variants is None:
+    args.variants = ",".join(known)
+  wanted = [v for v in args.variants.split(",") if v]
+  if not wanted or set(wanted) - set(known):
+    parser.error(f"--variants {args.variants!r}: choose from {','.join(known)}"
+                 + ("" if args.fp8_dense else " (the FP8 dense variants need --fp8-dense)"))
+  try:
+    configs = [parse_config(c, table) for c in (args.config or sorted(table))]
+  except ValueError as e:
+    parser.error(str(e))
+  for name in ("rounds", "steps", "chain"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name}={getattr(args, name)} must be >= 1")
   import jax
   from pallas_norm.bench import timing
   if jax.default_backend() != "gpu" and not args.allow_cpu:
     print(f"pallas_norm.bench --e2e needs a GPU (jax.default_backend()="
           f"{jax.default_backend()!r}); --allow-cpu for a smoke run", file=sys.stderr)
     return 2
-  table = FP8_DENSE_CONFIGS if args.fp8_dense else CONFIGS
-  if args.variants is None:
-    args.variants = ",".join(FP8_DENSE_VARIANTS if args.fp8_dense else VARIANTS)
-  configs = [parse_config(c, table) for c in (args.config or sorted(table))]
   _ATTENTION["impl"] = None if args.attention == "xla" else "cudnn"
   dev = jax.devices()[0]
   meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,

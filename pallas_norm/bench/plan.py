@@ -22,7 +22,8 @@ import math
 
 import jax.numpy as jnp
 
-# The table of BENCHMARKING.md, then Llama/Qwen hidden sizes with M = 8192 tokens.
+# The project's benchmarking brief's shape table (docs/performance.md gives the method),
+# then Llama/Qwen hidden sizes with M = 8192 tokens.
 BENCH_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 128),
                 (16384, 16384), (4096, 65536), (1024, 262144))
 LLM_SHAPES = ((8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192))

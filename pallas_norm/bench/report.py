@@ -197,12 +197,24 @@ def _title(op: str) -> str:
 
 
 def merge(paths: list[str]) -> dict:
-  """Rows of several result files; a later file's row replaces an earlier one's."""
+  """Rows of several result files; a later file's row replaces an earlier one's.
+  ValueError for a file that is missing, not JSON, or not a kernel-bench result (a
+  JSON with "meta" and "rows" of op/pass/shape rows)."""
   rows: dict = {}
   meta: dict = {}
   sources = []
   for p in paths:
-    doc = json.loads(pathlib.Path(p).read_text())
+    try:
+      doc = json.loads(pathlib.Path(p).read_text())
+    except (OSError, ValueError) as e:
+      raise ValueError(f"--plot-only {p}: cannot read it as JSON ({type(e).__name__}: {e})")
+    if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict)
+            and isinstance(doc.get("rows"), list)
+            and all(isinstance(r, dict) and {"op", "pass", "m", "n", "impl"} <= set(r)
+                    for r in doc["rows"])):
+      raise ValueError(f"--plot-only {p}: not a `python -m pallas_norm.bench` kernel result "
+                       f"(a JSON of 'meta' and 'rows' with op, pass, m, n, impl); the other "
+                       f"scripts' files have their own format (benchmarks/README.md)")
     meta = {**meta, **doc["meta"]}
     sources.append({k: doc["meta"].get(k) for k in ("date", "git_commit", "device", "copy_gbs",
                                                     "argv")} | {"file": pathlib.Path(p).name})
