@@ -37,9 +37,17 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
   if config.getoption("--gpu"):
     skip_cpu = pytest.mark.skip(reason="CPU-only (Triton interpreter / no-GPU behaviour)")
+    # bigmem tests (~26 GiB arrays) beside other pytest-xdist workers run the GPU out of
+    # memory (Makefile, gpu-check): under xdist they are skipped, naming the command that
+    # runs them alone (make gpu-check does, after the rest).
+    skip_big = pytest.mark.skip(reason="bigmem: run alone, not beside xdist workers: "
+                                       "pytest --gpu -m bigmem tests (make gpu-check does)")
+    under_xdist = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     for item in items:
       if "cpu_only" in item.keywords:
         item.add_marker(skip_cpu)
+      if under_xdist and "bigmem" in item.keywords:
+        item.add_marker(skip_big)
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make gpu-check` on the GPU machine")
   for item in items:
