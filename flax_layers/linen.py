@@ -273,6 +273,9 @@ class RMSNormDenseFP8(_NormDenseFP8):
     grads = jax.grad(loss)({"params": params, OVERWRITE_WITH_GRADIENT: meta}, batch)
     meta = grads[OVERWRITE_WITH_GRADIENT]    # the new histories and scales
 
+  A gradient taken with respect to the params alone would never update that collection;
+  the layer sees it at trace time, warns, and runs current scaling for the call.
+
   Example usage::
 
     >>> import jax, jax.numpy as jnp
