@@ -163,7 +163,9 @@ class RMSNorm(_Norm):
       (default: None).
     residual_dtype: with ``layer(x, residual=r)``: the dtype of the returned residual
       stream h (default: None, r's dtype; ``jnp.float32`` is flash-attention's
-      ``residual_in_fp32``).
+      ``residual_in_fp32``). r is not cast by ``dtype``; x is, first, as flax.nnx casts
+      its input (so x wider than ``dtype`` is rounded before h = x + r: pass x in the
+      dtype the sum should see; the Linen twin, as flax.linen, keeps x as given).
     cast: "torch" (default), "llama" or "gemma": where the casts happen, as in
       ``pallas_norm.rms_norm`` (HF's LlamaRMSNorm and GemmaRMSNorm; "gemma" implies
       ``scale_offset=1.0``, use it with ``scale_init=nnx.initializers.zeros``). Under

@@ -34,18 +34,32 @@ __all__ = ["RMSNorm", "LayerNorm", "RMSNormDenseFP8", "LayerNormDenseFP8"]
 
 def _params_and_input(mdl: nn.Module, x, names: tuple[str, ...], inits, uses, residual,
                       mask):
-  """Checks flax's axes and mask, creates the [N] params named ``names`` and casts x
-  to the result dtype (under cast="llama": x keeps its dtype, the params are cast to
-  ``dtype`` if given)."""
+  """Checks flax's axes and mask, creates the [N] params named ``names``; returns (x for
+  the op, the params, y's dtype or None). As flax.linen, the statistics come from x as
+  given and only the output is cast to the result dtype: x is promoted (exactly) when
+  that dtype is wider, and kept when it is narrower (y then cast by ``_finish``; a
+  residual stream h keeps ``residual_dtype``). Under cast="llama": x keeps its dtype,
+  the params are cast to ``dtype`` if given, y is the op's."""
   _flax_args.check_axes(mdl.reduction_axes, mdl.feature_axes)
   _flax_args.check_call(x, mdl.reduction_axes, mdl.feature_axes, mask, residual)
   feature_shape = (jnp.shape(x)[-1],)
   params = [mdl.param(name, init, feature_shape, mdl.param_dtype) if use else None
             for name, init, use in zip(names, inits, uses)]
   if mdl.cast == "llama":
-    return x, [p if p is None or mdl.dtype is None else p.astype(mdl.dtype) for p in params]
+    return x, [p if p is None or mdl.dtype is None else p.astype(mdl.dtype)
+               for p in params], None
   dtype = _dtypes.canonicalize_dtype(x, *params, dtype=mdl.dtype)
-  return jnp.asarray(x, dtype), params
+  x = jnp.asarray(x)
+  return jnp.asarray(x, jnp.promote_types(x.dtype, dtype)), params, dtype
+
+
+def _finish(out, dtype):
+  """The op's y (or (y, h)) with y cast to ``dtype`` (None: as it is)."""
+  if dtype is None:
+    return out
+  if isinstance(out, tuple):
+    return out[0].astype(dtype), out[1]
+  return out.astype(dtype)
 
 
 def _axis_args(mdl: nn.Module) -> dict:
@@ -128,12 +142,12 @@ class RMSNorm(nn.Module):
     """Normalises ``x: [..., N]``; returns the same shape. With ``residual`` (x's
     shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add).
     ``mask`` (flax's): NotImplementedError unless None."""
-    x, (scale,) = _params_and_input(self, x, ("scale",), (self.scale_init,),
-                                    (self.use_scale,), residual, mask)
-    return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
-                         scale_offset=float(self.scale_offset), mode=self.mode,
-                         backend=self.backend, **_axis_args(self),
-                         **_residual(self, residual))
+    x, (scale,), dtype = _params_and_input(self, x, ("scale",), (self.scale_init,),
+                                           (self.use_scale,), residual, mask)
+    return _finish(_ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
+                                 scale_offset=float(self.scale_offset), mode=self.mode,
+                                 backend=self.backend, **_axis_args(self),
+                                 **_residual(self, residual)), dtype)
 
 
 class LayerNorm(nn.Module):
@@ -196,13 +210,14 @@ class LayerNorm(nn.Module):
   def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., N]``; returns the same shape, or ``(y, h)`` with a
     ``residual`` (as ``RMSNorm``; ``mask``: NotImplementedError unless None)."""
-    x, (scale, bias) = _params_and_input(self, x, ("scale", "bias"),
-                                         (self.scale_init, self.bias_init),
-                                         (self.use_scale, self.use_bias), residual, mask)
-    return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
-                           scale_offset=float(self.scale_offset), mode=self.mode,
-                           backend=self.backend, **_axis_args(self),
-                           **_residual(self, residual))
+    x, (scale, bias), dtype = _params_and_input(self, x, ("scale", "bias"),
+                                                (self.scale_init, self.bias_init),
+                                                (self.use_scale, self.use_bias), residual,
+                                                mask)
+    return _finish(_ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
+                                   scale_offset=float(self.scale_offset), mode=self.mode,
+                                   backend=self.backend, **_axis_args(self),
+                                   **_residual(self, residual)), dtype)
 
 
 # --------------------------------------------------------------------------- FP8 dense

@@ -176,6 +176,8 @@ def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, back
   dt = _check_fp8_dtype(op, fp8_dtype)
   if not isinstance(transpose, (bool, np.bool_)):
     raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__}")
+  if backend != "xla":
+    ops._check_concrete_shape(op, x, backend)
   return dt, _check_y_scale(op, y_scale)
 
 

@@ -560,6 +560,17 @@ def _axis_groups(axis_name, axis_index_groups):
   return names, groups
 
 
+def _check_concrete_shape(op: str, x, backend) -> None:
+  """NotImplementedError for a symbolic dimension (jax.export's shape polymorphism):
+  the kernels' launch configs, grids and tiles are chosen from the concrete shape."""
+  if not all(isinstance(d, int) for d in jnp.shape(x)):
+    raise NotImplementedError(
+        f"{op}: x.shape={tuple(jnp.shape(x))} has a symbolic dimension (jax.export shape "
+        f"polymorphism); backend={backend!r} chooses its kernels' launch configs from "
+        f"concrete shapes. Export one program per shape, or use backend='xla' (the jnp "
+        f"reference), which exports with symbolic shapes.")
+
+
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
           axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch",
           x_scale=None, group_size=16, out_dtype=None):
@@ -584,6 +595,7 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
                               subtract_mean=subtract_mean, names=names, groups=groups,
                               llama=cast == "llama", h_dtype=h_dtype)
     return y if residual is None else (y, h)
+  _check_concrete_shape(op, x, backend)
   llama = None
   if cast == "llama":
     llama = (x.dtype.name, jnp.result_type(*(jnp.result_type(a) for a in (x, scale, bias)

@@ -26,6 +26,21 @@ def test_export_without_gpu_runs_the_interpreted_program():
                                   np.asarray(f(x, s), np.float32))
 
 
+@pytest.mark.parametrize("fn", ["rms_norm", "layer_norm", "rms_norm_fp8"])
+def test_symbolic_batch_dimension(fn):
+  """Shape polymorphism: the kernels' configs come from concrete shapes, so a symbolic
+  dimension is a clear NotImplementedError naming backend='xla', which exports it."""
+  op = getattr(pallas_norm, fn)
+  spec = jax.ShapeDtypeStruct(export.symbolic_shape("b, 128"), jnp.float32)
+  with pytest.raises(NotImplementedError, match="symbolic dimension.*backend='xla'"):
+    export.export(jax.jit(lambda x: op(x, jnp.ones(128))))(spec)
+  if fn != "rms_norm_fp8":
+    exported = export.export(jax.jit(lambda x: op(x, jnp.ones(128), backend="xla")))(spec)
+    x = jnp.linspace(-1, 1, 3 * 128, dtype=jnp.float32).reshape(3, 128)
+    np.testing.assert_allclose(np.asarray(exported.call(x)),
+                               np.asarray(op(x, jnp.ones(128), backend="xla")), rtol=1e-6)
+
+
 def test_serialised_round_trip():
   """docs/usage.md's serialize() / deserialize() (flatbuffers, the "export" and "test"
   extras): the deserialised call gives the jitted function's bits, forward and grad.

@@ -275,6 +275,28 @@ def test_linen_options_match_flax(pair, kwargs):
                              rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("pair", _LINEN_PAIRS, ids=["rms", "ln"])
+def test_linen_narrow_dtype_normalises_x_as_given(pair):
+  """flax.linen computes the statistics from x as given and casts only y to ``dtype``:
+  fp32 x at 1000 + small noise with dtype=bf16 (rounded to bf16 first, every x would be
+  1000 and LayerNorm's y all zeros). The Linen twins do the same; with a residual, h is
+  x + r summed from the unrounded x (its dtype: residual_dtype). (flax with
+  use_fast_variance=False: its E[x^2] - E[x]^2 cancels at this offset.)"""
+  flax_cls, ours_cls = pair
+  x = 1000 + 0.1 * _x((4, 64))
+  v = flax_cls().init(jax.random.key(0), x)
+  y_ref = flax_cls(dtype=jnp.bfloat16, use_fast_variance=False).apply(v, x)
+  y_got = ours_cls(dtype=jnp.bfloat16).apply(v, x)
+  assert y_got.dtype == y_ref.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y_got, np.float32), np.asarray(y_ref, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  assert np.abs(np.asarray(y_got, np.float32)).max() > 0.5  # not the rounded x's zeros
+  r = 0.1 * _x((4, 64))
+  y, h = ours_cls(dtype=jnp.bfloat16, residual_dtype=jnp.float32).apply(v, x, r)
+  assert y.dtype == jnp.bfloat16 and h.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(x + r))
+
+
 def test_linen_in_a_model():
   class Net(nn.Module):
     norm: type
