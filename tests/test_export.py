@@ -37,8 +37,11 @@ def test_symbolic_batch_dimension(fn):
   if fn != "rms_norm_fp8":
     exported = export.export(jax.jit(lambda x: op(x, jnp.ones(128), backend="xla")))(spec)
     x = jnp.linspace(-1, 1, 3 * 128, dtype=jnp.float32).reshape(3, 128)
+    # (compiled with a symbolic batch, XLA may fuse the reductions another way: on an
+    # H100 LayerNorm's outputs differed by up to 3.3e-7 from the concrete program's)
     np.testing.assert_allclose(np.asarray(exported.call(x)),
-                               np.asarray(op(x, jnp.ones(128), backend="xla")), rtol=1e-6)
+                               np.asarray(op(x, jnp.ones(128), backend="xla")),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_serialised_round_trip():
