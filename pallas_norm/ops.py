@@ -426,7 +426,7 @@ def _bwd_reference(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
   """The backward's math in jnp from x (or h) alone: mean and rstd are functions of it,
   so their tangents are not added again."""
   del mean, rstd
-  if dh is None:  # FP8 x: the cotangent of the dequantised x, in out_dtype
+  if dh is None:  # no residual; FP8 x: the cotangent of the dequantised x, in out_dtype
     xd = x if x_scale is None else reference.dequantise(x, x_scale)
     _, pull = jax.vjp(lambda a, s, b: _xla_of(st, a, None, s, b)[0], xd, scale, bias)
     dx, dscale, dbias = pull(dy)
@@ -738,10 +738,10 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.
-      backend="mosaic" with what it
-      does not serve (above), N not a multiple of 128, a row beyond one program's
-      shared memory, or in interpret mode with several devices (JAX's Mosaic GPU
-      interpreter runs on one).
+      backend="mosaic" with what it does not serve (above), N not a multiple of 128, a
+      row beyond one program's shared memory, or in interpret mode with several devices
+      (JAX's Mosaic GPU interpreter runs on one). A symbolic dimension of x (jax.export
+      shape polymorphism) on any backend but "xla".
     ImportError: backend="triton" without jax-triton and a GPU jaxlib.
   """
   if eps is None:
