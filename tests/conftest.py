@@ -15,6 +15,9 @@ import pytest
 # on two or more GPUs).
 collect_ignore = [] if os.environ.get("PALLAS_NORM_SHARDED") == "1" else ["sharded"]
 
+# The Makefile's CPU_TEST_FLAGS (kept equal: tests/test_conftest.py checks it).
+CPU_TEST_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
 
 def pytest_addoption(parser):
   parser.addoption("--gpu", action="store_true", default=False,
@@ -32,6 +35,17 @@ def pytest_configure(config):
     # The plain-Triton kernels run in Triton's interpreter on CPU; this must be set before
     # triton is imported. On the GPU it must not be: jax-triton needs compiled kernels.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The XLA flags `make test` sets for the interpret-mode kernels (Makefile,
+    # CPU_TEST_FLAGS: no LLVM optimisation), so that `pytest tests`
+    # alone runs what `make test` runs: with LLVM's optimisations on, two interpret-mode
+    # programs that the GPU gives bitwise equal differed by a float32 ulp
+    # (test_fp8_output.py::test_delayed_transpose_separately's LayerNorm amax, 2026-11-27).
+    # XLA reads the variable when jax makes its CPU client, after this hook.
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in CPU_TEST_FLAGS:
+      if flag.split("=")[0] not in flags:
+        flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def pytest_collection_modifyitems(config, items):
