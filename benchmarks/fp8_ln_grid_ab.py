@@ -32,7 +32,7 @@ for op in ("layer", "rms"):
     f = lambda x, cfg, s=s, b=b, sm=sm: K.fp8_norm_delayed(
         x, s, b if sm else None, 100.0, eps=1e-5, scale_offset=0.0, subtract_mean=sm,
         fp8_dtype=jnp.float8_e4m3fn, transpose=False, interpret=False, config=cfg)
-    full = [jax.jit(lambda x, cfg=cfg: f(x, cfg)) for cfg in cs]
+    full = [jax.jit(lambda x, cfg=cfg, f=f: f(x, cfg)) for cfg in cs]
     ref = full[0](xs[0][0])
     ref_amax = float(K.reduce_amax(ref[-1]))
     for cfg, g in zip(cs[1:], full[1:]):
@@ -45,7 +45,9 @@ for op in ("layer", "rms"):
       print(f"check {op} {m}x{n} bm={cfg.block_m} w={cfg.num_warps} tp={int(cfg.tile_params)}: "
             f"y bytes equal {same}, amax {float(K.reduce_amax(r[-1]))} / {ref_amax}", flush=True)
     # the op's amax reduced as fp8_norm's callers do (reduce_amax), so its kernel counts
-    fns = [jax.jit(lambda x, cfg=cfg: (lambda r: (r[0], K.reduce_amax(r[-1])))(f(x, cfg)))
+    # f=f: these are traced at their first call, in _fp8_sweep.run after the loop, when
+    # the name f is the last group's (at 9d52124 they all ran RMSNorm 4096x8192's f)
+    fns = [jax.jit(lambda x, cfg=cfg, f=f: (lambda r: (r[0], K.reduce_amax(r[-1])))(f(x, cfg)))
            for cfg in cs]
     groups.append((f"delayed {op} {m}x{n}", cs, fns, m * n * 3, xs, d))
 _fp8_sweep.run(groups, out, budget_s=BUDGET, t0=T0, num_sms=SMS,
