@@ -300,6 +300,50 @@ def test_ops_backend_mosaic(op, shape, dtype, mode):
                                  atol=1e-5 * float(jnp.abs(c).max()), err_msg=name)
 
 
+_X64_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+import pallas_norm
+out = {}
+for op in ("rms", "layer"):
+  f = pallas_norm.layer_norm if op == "layer" else pallas_norm.rms_norm
+  x = jax.random.normal(jax.random.key(0), (8, 256), jnp.float32)
+  s = 1 + 0.1 * jax.random.normal(jax.random.key(1), (256,), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (8, 256), jnp.float32)
+  run = lambda be: jax.jit(jax.value_and_grad(
+      lambda x, s: jnp.sum(f(x, s, backend=be) * w), (0, 1)))(x, s)
+  l0, g0 = run("xla")
+  for be in ("mosaic", "pallas"):
+    l1, g1 = run(be)
+    out[op + "-" + be] = dict(
+        loss=abs(float(l1 - l0)) / abs(float(l0)),
+        dtypes=[str(a.dtype) for a in g1],
+        grads=[float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(g1, g0)])
+print(json.dumps(out))
+"""
+
+
+def test_ops_under_x64():
+  """With jax_enable_x64 on (a user's global setting; JAX_ENABLE_X64=1, in a process of
+  its own), the kernels' index arithmetic stays int32: the loss and the grads of x and
+  scale, backend="mosaic" and "pallas", as backend="xla" gives them. (Until 2026-11-27
+  backend="mosaic" raised a TypeError from lax.rem under x64.)"""
+  import json
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_ENABLE_X64="1")
+  r = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert len(out) == 4
+  for k, v in out.items():
+    assert v["loss"] < 1e-5, (k, v)
+    assert v["dtypes"] == ["float32", "float32"], (k, v)
+    assert max(v["grads"]) < 1e-4, (k, v)
+
+
 def test_ops_backend_mosaic_refuses():
   """What backend="mosaic" does not serve yet: NotImplementedError before any kernel."""
   import pallas_norm

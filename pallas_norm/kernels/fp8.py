@@ -675,7 +675,8 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
-                     fp8_dtype, transpose, with_amax, hw_sat, hw_amax, block_m, block_n):
+                     fp8_dtype, transpose, with_amax, hw_sat, hw_amax, block_m, block_n,
+                     order="col", grid_m=1):
   """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
   quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
   the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
@@ -693,6 +694,10 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   amax_ref = refs.pop(0) if with_amax else None
   i, j = pl.program_id(0), pl.program_id(1)
+  if order.startswith("row"):  # experiment (_QUANTISE_ORDER)
+    i, j = j, i
+  if order.endswith("_rev"):
+    i = grid_m - 1 - i
   t = _tile_index(i, j, x_ref.shape[0], n, block_m=block_m, block_n=block_n,
                   rows_in_bounds=True)
   rows, cols, row_mask, _, mask = t
@@ -702,7 +707,7 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
   params = functools.partial(_load_params, scale_ref, bias_ref, scale_offset=scale_offset)
   amax = _emit(x, t, mean, rstd, params, q, None, hw_amax)
   if amax_ref is not None:
-    amax_ref[i * pl.num_programs(1) + j] = _amax_out(amax, (0, 1))
+    amax_ref[i * cdiv(n, block_n) + j] = _amax_out(amax, (0, 1))
 
 
 # --------------------------------------------------------------------------- launchers
@@ -852,6 +857,9 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   return _row_results(list(outs), m, subtract_mean)
 
 
+_QUANTISE_ORDER = "col"  # experiment: col | col_rev | row | row_rev
+
+
 def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_mean,
                    fp8_dtype, transpose, with_amax, interpret, config, name):
   m, n = x.shape
@@ -861,14 +869,16 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
   outs = [] if fp8_dtype is None else _y_outs(x, fp8_dtype, transpose)
   if with_amax:
     outs.append(out_struct((grid[0] * grid[1],), jnp.int32, x))
+  order = _QUANTISE_ORDER
+  launch = grid[::-1] if order.startswith("row") else grid
   outs = _call(_quantise_kernel,
                [x, scale, bias, mean if subtract_mean else None, rstd,
                 None if fp8_dtype is None else _inv(inv)],
-               outs, grid, cfg, interpret, name, n=n, scale_offset=float(scale_offset),
+               outs, launch, cfg, interpret, name, n=n, scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None,
                fp8_dtype=None if fp8_dtype is None else jnp.dtype(fp8_dtype).name,
-               transpose=transpose, with_amax=with_amax)
+               transpose=transpose, with_amax=with_amax, order=order, grid_m=grid[0])
   return list(outs)
 
 

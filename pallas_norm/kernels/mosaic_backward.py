@@ -316,6 +316,14 @@ def _vec(block_w: int, itemsize: int, warp_rows: bool = False) -> int:
   return max(1, min(16 // itemsize, block_w // _WARPGROUP))
 
 
+def _rem(a, b):
+  """lax.rem of a traced index by a Python int in the index's own dtype: lax.rem takes no
+  weak types, and with jax_enable_x64 a bare Python int becomes int64 against an int32
+  index (a TypeError under x64 until 2026-11-27)."""
+  a = jnp.asarray(a)
+  return lax.rem(a, jnp.asarray(b, a.dtype))
+
+
 def _sum(terms):
   return functools.reduce(lambda a, b: a + b, terms)
 
@@ -357,7 +365,7 @@ def _warp_specialized(wg, k, num_steps, num_stages, free, fetch_step, consume,
       prologue()
 
     def load(step, carry):
-      slot = lax.rem(step, num_stages)
+      slot = _rem(step, num_stages)
 
       @pl.when(step >= num_stages)  # the consumers are done with the slot's last block
       def _():
@@ -368,7 +376,7 @@ def _warp_specialized(wg, k, num_steps, num_stages, free, fetch_step, consume,
     lax.fori_loop(0, num_steps, load, 0)
 
     def drain(step, carry):  # the last slots' releases: every phase observed
-      plgpu.barrier_wait(free.at[lax.rem(step, num_stages)])
+      plgpu.barrier_wait(free.at[_rem(step, num_stages)])
       return carry
 
     lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
@@ -452,7 +460,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
         plgpu.copy_gmem_to_smem(dh_ref.at[rows, chunk(c)], dhs.at[slot, c], bar.at[slot])
     # a TMA source must be 16-byte aligned: the window starts at the boundary at or
     # before row0 (one row: row0 % 4 elements before it; a multiple of 4 rows: at it)
-    window = pl.ds(row0 - lax.rem(row0, _STATS_ALIGN), _STATS_WINDOW)
+    window = pl.ds(row0 - _rem(row0, _STATS_ALIGN), _STATS_WINDOW)
 
     def windows():
       if subtract_mean:
@@ -485,7 +493,7 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     passed the next step's exchange, so after it read this one)."""
     if k == 1:
       return sums
-    return _exchange_row_sums(sums, red, xbar, lax.rem(step, 2), wg, k, lay)
+    return _exchange_row_sums(sums, red, xbar, _rem(step, 2), wg, k, lay)
 
   def parts(slot, i, mean, rstd, w):
     """(x_hat, dy, g, x_hat_w) of this wg's chunk i: [block_m, W] f32 each; x_hat_w is
@@ -503,10 +511,10 @@ def _stage1_kernel(*refs, m, n, scale_offset, subtract_mean, has_scale, has_bias
     return x_hat, dy, _round(_round(g, y_dt), x_dt), _round(x_hat, x_dt)
 
   def body(step, accs, w):
-    slot = lax.rem(step, num_stages)
+    slot = _rem(step, num_stages)
     rb = r + step * num_programs
     plgpu.barrier_wait(bar.at[slot])
-    off = lax.rem(rb * block_m, _STATS_ALIGN)  # 0 unless one row a block
+    off = _rem(rb * block_m, _STATS_ALIGN)  # 0 unless one row a block
     rstd = lay.stats(rs.at[slot], block_m, off)  # [block_m] f32 (a scalar for one row)
     mean = lay.stats(ms.at[slot], block_m, off) if subtract_mean else None
     # pass 1: the row sums, chunk by chunk, summed across the warpgroup once

@@ -70,7 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_norm.config import DeviceInfo, cdiv, device_info
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import _round, llama_dtype
-from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN,
+from pallas_norm.kernels.mosaic_backward import (_SMEM_BYTES, _STATS_ALIGN, _rem,
                                                  _WARPGROUP, _exchange_row_sums,
                                                  _Layouts, _kernel, _my_chunks, _sum,
                                                  _vec, _warp_specialized)
@@ -288,11 +288,11 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     again only after every warpgroup has passed the next exchange, so after it read)."""
     if k == 1:
       return part
-    return _exchange_row_sums([part], red, xbar, lax.rem(step * exchanges + i, 2), wg, k,
+    return _exchange_row_sums([part], red, xbar, _rem(step * exchanges + i, 2), wg, k,
                               lay)[0]
 
   def body(step, carry):
-    slot = lax.rem(step, num_stages)
+    slot = _rem(step, num_stages)
     rb = r + step * num_programs
     plgpu.barrier_wait(bar.at[slot])
     mean = None
@@ -315,7 +315,7 @@ def _fwd_kernel(*refs, m, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     if y_in_place:  # its slot is free: refill it, num_stages - 1 row blocks ahead
       @pl.when(jnp.logical_and(step >= 1, step - 1 + num_stages < num_steps))
       def _():
-        fetch(step - 1 + num_stages, lax.rem(step - 1 + num_stages, num_stages), mine)
+        fetch(step - 1 + num_stages, _rem(step - 1 + num_stages, num_stages), mine)
     out_tile = xs.at[slot] if y_in_place else ys
     for c in mine:
       x = x_of(slot, c)
