@@ -229,12 +229,31 @@ _T_PROGRAMS_PER_SM_H100_LAYER = 4
 # transpose of the FP8 y, not the fused kernel above (RMSNorm 8192x4096 64.4/85.5). The
 # H200 is not measured. [docs/fp8_tuning.md#fp8-yt-separate]
 _T_SEPARATE_DEVICES = ("H100",)
+# Current scaling's quantise pass, a row block's tiles at a time from the bottom up: on
+# the H100 2-6% faster without y_t (RMSNorm 8192x4096 64.2 -> 60.6 us, 16384x4096 121.0
+# -> 116.0; LayerNorm 68.8 -> 67.3, 129.2 -> 125.1 at 8192x8192), RMSNorm with y_t 2-3%,
+# LayerNorm with y_t within 0.5% (docs/fp8_tuning.md#fp8-current-order, at 15d32a1). The
+# H200 not measured (none lent).
+_Q_BOTTOM_UP_DEVICES = ("H100",)
 _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 / 38.0, but
 #                       32768x2048 80.2 / 69.2)
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
+
+
+def quantise_bottom_up(interpret: bool = False) -> bool:
+  """Whether current scaling's quantise pass walks its tiles a row block at a time from
+  the last row block up (``_Q_BOTTOM_UP_DEVICES``, measured): the statistics pass read x
+  top to bottom just before, so the last rows it read may still be in L2. Otherwise the
+  launch grid's order (row blocks fastest, a column of tiles top to bottom, then the
+  next). The same values either way; interpret mode keeps the launch order (the tests
+  force each)."""
+  if interpret:
+    return False
+  device = device_info()
+  return device.platform == "gpu" and any(d in device.name for d in _Q_BOTTOM_UP_DEVICES)
 
 
 def transpose_separately(interpret: bool = False) -> bool:
@@ -676,11 +695,12 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
                      fp8_dtype, transpose, with_amax, hw_sat, hw_amax, block_m, block_n,
-                     order="col", grid_m=1):
-  """Tile (program_id(0), program_id(1)) of y: y_f32 from the given mean/rstd,
-  quantised with inv and stored (pass 2 of current scaling), and with ``with_amax``
-  the tile's max |y_f32| bits stored at amax_ref[i * grid_n + j]. ``fp8_dtype`` None:
-  only the amax (no inv, no y): the tensor-parallel amax pass."""
+                     bottom_up=False, grid_m=1):
+  """Tile (i, j) of y: y_f32 from the given mean/rstd, quantised with inv and stored
+  (pass 2 of current scaling), and with ``with_amax`` the tile's max |y_f32| bits stored
+  at amax_ref[i * grid_n + j]. ``fp8_dtype`` None: only the amax (no inv, no y): the
+  tensor-parallel amax pass. (i, j) = (program_id(0), program_id(1)), or with
+  ``bottom_up`` (``quantise_bottom_up``) from a 1-D grid: row block grid_m - 1 first."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -693,11 +713,11 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   amax_ref = refs.pop(0) if with_amax else None
-  i, j = pl.program_id(0), pl.program_id(1)
-  if order.startswith("row"):  # experiment (_QUANTISE_ORDER)
-    i, j = j, i
-  if order.endswith("_rev"):
-    i = grid_m - 1 - i
+  if bottom_up:  # a 1-D grid: a row block's tiles in turn, row blocks last first
+    pid, grid_n = pl.program_id(0), cdiv(n, block_n)
+    i, j = grid_m - 1 - pid // grid_n, lax.rem(pid, grid_n)
+  else:
+    i, j = pl.program_id(0), pl.program_id(1)
   t = _tile_index(i, j, x_ref.shape[0], n, block_m=block_m, block_n=block_n,
                   rows_in_bounds=True)
   rows, cols, row_mask, _, mask = t
@@ -857,9 +877,6 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   return _row_results(list(outs), m, subtract_mean)
 
 
-_QUANTISE_ORDER = "col"  # experiment: col | col_rev | row | row_rev
-
-
 def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_mean,
                    fp8_dtype, transpose, with_amax, interpret, config, name):
   m, n = x.shape
@@ -869,8 +886,9 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
   outs = [] if fp8_dtype is None else _y_outs(x, fp8_dtype, transpose)
   if with_amax:
     outs.append(out_struct((grid[0] * grid[1],), jnp.int32, x))
-  order = _QUANTISE_ORDER
-  launch = grid[::-1] if order.startswith("row") else grid
+  bottom_up = quantise_bottom_up(interpret)
+  # bottom_up: one grid axis (axis 1 of a CUDA grid stops at 65535 row blocks)
+  launch = (grid[0] * grid[1],) if bottom_up else grid
   outs = _call(_quantise_kernel,
                [x, scale, bias, mean if subtract_mean else None, rstd,
                 None if fp8_dtype is None else _inv(inv)],
@@ -878,7 +896,8 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None,
                fp8_dtype=None if fp8_dtype is None else jnp.dtype(fp8_dtype).name,
-               transpose=transpose, with_amax=with_amax, order=order, grid_m=grid[0])
+               transpose=transpose, with_amax=with_amax, bottom_up=bottom_up,
+               grid_m=grid[0])
   return list(outs)
 
 
