@@ -81,6 +81,9 @@ class _Norm(nnx.Module):
       scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
   ):
     _flax_args.check_axes(reduction_axes, feature_axes)
+    _flax_args.check_config(type(self).__name__, features=dict(num_features=num_features),
+                            epsilon=epsilon, scale_offset=scale_offset, cast=cast,
+                            mode=mode, backend=backend, residual_dtype=residual_dtype)
     if cast == "llama" and promote_dtype is not _dtypes.promote_dtype:
       raise ValueError(
           "cast='llama' keeps x's dtype (HF's LlamaRMSNorm rounds x_hat to it) and casts "
@@ -146,7 +149,9 @@ class RMSNorm(_Norm):
     epsilon: a small float added to the mean square to avoid dividing by zero
       (default: 1e-6, flax's).
     dtype: the dtype of the result (default: None, the result type of the input
-      and the parameters, as in flax).
+      and the parameters, as in flax); with cast="llama" the result is jnp's promotion
+      of x's dtype and ``dtype`` (the params are cast to ``dtype``, x is not: HF's
+      LlamaRMSNorm), so bf16 x with dtype=bf16 gives bf16, float32 x float32.
     param_dtype: the dtype passed to parameter initializers (default: float32).
     use_scale: if True (default), multiply by ``scale_offset + scale``.
     scale_init: initializer for scale (default: ones).
@@ -230,7 +235,9 @@ class LayerNorm(_Norm):
     epsilon: a small float added to the variance to avoid dividing by zero
       (default: 1e-6, flax's).
     dtype: the dtype of the result (default: None, the result type of the input
-      and the parameters, as in flax).
+      and the parameters, as in flax); with cast="llama" the result is jnp's promotion
+      of x's dtype and ``dtype`` (the params are cast to ``dtype``, x is not: HF's
+      LlamaRMSNorm), so bf16 x with dtype=bf16 gives bf16, float32 x float32.
     param_dtype: the dtype passed to parameter initializers (default: float32).
     use_bias: if True (default), add ``bias`` (beta).
     use_scale: if True (default), multiply by ``scale_offset + scale`` (gamma).

@@ -70,10 +70,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops as _flax_fp8
 from flax.nnx.nn.linear import default_kernel_init
 
+from flax_layers import _flax_args
 from pallas_norm import fp8 as _fp8
 from pallas_norm import spmd as _spmd
 
@@ -87,6 +89,7 @@ FP8_BACKENDS = _fp8.FP8_BACKENDS  # the quantising norm's: "pallas", "xla"
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 OVERWRITE_WITH_GRADIENT = _flax_fp8.OVERWRITE_WITH_GRADIENT
 _F32 = jnp.float32
+_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the floor of a delayed scale
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 # The FP8 dtypes each GEMM operand may take. cuBLASLt's FP8 GEMM needs an e4m3 operand
 # on at least one side; the forward GEMM has two fp8_dtype operands (y and W), so
@@ -186,6 +189,9 @@ def _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean) -> None:
                   ("bias", bias)):
     if a is not None and not jnp.issubdtype(jnp.result_type(a), jnp.floating):
       raise TypeError(f"{op}: {name}.dtype={jnp.result_type(a)} must be a float dtype")
+    if a is not None and jnp.result_type(a) in _fp8.FP8_DTYPES:
+      raise TypeError(f"{op}: {name}.dtype={jnp.result_type(a)}: the layer quantises its "
+                      f"own operands; pass them in float32, bfloat16 or float16")
   for name, a, size in (("scale", scale, n), ("ln_bias", ln_bias, n), ("bias", bias, f)):
     if a is not None and jnp.shape(a) != (size,):
       raise ValueError(f"{op}: {name}.shape={jnp.shape(a)} must be ({size},)")
@@ -203,6 +209,11 @@ def _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean) -> None:
     if jnp.shape(a) != want or len(hist) != 1 or jnp.result_type(a) != jnp.dtype(_F32):
       raise ValueError(f"{op}: state.{name} is {jnp.result_type(a)}{list(jnp.shape(a))}; "
                        f"the scales must be float32[1] and the histories float32[L], one L")
+    if name.endswith("_scale") and not isinstance(a, jax.core.Tracer):
+      v = float(jnp.asarray(a)[0])
+      if not (math.isfinite(v) and v > 0):  # under jit: _delayed_scale's fallbacks
+        raise ValueError(f"{op}: state.{name}={v} must be finite and > 0 (a "
+                         f"dequantisation scale; init_delayed_scaling starts them at 1)")
 
 
 # --------------------------------------------------------------------------- FP8 pieces
@@ -246,9 +257,16 @@ def _gemm_spec(rows: tuple, cols) -> tuple:
 def _delayed_scale(scale, history, fp8_dtype):
   """Delayed scaling's () scale for this step from the (1,) scale and the amax history
   (flax fp8_ops' ``compute_scale``: max(history) / fp8_max, or the old scale while that
-  is not positive and finite)."""
+  is not positive and finite), floored at float32's smallest normal 2**-126: below it
+  flax's ``1 / (fp8_max / amax)`` is 0 (an amax under about 1.3e-36), and 1 / scale, the
+  quantiser's multiplier, inf, which turns exact zeros into NaN. An old scale that is
+  not finite or under 2**-126 (a state edited by hand; eager calls raise, _check_call)
+  is taken as 1.0, init_delayed_scaling's start."""
+  old = scale.reshape(())
+  old = jnp.where(jnp.isfinite(old) & (old >= _F32(_TINY)), old, _F32(1.0)).reshape(1)
   amax = jnp.max(history, axis=0)
-  return _flax_fp8.compute_scale(amax, scale, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
+  s = _flax_fp8.compute_scale(amax, old, _F32(_fp8.fp8_max(fp8_dtype))).reshape(())
+  return jnp.maximum(s, _F32(_TINY))
 
 
 def _push(history, amax):
@@ -451,6 +469,8 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
   """
   fwd_dt, grad_dt = _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
   _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean)
+  _flax_args._real("norm_dense_fp8", "eps", eps, non_negative=True)
+  _flax_args._real("norm_dense_fp8", "scale_offset", scale_offset)
   x = jnp.asarray(x)
   n, f = jnp.shape(kernel)
   lead = x.shape[:-1]
@@ -533,6 +553,9 @@ class _NormDenseFP8(nnx.Module):
       rngs: nnx.Rngs,
   ):
     check_layer_args(scaling, amax_history_length, fp8_dtype, grad_fp8_dtype, backend)
+    _flax_args.check_config(type(self).__name__,
+                            features=dict(in_features=in_features, out_features=out_features),
+                            epsilon=epsilon, scale_offset=scale_offset)
     self.scale = _param(scale_init, rngs, (in_features,), param_dtype, use_scale)
     self.ln_bias = _param(ln_bias_init, rngs, (in_features,), param_dtype, use_ln_bias)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),

@@ -142,6 +142,7 @@ class RMSNorm(nn.Module):
     """Normalises ``x: [..., N]``; returns the same shape. With ``residual`` (x's
     shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add).
     ``mask`` (flax's): NotImplementedError unless None."""
+    _check_config(self)
     x, (scale,), dtype = _params_and_input(self, x, ("scale",), (self.scale_init,),
                                            (self.use_scale,), residual, mask)
     return _finish(_ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
@@ -210,6 +211,7 @@ class LayerNorm(nn.Module):
   def __call__(self, x, residual=None, *, mask=None):
     """Normalises ``x: [..., N]``; returns the same shape, or ``(y, h)`` with a
     ``residual`` (as ``RMSNorm``; ``mask``: NotImplementedError unless None)."""
+    _check_config(self)
     x, (scale, bias), dtype = _params_and_input(self, x, ("scale", "bias"),
                                                 (self.scale_init, self.bias_init),
                                                 (self.use_scale, self.use_bias), residual,
@@ -218,6 +220,12 @@ class LayerNorm(nn.Module):
                                    scale_offset=float(self.scale_offset), mode=self.mode,
                                    backend=self.backend, **_axis_args(self),
                                    **_residual(self, residual)), dtype)
+
+
+def _check_config(layer) -> None:
+  _flax_args.check_config(type(layer).__name__, features={}, epsilon=layer.epsilon,
+                          scale_offset=layer.scale_offset, cast=layer.cast, mode=layer.mode,
+                          backend=layer.backend, residual_dtype=layer.residual_dtype)
 
 
 # --------------------------------------------------------------------------- FP8 dense
@@ -250,6 +258,11 @@ class _NormDenseFP8(nn.Module):
     x and the params)."""
     _fp8.check_layer_args(self.scaling, self.amax_history_length, self.fp8_dtype,
                           self.grad_fp8_dtype, self.backend)
+    _flax_args.check_config(type(self).__name__, features=dict(features=self.features),
+                            epsilon=self.epsilon, scale_offset=self.scale_offset)
+    if jnp.ndim(x) < 1:
+      raise ValueError(f"{type(self).__name__}: x must have rank >= 1 (features last), got "
+                       f"shape {jnp.shape(x)}")
     n = jnp.shape(x)[-1]
     use_ln_bias = getattr(self, "use_ln_bias", False)
     ln_bias_init = getattr(self, "ln_bias_init", initializers.zeros)

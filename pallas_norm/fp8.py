@@ -6,7 +6,7 @@ TransformerEngine's delayed and current scaling). The norm's float32 output ``y_
 directly to FP8 with one per-tensor scale (never rounded to bf16 first):
 
     amax    = max |y_f32| over the tensor                  (NaN propagates)
-    y_scale = amax / fp8_max if amax is finite and > 0, else 1     (current scaling)
+    y_scale = max(amax / fp8_max, 2**-126) if amax is finite and > 0, else 1  (current)
             = the caller's scale                                   (delayed scaling)
     inv     = 1 / y_scale                       (float32, computed once, multiplied)
     y       = saturate(y_f32 * inv).astype(fp8_dtype)       y ~= y.astype(f32) * y_scale
@@ -50,6 +50,7 @@ __all__ = ["Fp8Norm", "rms_norm_fp8", "layer_norm_fp8", "norm_backward", "FP8_DT
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_BACKENDS = ("pallas", "xla")
 _F32 = jnp.float32
+_MIN_Y_SCALE = float(np.finfo(np.float32).tiny)  # 2**-126: 1 / y_scale stays finite
 
 
 class Fp8Norm(NamedTuple):
@@ -86,10 +87,14 @@ def fp8_max(fp8_dtype) -> float:
 def current_scale(amax, fp8_dtype):
   """Current scaling's y_scale from this call's amax (() f32): amax / fp8_max when amax
   is finite and > 0, else 1.0 (TransformerEngine's rule for an all-zero or non-finite
-  amax)."""
+  amax), and never below float32's smallest normal 2**-126: an amax under fp8_max *
+  2**-126 (about 5.3e-36 for e4m3fn) would give a subnormal scale, flushed to 0 on the
+  GPU, whose reciprocal (the quantiser's multiplier) is inf and turns exact zeros into
+  NaN. At the floor every |y| <= amax still quantises within fp8_max."""
   amax = jnp.asarray(amax, _F32)
   ok = jnp.isfinite(amax) & (amax > 0)
-  return jnp.where(ok, amax / _F32(fp8_max(fp8_dtype)), _F32(1.0))
+  return jnp.where(ok, jnp.maximum(amax / _F32(fp8_max(fp8_dtype)), _F32(_MIN_Y_SCALE)),
+                   _F32(1.0))
 
 
 def quantise(v, inv, fp8_dtype):
@@ -138,6 +143,8 @@ def _check_backend(op: str, mode, backend: str) -> None:
 
 
 def _check_fp8_dtype(op: str, fp8_dtype) -> jnp.dtype:
+  if fp8_dtype is None:  # jnp.dtype(None) is float64: name what was given
+    raise TypeError(f"{op}: fp8_dtype=None must be float8_e4m3fn or float8_e5m2")
   try:
     dt = jnp.dtype(fp8_dtype)
   except TypeError as e:
@@ -153,6 +160,8 @@ def _check_y_scale(op: str, y_scale):
     return None
   if isinstance(y_scale, (bool, np.bool_)):
     raise TypeError(f"{op}: y_scale must be a float32 scalar, got a bool")
+  if isinstance(y_scale, str):
+    raise TypeError(f"{op}: y_scale must be a float32 scalar, got a str ({y_scale!r})")
   if isinstance(y_scale, (int, float)):  # a Python number: weakly typed, taken as f32
     y_scale = jnp.asarray(y_scale, _F32)
   dt = jnp.result_type(y_scale)
@@ -167,6 +176,10 @@ def _check_y_scale(op: str, y_scale):
     v = float(y_scale)
     if not (math.isfinite(v) and v > 0):
       raise ValueError(f"{op}: y_scale={v} must be finite and > 0")
+    if v < _MIN_Y_SCALE:  # 1 / y_scale would overflow (or y_scale be flushed to 0)
+      raise ValueError(f"{op}: y_scale={v} is below float32's smallest normal "
+                       f"({_MIN_Y_SCALE:.7g}): its reciprocal, the quantiser's multiplier, "
+                       f"is inf or imprecise, and an exact 0 in y would quantise to NaN")
   return y_scale
 
 
@@ -440,8 +453,8 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
     scale: [N] float array or None.
     y_scale: None for current scaling (this call's amax / fp8_max), or delayed scaling's
       dequantisation scale: a float32 scalar (a () array, or a Python float or int,
-      taken as float32), finite and > 0
-      (checked when concrete), e.g. from an amax history.
+      taken as float32), finite and >= float32's smallest normal 2**-126 (checked when
+      concrete: below it 1 / y_scale overflows), e.g. from an amax history.
     fp8_dtype: jnp.float8_e4m3fn (default; fp8_max 448) or jnp.float8_e5m2 (57344).
     transpose: also return ``y_t = y.reshape(M, N).T`` [N, M], written by the same
       kernel pass as y (the weight-gradient GEMM's operand).
@@ -458,7 +471,7 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
-      not () or (concrete) not finite and > 0, an unknown mode or backend; under a
+      not () or (concrete) not finite and >= 2**-126, an unknown mode or backend; under a
       multi-device jit (rows and the hidden dim may be sharded; the amax is a pmax over
       every axis that shards x; docs/fp8.md "Multi-device"), a dimension sharded
       unevenly, or transpose=True with a row dimension other than the first sharded
@@ -562,7 +575,8 @@ def norm_backward(dy, x, scale, bias, mean, rstd, *, subtract_mean, scale_offset
     scale_offset: as in the forward.
     mode: None or a mode name; as in ``rms_norm``'s vjp, the backward kernels have one
       structure whatever the forward's mode, so it only is validated.
-    backend: "pallas" (default), "triton" or "xla" (the same math in jnp).
+    backend: as in ``rms_norm``: "pallas" (default), "triton", "mosaic", "xla" (the
+      same math in jnp) or None (the measured pick).
     interpret: as in ``rms_norm``.
 
   Returns:
@@ -575,7 +589,9 @@ def norm_backward(dy, x, scale, bias, mean, rstd, *, subtract_mean, scale_offset
   """
   op = "norm_backward"
   ops._check_args(op, x, scale, bias, 0.0, mode, backend)
-  ops._check_float("dy", dy)
+  ops._check_float("dy", dy, op)
+  if not isinstance(subtract_mean, (bool, np.bool_)):
+    raise TypeError(f"{op}: subtract_mean must be a bool, got {subtract_mean!r}")
   if tuple(jnp.shape(dy)) != tuple(jnp.shape(x)):
     raise ValueError(f"{op}: dy.shape={tuple(jnp.shape(dy))} must equal "
                      f"x.shape={tuple(jnp.shape(x))}")
@@ -583,8 +599,9 @@ def norm_backward(dy, x, scale, bias, mean, rstd, *, subtract_mean, scale_offset
   stats = (("mean", mean), ("rstd", rstd)) if subtract_mean else (("rstd", rstd),)
   for name, a in stats:
     if a is None:
-      raise ValueError(f"{op}: {name} is None; LayerNorm's backward needs the saved "
-                       f"mean and rstd")
+      raise ValueError(f"{op}: {name} is None; " + (
+          "LayerNorm's backward (subtract_mean=True) needs the saved mean and rstd"
+          if subtract_mean else "RMSNorm's backward needs the saved rstd"))
     if tuple(jnp.shape(a)) != lead:
       raise ValueError(f"{op}: {name}.shape={tuple(jnp.shape(a))} must be x.shape[:-1]"
                        f"={lead}")

@@ -66,10 +66,10 @@ class _Static:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_float(name: str, a) -> None:
+def _check_float(name: str, a, op: str = "") -> None:
   dt = jnp.result_type(a)
   if not jnp.issubdtype(dt, jnp.floating):
-    raise TypeError(f"{name}.dtype={dt} must be a floating dtype "
+    raise TypeError(f"{op + ': ' if op else ''}{name}.dtype={dt} must be a floating dtype "
                     f"(float32, bfloat16 or float16)")
 
 
@@ -81,7 +81,7 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) ->
   x_shape = jnp.shape(x)
   if len(x_shape) == 0:
     raise ValueError(f"{op}: x must have rank >= 1, got {x_shape=}")
-  _check_float("x", x)
+  _check_float("x", x, op)
   dtypes = _FLOAT_DTYPES + (_FP8_DTYPES if allow_fp8 else ())
   if jnp.result_type(x) not in [jnp.dtype(d) for d in dtypes]:
     raise TypeError(f"{op}: x.dtype={jnp.result_type(x)} must be float32, bfloat16 or float16"
@@ -92,7 +92,10 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) ->
   for name, p in (("scale", scale), ("bias", bias)):
     if p is None:
       continue
-    _check_float(name, p)
+    _check_float(name, p, op)
+    if jnp.result_type(p) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+      raise TypeError(f"{op}: {name}.dtype={jnp.result_type(p)} must be float32, bfloat16 "
+                      f"or float16")
     if tuple(jnp.shape(p)) != (n,):
       raise ValueError(f"{op}: {name}.shape={tuple(jnp.shape(p))} must be ({n},) to match "
                        f"x.shape[-1] ({x_shape=})")
@@ -100,6 +103,12 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) ->
     raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
   if not eps >= 0:  # also catches NaN
     raise ValueError(f"{op}: {eps=} must be >= 0")
+  try:
+    finite = math.isfinite(float(eps))
+  except OverflowError:  # an int beyond float's range
+    finite = False
+  if not finite:
+    raise ValueError(f"{op}: {eps=} must be finite")
   return n
 
 
@@ -137,6 +146,9 @@ def _check_fp8(op: str, x, x_scale, group_size, out_dtype, cast, residual) -> st
                        f"or float8_e5m2), but x.dtype={x_dtype}")
     if out_dtype is not None:
       raise ValueError(f"{op}: {out_dtype=} is for FP8 x only; y has x's dtype ({x_dtype})")
+    if isinstance(group_size, bool) or group_size != 16:
+      raise ValueError(f"{op}: {group_size=} is for FP8 x only (the elements an x_scale "
+                       f"covers); x.dtype={x_dtype}")
     return None
   n = jnp.shape(x)[-1]
   if x_scale is None:
@@ -173,8 +185,17 @@ CASTS = ("torch", "llama", "gemma")
 def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
   """The scale_offset the casting mode implies; ValueError for a combination that has
   no meaning."""
-  if cast not in CASTS:
+  if not isinstance(cast, str) or cast not in CASTS:
     raise ValueError(f"{op}: {cast=} is not a casting mode; valid: {CASTS}")
+  if (isinstance(scale_offset, (bool, np.bool_))
+      or not isinstance(scale_offset, (numbers.Real, np.floating, np.integer))):
+    raise TypeError(f"{op}: scale_offset must be a real number (static: it is part of the "
+                    f"compiled kernel), got {type(scale_offset).__name__}")
+  if not math.isfinite(float(scale_offset)):
+    raise ValueError(f"{op}: {scale_offset=} must be finite")
+  if scale is None and float(scale_offset) != 0.0:
+    raise ValueError(f"{op}: {scale_offset=} without a scale has no effect: y = x_hat * "
+                     f"(scale_offset + scale) needs a scale (pass one, or scale_offset=0)")
   if cast == "gemma":
     if scale is None:
       raise ValueError(f"{op}: cast='gemma' multiplies by 1 + scale: pass a scale")
@@ -202,9 +223,16 @@ def _check_mosaic(op: str, mode, out_dtype) -> None:
                               f"(issue #29, docs/mosaic.md); use backend='pallas'")
 
 
-def _resolve_interpret(interpret: bool | None) -> bool:
+def _resolve_interpret(interpret: bool | None, op: str = "") -> bool:
+  """None: interpret mode unless on a GPU; TypeError for a non-bool (a string such as
+  "no" is not taken as True). interpret=False stays allowed without a GPU: lowering
+  for CUDA from a CPU (jax.export, tests/test_export.py) needs it; run there, JAX's
+  lowering refuses it ("Only interpret mode is supported on CPU backend")."""
   if interpret is None:
     return _config.device_info().platform != "gpu"
+  if not isinstance(interpret, (bool, np.bool_)):
+    raise TypeError(f"{op + ': ' if op else ''}interpret must be None, True or False, got "
+                    f"{interpret!r}")
   return bool(interpret)
 
 
@@ -610,7 +638,7 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   # operands (a replicated scale's cotangent is then psummed by JAX's transpose)
   axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias)
                              if a is not None))
-  interpret = _resolve_interpret(interpret)
+  interpret = _resolve_interpret(interpret, op)
   if backend is None and interpret:  # backend=None: the Pallas backend on CPU
     backend = "pallas"
   if axes and interpret and backend == "pallas":
@@ -721,8 +749,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
     ValueError: rank 0, N == 0, a scale shape other than (N,), a residual shape other
       than x's (or a residual_dtype without a residual), an unknown cast, cast="gemma"
       without a scale or with a scale_offset other than 0 or 1, cast="llama" with a
-      scale_offset, eps < 0; FP8 x without x_scale, with a residual or with
-      cast="llama", x_scale or out_dtype with a float x, a group_size that is not one
+      scale_offset, eps < 0 or not finite, a scale_offset that is not finite or is not
+      0 without a scale; FP8 x without x_scale, with a residual or with cast="llama",
+      x_scale, out_dtype or a group_size other than 16 with a float x, a group_size not one
       of the above or does not divide N, an x_scale shape other than
       ``x.shape[:-1] + (N // group_size,)``; an unknown
       mode or backend, an axis_name not bound by an enclosing shard_map, a
@@ -733,8 +762,10 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       carrying the same message).
     TypeError: integer or complex x, scale or residual, an FP8 x other than
       float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
-      bfloat16 or float16; an x_scale that is not float32; a group_size not an int; an
-      eps that is not a real number.
+      bfloat16 or float16, or scale/bias in another dtype (FP8 included); an x_scale
+      that is not float32; a group_size not an int; an eps or scale_offset that is not a
+      real number (scale_offset is static: no arrays, no tracers); an interpret that is
+      not None or a bool.
     NotImplementedError: mode="multi_wave_cached" for a row too long for registers: on
       the Pallas backend N > 8192 x the SM count (RMSNorm) or 4096 x the SM count
       (LayerNorm; the row is split over programs); on the Triton backend N > 32768.

@@ -229,12 +229,35 @@ def test_mode_passes_through(mode):
   np.testing.assert_allclose(got(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_mode_and_backend_raise_on_call():
-  x = _x((3, _D))
-  with pytest.raises(ValueError, match="valid modes"):
-    pallas_norm.RMSNorm(_D, mode="fastest", rngs=nnx.Rngs(0))(x)
-  with pytest.raises(ValueError, match="valid backends"):
-    pallas_norm.LayerNorm(_D, backend="cuda", rngs=nnx.Rngs(0))(x)
+def test_bad_mode_and_backend_raise_at_construction():
+  with pytest.raises(ValueError, match="RMSNorm: mode='fastest'.*valid modes"):
+    pallas_norm.RMSNorm(_D, mode="fastest", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="LayerNorm: backend='cuda'.*valid backends"):
+    pallas_norm.LayerNorm(_D, backend="cuda", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(epsilon=None), TypeError, "RMSNorm: epsilon must be a real number"),
+    (dict(epsilon="a"), TypeError, "epsilon must be a real number"),
+    (dict(epsilon=-1e-6), ValueError, "epsilon=-1e-06 must be finite and >= 0"),
+    (dict(scale_offset=None), TypeError, "scale_offset must be a real number"),
+    (dict(cast="bogus"), ValueError, "cast='bogus' is not a casting mode"),
+    (dict(residual_dtype="banana"), TypeError, "residual_dtype='banana' is not a dtype"),
+    (dict(residual_dtype=jnp.int32), TypeError, "residual_dtype=int32 must be float32"),
+    (dict(num_features=0), ValueError, "num_features=0 must be a positive int"),
+    (dict(num_features=-1), ValueError, "num_features=-1 must be a positive int"),
+])
+def test_constructor_checks(kw, exc, match):
+  """The NNX layers check their own arguments when built, naming the argument (not a
+  bare float() or broadcast error at the first call); Linen's at its first call."""
+  kw = {"num_features": _D, **kw}
+  with pytest.raises(exc, match=match):
+    pallas_norm.RMSNorm(rngs=nnx.Rngs(0), **kw)
+  linen_kw = {k: v for k, v in kw.items() if k != "num_features"}
+  if linen_kw:
+    from flax_layers import linen as ours_linen
+    with pytest.raises(exc, match=match):
+      ours_linen.RMSNorm(**linen_kw).init(jax.random.key(0), _x((2, _D)))
 
 
 # --------------------------------------------------------------------------- Linen

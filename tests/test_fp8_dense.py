@@ -451,11 +451,40 @@ def test_call_errors():
       (dict(state=(1, 2)), TypeError, "must be a DelayedScalingState"),
       (dict(state=_state()._replace(kernel_amax_history=jnp.zeros((3,)))), ValueError,
        "one L"),
+      (dict(state=_state()._replace(input_scale=jnp.zeros((1,)))), ValueError,
+       r"state.input_scale=0.0 must be finite and > 0"),
+      (dict(state=_state()._replace(kernel_scale=jnp.full((1,), jnp.nan))), ValueError,
+       r"state.kernel_scale=nan must be finite and > 0"),
+      (dict(x=jnp.ones((2, 8), jnp.float8_e4m3fn)), TypeError, "quantises its own operands"),
+      (dict(eps=None), TypeError, "norm_dense_fp8: eps must be a real number"),
   ]
   for kw, exc, match in cases:
     args = dict(x=x, kernel=k) | kw
     with pytest.raises(exc, match=match):
       fp8.norm_dense_fp8(args.pop("x"), args.pop("kernel"), backend="xla", **args)
+
+
+def test_delayed_scale_guards():
+  """_delayed_scale: flax's compute_scale, floored at 2**-126 (an amax history of about
+  1e-37 gave flax's scale 0, whose reciprocal made the quantised zeros NaN), and a state
+  scale that is not finite or under 2**-126 (a hand-edited state, which eager calls
+  refuse) taken as 1.0, so a jitted call matches a fresh state's."""
+  tiny = np.finfo(np.float32).tiny
+  hist = jnp.zeros((4,), _F32).at[1].set(1e-37)
+  s = fp8._delayed_scale(jnp.ones((1,), _F32), hist, jnp.float8_e4m3fn)
+  assert float(s) == tiny
+  hist = jnp.zeros((4,), _F32).at[1].set(3.0)
+  want = fp8_ops.compute_scale(jnp.max(hist), jnp.ones((1,), _F32), _F32(448.0)).reshape(())
+  assert float(fp8._delayed_scale(jnp.ones((1,), _F32), hist, jnp.float8_e4m3fn)) == float(want)
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  k = jax.random.normal(jax.random.key(1), (16, 8)) * 0.1
+  f = jax.jit(lambda st: fp8.norm_dense_fp8(x, k, state=st, backend="xla"))
+  fresh = fp8.init_delayed_scaling(8)  # scales 1, histories 0: the old scale is used
+  ref = jax.tree.leaves(f(fresh))[0]
+  for v in (0.0, float("nan"), float("inf"), 1e-40):
+    bad = fresh._replace(input_scale=jnp.full((1,), v, _F32),
+                         kernel_scale=jnp.full((1,), v, _F32))
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(f(bad))[0]), np.asarray(ref))
 
 
 # --------------------------------------------------------------------------- GPU

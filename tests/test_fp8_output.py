@@ -415,6 +415,9 @@ _BAD = [
     (dict(y_scale=0.0), ValueError, "finite and > 0"),
     (dict(y_scale=float("inf")), ValueError, "finite and > 0"),
     (dict(y_scale=-1.0), ValueError, "finite and > 0"),
+    (dict(y_scale=1e-38), ValueError, "below float32's smallest normal"),
+    (dict(y_scale="1"), TypeError, "y_scale must be a float32 scalar, got a str"),
+    (dict(fp8_dtype=None), TypeError, "fp8_dtype=None must be float8_e4m3fn"),
     (dict(eps=-1.0), ValueError, "eps"),
     (dict(mode="multi_wave_cached"), NotImplementedError, "mode=None"),
     (dict(mode="fast"), ValueError, "valid modes"),
@@ -431,6 +434,27 @@ def test_errors(bad, exc, match):
   x, scale = kw.pop("x"), kw.pop("scale")
   with pytest.raises(exc, match=match):
     pallas_norm.rms_norm_fp8(x, scale, **kw)
+
+
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_current_scale_floor(op):
+  """An amax under fp8_max * 2**-126 (here about 3e-37): y_scale is floored at float32's
+  smallest normal instead of a subnormal that the GPU flushes to 0 (whose reciprocal
+  turned every exact zero of y into NaN, both backends, until 2026-11-27); the values
+  still dequantise to within the amax."""
+  layer = op == "layer"
+  x = jnp.zeros((4, 128), F32).at[0, 1].set(1e-30).at[2, 7].set(-3e-30)
+  s = jnp.full((128,), 1e-10, F32)
+  b = jnp.zeros((128,), F32) if layer else None
+  for backend in ("pallas", "xla"):
+    r = OPS[op](*_args(op, x, s, b), backend=backend)
+    y = np.asarray(r.y.astype(F32))
+    assert not np.isnan(y).any(), backend
+    assert float(r.y_scale) == np.finfo(np.float32).tiny, (backend, float(r.y_scale))
+    assert 0 < float(r.amax) < 448 * np.finfo(np.float32).tiny
+    assert np.abs(y).max() * float(r.y_scale) <= float(r.amax) * (1 + 2 ** -3)
+  assert float(pallas_norm.fp8.current_scale(jnp.float32(1.0), jnp.float8_e4m3fn)) == (
+      np.float32(1.0) / np.float32(448.0))
 
 
 def test_config_errors():
@@ -713,6 +737,10 @@ def test_norm_backward_errors():
     nb(x, x, None, None, r, r.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match="valid backends"):
     nb(x, x, None, None, r, r, backend="cuda")
+  with pytest.raises(ValueError, match="RMSNorm's backward needs the saved rstd"):
+    fp8.norm_backward(x, x, None, None, None, None, subtract_mean=False)
+  with pytest.raises(TypeError, match="subtract_mean must be a bool"):
+    fp8.norm_backward(x, x, None, None, r, r, subtract_mean="no")
   dx, ds, db = fp8.norm_backward(x[:0], x[:0], jnp.ones(8), None, None, r[:0],
                                  subtract_mean=False)
   assert dx.shape == (0, 8) and float(jnp.sum(jnp.abs(ds))) == 0.0 and db is None

@@ -804,6 +804,26 @@ def test_empty_rows():
     (lambda: pallas_norm.rms_norm(jnp.ones((1, 40000)), mode="multi_wave_cached",
                                   backend="triton"),
      NotImplementedError, "multi_wave_reload"),
+    # scale_offset is static: a real number, finite, and only with a scale
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4), scale_offset=None),
+     TypeError, "scale_offset must be a real number"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4), scale_offset=jnp.ones(4)),
+     TypeError, "scale_offset must be a real number"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4), scale_offset="1"),
+     TypeError, "scale_offset must be a real number"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4), scale_offset=float("nan")),
+     ValueError, "scale_offset=nan must be finite"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), None, jnp.ones(4), scale_offset=1.0),
+     ValueError, "without a scale has no effect"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), eps=10 ** 400), ValueError,
+     "must be finite"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), interpret="no"), TypeError,
+     "interpret must be None, True or False"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), group_size=32), ValueError,
+     "group_size=32 is for FP8 x only"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4, jnp.float8_e4m3fn)),
+     TypeError, "rms_norm: scale.dtype=float8_e4m3fn must be float32, bfloat16"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4), jnp.int32)), TypeError, "rms_norm: x.dtype"),
 ])
 def test_errors_before_any_kernel(call, exc, match):
   with pytest.raises(exc, match=match):
