@@ -543,19 +543,9 @@ def _row_block_loader(x_ref, *, n, block_m, block_n, stream):
   return load
 
 
-def _bottom_up_index(m, block_m, bottom_up):
-  """Row block of the r-th block a persistent program walks: r itself, or with
-  ``bottom_up`` the r-th from the last (r past the last block stays past it: the
-  prefetch's fully masked load)."""
-  nb = cdiv(m, block_m)
-  if not bottom_up:
-    return lambda r: r
-  return lambda r: jnp.where(r < nb, nb - 1 - r, r)
-
-
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       row_amax, stream_x, block_m, block_n, num_programs, bottom_up=False):
+                       row_amax, stream_x, block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -583,13 +573,12 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       w, b = params(cols, col_mask)
       params = lambda c, cm: (w, b)
     load = _row_block_loader(x_ref, n=n, block_m=block_m, block_n=block_n, stream=stream_x)
-    at = _bottom_up_index(m, block_m, bottom_up)
 
     def body(i, carry):
       amax, x = carry  # x: this row block's tile in x's dtype, 0 outside
       rb = pid + i * num_programs
-      x_next = load(at(rb + num_programs))  # the prefetch
-      t = tile(at(rb), 0)
+      x_next = load(rb + num_programs)  # the prefetch
+      t = tile(rb, 0)
       x = x.astype(_F32)
       mean, rstd = _tile_stats(x, t[4], **stats)
       if row_amax:  # the row block's amax bits now: a scalar carry
@@ -601,13 +590,11 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       return amax, x_next
 
     init = _carry_init(row_amax, (block_m, block_n), hw_amax)
-    amax, _ = lax.fori_loop(0, num_steps, body, (init, load(at(pid))))
+    amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
     amax_ref[pid] = _carry_out(amax, row_amax)
   else:  # chunked rows: the elementwise carry (row_amax is for whole rows)
-    at = _bottom_up_index(m, block_m, bottom_up)
-
     def body(i, amax):
-      rb = at(pid + i * num_programs)
+      rb = pid + i * num_programs
       mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
                                         block_n=block_n, hw_amax=hw_amax, **stats)
       t = tile(rb, 0)
@@ -645,7 +632,7 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                   row_amax, stream_x, block_m, block_n, num_programs, bottom_up=False):
+                   row_amax, stream_x, block_m, block_n, num_programs):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -674,13 +661,12 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     hoisted = params()
     params = lambda: hoisted
   load = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
-  at = _bottom_up_index(m, block_m, bottom_up)
 
   def body(i, carry):
     amax, u = carry  # u: this row block's pairs as loaded, 0 outside
     rb = pid + i * num_programs
-    u_next = load(at(rb + num_programs))  # the prefetch, carried as loaded
-    rows, _, row_mask, _, mask = tile(at(rb), 0)
+    u_next = load(rb + num_programs)  # the prefetch, carried as loaded
+    rows, _, row_mask, _, mask = tile(rb, 0)
     lo, hi = _unpack_bf16(u)
     mean = None
     if subtract_mean:
@@ -703,7 +689,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     return amax, u_next
 
   amax, _ = lax.fori_loop(0, num_steps, body,
-                          (_carry_init(row_amax, (block_m, bh), hw_amax), load(at(pid))))
+                          (_carry_init(row_amax, (block_m, bh), hw_amax), load(pid)))
   amax_ref[pid] = _carry_out(amax, row_amax)
 
 
@@ -765,10 +751,7 @@ def _row_launch(m, cfg: Fp8Config):
   g = min(cfg.num_programs, num_row_blocks)
   return (_packed_kernel if cfg.packed else _persistent_kernel, g,
           dict(statics, hoist_params=cfg.hoist_params, row_amax=cfg.row_amax,
-               stream_x=cfg.stream_x, num_programs=g, bottom_up=_ROWS_BOTTOM_UP), g)
-
-
-_ROWS_BOTTOM_UP = False  # experiment: persistent row-block kernels walk rows bottom-up
+               stream_x=cfg.stream_x, num_programs=g), g)
 
 
 def _row_results(outs, m, subtract_mean):
