@@ -460,7 +460,7 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
     inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
-  mean_ref = refs.pop(0) if subtract_mean else None
+  mean_ref = refs.pop(0) if subtract_mean or _RMS_MEAN_IN_KERNEL else None
   rstd_ref, amax_ref = refs
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
@@ -495,8 +495,9 @@ def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, b
 
 def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
-  if mean_ref is not None:
-    plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
+  if mean_ref is not None:  # RMSNorm (mean None): Fp8Norm's zeros mean
+    plgpu.store(mean_ref.at[rows], jnp.zeros_like(rstd) if mean is None else mean,
+                mask=row_mask)
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -733,9 +734,12 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
 # --------------------------------------------------------------------------- launchers
 
 
+_RMS_MEAN_IN_KERNEL = False  # experiment: RMSNorm's zeros mean written by the kernel
+
+
 def _row_outs(x, subtract_mean, num_amax):
   m = x.shape[0]
-  return ([out_struct((m,), _F32, x)] * (2 if subtract_mean else 1)
+  return ([out_struct((m,), _F32, x)] * (2 if subtract_mean or _RMS_MEAN_IN_KERNEL else 1)
           + [out_struct((num_amax,), jnp.int32, x)])
 
 
@@ -756,7 +760,7 @@ def _row_launch(m, cfg: Fp8Config):
 
 def _row_results(outs, m, subtract_mean):
   """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32)."""
-  mean = outs.pop(0) if subtract_mean else jnp.zeros((m,), _F32)
+  mean = outs.pop(0) if subtract_mean or _RMS_MEAN_IN_KERNEL else jnp.zeros((m,), _F32)
   return mean, outs[0], outs[1]
 
 
