@@ -460,8 +460,7 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
     inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
-  mean_ref = refs.pop(0) if subtract_mean or _RMS_MEAN_IN_KERNEL else None
-  rstd_ref, amax_ref = refs
+  mean_ref, rstd_ref, amax_ref = refs  # RMSNorm's mean_ref: its zeros (_store_row_stats)
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
 
@@ -734,13 +733,12 @@ def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
 # --------------------------------------------------------------------------- launchers
 
 
-_RMS_MEAN_IN_KERNEL = False  # experiment: RMSNorm's zeros mean written by the kernel
-
-
-def _row_outs(x, subtract_mean, num_amax):
+def _row_outs(x, num_amax):
+  """mean [M] f32 (RMSNorm: zeros, written by the kernel: an XLA broadcast instead was a
+  kernel of its own, 0.6-1.6 us of the op on the H100, docs/fp8_tuning.md#fp8-rms-mean),
+  rstd [M] f32, and the amax bits [num_amax] int32."""
   m = x.shape[0]
-  return ([out_struct((m,), _F32, x)] * (2 if subtract_mean or _RMS_MEAN_IN_KERNEL else 1)
-          + [out_struct((num_amax,), jnp.int32, x)])
+  return [out_struct((m,), _F32, x)] * 2 + [out_struct((num_amax,), jnp.int32, x)]
 
 
 def _row_launch(m, cfg: Fp8Config):
@@ -758,10 +756,9 @@ def _row_launch(m, cfg: Fp8Config):
                stream_x=cfg.stream_x, num_programs=g), g)
 
 
-def _row_results(outs, m, subtract_mean):
+def _row_results(outs):
   """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32)."""
-  mean = outs.pop(0) if subtract_mean or _RMS_MEAN_IN_KERNEL else jnp.zeros((m,), _F32)
-  return mean, outs[0], outs[1]
+  return outs[0], outs[1], outs[2]
 
 
 def _y_outs(x, fp8_dtype, transpose, packed=False):
@@ -841,7 +838,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
   outs = _call(kernel, [_packed_x(x, cfg, transpose), scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose, cfg.packed)
-               + _row_outs(x, subtract_mean, num_amax),
+               + _row_outs(x, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
@@ -852,7 +849,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   if cfg.packed:  # [M, N / 2] int16 -> [M, N / 2, 2] FP8, the even column first
     y = lax.bitcast_convert_type(y, jnp.dtype(fp8_dtype)).reshape(m, n)
   y_t = outs.pop(0) if transpose else None
-  return (y, y_t, *_row_results(outs, m, subtract_mean))
+  return (y, y_t, *_row_results(outs))
 
 
 def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
@@ -873,12 +870,12 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
                              interpret=interpret, param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
   outs = _call(kernel, [_packed_x(x, cfg, False), scale, bias],
-               _row_outs(x, subtract_mean, num_amax), (grid,),
+               _row_outs(x, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                has_scale=scale is not None, has_bias=bias is not None, fp8_dtype=None,
                transpose=False)
-  return _row_results(list(outs), m, subtract_mean)
+  return _row_results(list(outs))
 
 
 def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_mean,
