@@ -192,6 +192,26 @@ def test_quantise_bottom_up(op, transpose, monkeypatch):
   np.testing.assert_array_equal(_f32(r.y_scale), _f32(plain.y_scale))
 
 
+def test_quantise_bottom_up_amax_passes(monkeypatch):
+  """The tensor-parallel passes that share the quantise kernel (``fp8_tile_amax``, and
+  ``fp8_quantise(return_amax=True)``) under the bottom-up order: the tile amaxes land at
+  the same [i * grid_n + j] slots, bitwise, and y as well."""
+  x, s, b = _data((150, 1100), layer=True, dtype=F32, seed=7)
+  mean = jnp.mean(x, axis=-1)
+  rstd = jax.lax.rsqrt(jnp.var(x, axis=-1) + 1e-5)
+  kw = dict(scale_offset=0.0, subtract_mean=True, interpret=True)
+  outs = {}
+  for bottom_up in (True, False):  # the order under test first (see above)
+    monkeypatch.setattr(kfp8, "quantise_bottom_up", lambda interpret=False, v=bottom_up: v)
+    tile = kfp8.fp8_tile_amax(x, s, b, mean, rstd, **kw)
+    y, _, bits = kfp8.fp8_quantise(x, s, b, mean, rstd, jnp.float32(0.01), **kw,
+                                   fp8_dtype=E4M3, transpose=False, return_amax=True)
+    outs[bottom_up] = [np.asarray(a) for a in (tile, bits, _bits(y))]
+  assert outs[True][0].shape[0] > 1  # several tiles
+  for a, b_, name in zip(outs[True], outs[False], ("tile amax", "quantise amax", "y")):
+    np.testing.assert_array_equal(a, b_, err_msg=name)
+
+
 def test_quantise_bottom_up_rule(monkeypatch):
   """Measured on the H100 only: there, not on the H200 nor in interpret mode."""
   for name, want in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
