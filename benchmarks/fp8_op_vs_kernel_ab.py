@@ -1,7 +1,9 @@
 """Why the kernel bench's delayed LayerNorm (FP8 output) at 4096x8192 runs 42.7 us (78%
 of copy) where fp8_ln_grid_ab.py timed the same config at 39.6 us on the same H100
-(2026-11-27): the public op as the bench calls it against the kernel call as the sweeps
-call it, one difference at a time. Variants, each a jitted function of the rotated x:
+(2026-11-27; that 39.6 us turned out to be RMSNorm: fp8_ln_grid_ab.py at 9d52124 ran
+every group's timed functions with the last group's op, docs/fp8_tuning.md#fp8-one-block-grid):
+the public op as the bench calls it against the kernel call as the sweeps call it, one
+difference at a time. Variants, each a jitted function of the rotated x:
   kernel   K.fp8_norm_delayed(x, s, b, 100.0) + reduce_amax, s/b closed over (the sweeps)
   inv56    the same with inv = 56 (the bench's y_scale = 8 / 448)
   args     the same with s/b passed as arguments (the bench)

@@ -1,6 +1,7 @@
 """Does the delayed FP8 LayerNorm's time depend on where its buffers lie? The same
 config (the pick) at 4096x8192 ran 39.6 us in one process and 42.5-42.7 us in two others
-on H100s the same day (2026-11-27: fp8_ln_grid_ab.py, the kernel bench, fp8_op_vs_kernel_ab.py).
+on H100s the same day (2026-11-27: fp8_ln_grid_ab.py, the kernel bench, fp8_op_vs_kernel_ab.py;
+the 39.6 us was later found to be RMSNorm, fp8_ln_grid_ab.py's late-bound op at 9d52124).
 Here one jitted function, timed on VARIANTS input sets, each set allocated after a dummy
 buffer of a different size (so at another address), the dummies kept alive; rounds
 interleaved. CUPTI kernel time, median of 10 calls over the set's 4 rotated x (64 MiB

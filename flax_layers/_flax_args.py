@@ -13,8 +13,6 @@ All before any kernel runs.
 from __future__ import annotations
 
 import collections.abc
-import math
-import numbers
 import typing as tp
 
 import numpy as np
@@ -60,46 +58,20 @@ def check_call(x, reduction_axes, feature_axes, mask, residual) -> None:
           f"axis only ({name}=-1 or {ndim - 1}); for other axes use flax's layer")
 
 
-
-def _real(layer: str, name: str, v, *, non_negative: bool = False) -> float:
-  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Real, np.floating,
-                                                           np.integer)):
-    raise TypeError(f"{layer}: {name} must be a real number, got {v!r}")
-  try:
-    f = float(v)
-  except OverflowError:
-    f = math.inf
-  if not math.isfinite(f) or (non_negative and f < 0):
-    raise ValueError(f"{layer}: {name}={v!r} must be finite"
-                     + (" and >= 0" if non_negative else ""))
-  return f
-
-
 def check_config(layer: str, *, features: dict, epsilon, scale_offset, cast=None,
                  mode=None, backend=None, residual_dtype=None) -> None:
   """At construction (NNX) or at the first call (Linen): the layer's own arguments,
-  each error naming the layer and the argument, before any kernel. ``features``:
-  {name: value} of the feature counts (positive ints)."""
-  from pallas_norm import config as _config
+  with the ops' checks (``pallas_norm.ops``), each error naming the layer and the
+  argument, before any kernel. ``features``: {name: value} of the feature counts
+  (positive ints)."""
   from pallas_norm import ops as _ops
   for name, v in features.items():
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
       raise ValueError(f"{layer}: {name}={v!r} must be a positive int")
-  _real(layer, "epsilon", epsilon, non_negative=True)
-  _real(layer, "scale_offset", scale_offset)
-  if cast is not None and (not isinstance(cast, str) or cast not in _ops.CASTS):
-    raise ValueError(f"{layer}: {cast=} is not a casting mode; valid: {_ops.CASTS}")
-  if mode is not None and mode not in _config.MODES:
-    raise ValueError(f"{layer}: {mode=} is not a valid mode; valid modes: {_config.MODES} "
-                     f"or None")
-  if backend is not None and backend not in _ops.BACKENDS:
-    raise ValueError(f"{layer}: {backend=} is not a valid backend; valid backends: "
-                     f"{_ops.BACKENDS} or None")
+  _ops._check_real(layer, "epsilon", epsilon, non_negative=True)
+  _ops._check_real(layer, "scale_offset", scale_offset)
+  if cast is not None:
+    _ops._check_cast_name(layer, cast)
+  _ops._check_mode_backend(layer, mode, backend)
   if residual_dtype is not None:
-    import jax.numpy as jnp
-    try:
-      dt = jnp.dtype(residual_dtype)
-    except TypeError as e:
-      raise TypeError(f"{layer}: {residual_dtype=} is not a dtype") from e
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-      raise TypeError(f"{layer}: residual_dtype={dt} must be float32, bfloat16 or float16")
+    _ops._check_residual_dtype(layer, residual_dtype)

@@ -70,13 +70,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops as _flax_fp8
 from flax.nnx.nn.linear import default_kernel_init
 
 from flax_layers import _flax_args
 from pallas_norm import fp8 as _fp8
+from pallas_norm import ops as _ops
 from pallas_norm import spmd as _spmd
 
 __all__ = ["RMSNormDenseFP8", "LayerNormDenseFP8", "Fp8Meta", "DelayedScalingState",
@@ -89,7 +89,7 @@ FP8_BACKENDS = _fp8.FP8_BACKENDS  # the quantising norm's: "pallas", "xla"
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 OVERWRITE_WITH_GRADIENT = _flax_fp8.OVERWRITE_WITH_GRADIENT
 _F32 = jnp.float32
-_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the floor of a delayed scale
+_TINY = _fp8.MIN_Y_SCALE  # 2**-126: the floor of a delayed scale (current scaling's too)
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 # The FP8 dtypes each GEMM operand may take. cuBLASLt's FP8 GEMM needs an e4m3 operand
 # on at least one side; the forward GEMM has two fp8_dtype operands (y and W), so
@@ -469,8 +469,8 @@ def norm_dense_fp8(x, kernel, scale=None, ln_bias=None, bias=None, *,
   """
   fwd_dt, grad_dt = _check_fp8_dtypes(fp8_dtype, grad_fp8_dtype)
   _check_call(x, kernel, scale, ln_bias, bias, state, subtract_mean)
-  _flax_args._real("norm_dense_fp8", "eps", eps, non_negative=True)
-  _flax_args._real("norm_dense_fp8", "scale_offset", scale_offset)
+  _ops._check_real("norm_dense_fp8", "eps", eps, non_negative=True)
+  _ops._check_real("norm_dense_fp8", "scale_offset", scale_offset)
   x = jnp.asarray(x)
   n, f = jnp.shape(kernel)
   lead = x.shape[:-1]

@@ -45,12 +45,12 @@ from pallas_norm import config as _config
 from pallas_norm import ops, reference, spmd
 
 __all__ = ["Fp8Norm", "rms_norm_fp8", "layer_norm_fp8", "norm_backward", "FP8_DTYPES",
-           "fp8_max", "current_scale", "quantise"]
+           "MIN_Y_SCALE", "fp8_max", "current_scale", "quantise"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_BACKENDS = ("pallas", "xla")
 _F32 = jnp.float32
-_MIN_Y_SCALE = float(np.finfo(np.float32).tiny)  # 2**-126: 1 / y_scale stays finite
+MIN_Y_SCALE = float(np.finfo(np.float32).tiny)  # 2**-126: the smallest y_scale (1 / it is finite)
 
 
 class Fp8Norm(NamedTuple):
@@ -93,7 +93,7 @@ def current_scale(amax, fp8_dtype):
   NaN. At the floor every |y| <= amax still quantises within fp8_max."""
   amax = jnp.asarray(amax, _F32)
   ok = jnp.isfinite(amax) & (amax > 0)
-  return jnp.where(ok, jnp.maximum(amax / _F32(fp8_max(fp8_dtype)), _F32(_MIN_Y_SCALE)),
+  return jnp.where(ok, jnp.maximum(amax / _F32(fp8_max(fp8_dtype)), _F32(MIN_Y_SCALE)),
                    _F32(1.0))
 
 
@@ -176,9 +176,9 @@ def _check_y_scale(op: str, y_scale):
     v = float(y_scale)
     if not (math.isfinite(v) and v > 0):
       raise ValueError(f"{op}: y_scale={v} must be finite and > 0")
-    if v < _MIN_Y_SCALE:  # 1 / y_scale would overflow (or y_scale be flushed to 0)
+    if v < MIN_Y_SCALE:  # 1 / y_scale would overflow (or y_scale be flushed to 0)
       raise ValueError(f"{op}: y_scale={v} is below float32's smallest normal "
-                       f"({_MIN_Y_SCALE:.7g}): its reciprocal, the quantiser's multiplier, "
+                       f"({MIN_Y_SCALE:.7g}): its reciprocal, the quantiser's multiplier, "
                        f"is inf or imprecise, and an exact 0 in y would quantise to NaN")
   return y_scale
 

@@ -73,11 +73,51 @@ def _check_float(name: str, a, op: str = "") -> None:
                     f"(float32, bfloat16 or float16)")
 
 
-def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
+def _check_real(op: str, name: str, v, *, non_negative: bool = False) -> float:
+  """``v`` as a float: a static real number (no bool, array or tracer: it is part of
+  the compiled kernel), finite, and >= 0 with ``non_negative``. TypeError / ValueError
+  naming ``op`` and ``name`` (also the Flax layers' epsilon and scale_offset)."""
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Real, np.floating,
+                                                           np.integer)):
+    raise TypeError(f"{op}: {name} must be a real number (static: it is part of the "
+                    f"compiled kernel), got {v!r}")
+  try:
+    f = float(v)
+  except OverflowError:  # an int beyond float's range
+    f = math.inf
+  if not (math.isfinite(f) and (f >= 0 or not non_negative)):
+    raise ValueError(f"{op}: {name}={v!r} must be finite" + (" and >= 0" if non_negative
+                                                               else ""))
+  return f
+
+
+def _check_mode_backend(op: str, mode, backend) -> None:
   if backend is not None and backend not in BACKENDS:
-    raise ValueError(f"{backend=} is not a valid backend; valid backends: {BACKENDS}")
+    raise ValueError(f"{op}: {backend=} is not a valid backend; valid backends: "
+                     f"{BACKENDS} or None")
   if mode is not None and mode not in _config.MODES:
-    raise ValueError(f"{mode=} is not a valid mode; valid modes: {_config.MODES} or None")
+    raise ValueError(f"{op}: {mode=} is not a valid mode; valid modes: {_config.MODES} "
+                     f"or None")
+
+
+def _check_cast_name(op: str, cast) -> None:
+  if not isinstance(cast, str) or cast not in CASTS:
+    raise ValueError(f"{op}: {cast=} is not a casting mode; valid: {CASTS}")
+
+
+def _check_residual_dtype(op: str, residual_dtype):
+  """h's dtype from ``residual_dtype``: float32, bfloat16 or float16."""
+  try:
+    dt = jnp.dtype(residual_dtype)
+  except TypeError as e:
+    raise TypeError(f"{op}: {residual_dtype=} is not a dtype") from e
+  if dt not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{op}: residual_dtype={dt} must be float32, bfloat16 or float16")
+  return dt
+
+
+def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
+  _check_mode_backend(op, mode, backend)
   x_shape = jnp.shape(x)
   if len(x_shape) == 0:
     raise ValueError(f"{op}: x must have rank >= 1, got {x_shape=}")
@@ -92,23 +132,13 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) ->
   for name, p in (("scale", scale), ("bias", bias)):
     if p is None:
       continue
-    _check_float(name, p, op)
     if jnp.result_type(p) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
       raise TypeError(f"{op}: {name}.dtype={jnp.result_type(p)} must be float32, bfloat16 "
                       f"or float16")
     if tuple(jnp.shape(p)) != (n,):
       raise ValueError(f"{op}: {name}.shape={tuple(jnp.shape(p))} must be ({n},) to match "
                        f"x.shape[-1] ({x_shape=})")
-  if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
-    raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-  if not eps >= 0:  # also catches NaN
-    raise ValueError(f"{op}: {eps=} must be >= 0")
-  try:
-    finite = math.isfinite(float(eps))
-  except OverflowError:  # an int beyond float's range
-    finite = False
-  if not finite:
-    raise ValueError(f"{op}: {eps=} must be finite")
+  _check_real(op, "eps", eps, non_negative=True)
   return n
 
 
@@ -126,13 +156,8 @@ def _check_residual(op: str, x, residual, residual_dtype):
   if tuple(jnp.shape(residual)) != tuple(jnp.shape(x)):
     raise ValueError(f"{op}: residual.shape={tuple(jnp.shape(residual))} must equal "
                      f"x.shape={tuple(jnp.shape(x))}")
-  h_dtype = jnp.result_type(residual) if residual_dtype is None else residual_dtype
-  try:
-    h_dtype = jnp.dtype(h_dtype)
-  except TypeError as e:
-    raise TypeError(f"{op}: {residual_dtype=} is not a dtype") from e
-  if h_dtype not in floats:
-    raise TypeError(f"{op}: residual_dtype={h_dtype} must be float32, bfloat16 or float16")
+  h_dtype = (jnp.result_type(residual) if residual_dtype is None
+             else _check_residual_dtype(op, residual_dtype))
   return jnp.result_type(residual).name, h_dtype.name
 
 
@@ -185,27 +210,21 @@ CASTS = ("torch", "llama", "gemma")
 def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
   """The scale_offset the casting mode implies; ValueError for a combination that has
   no meaning."""
-  if not isinstance(cast, str) or cast not in CASTS:
-    raise ValueError(f"{op}: {cast=} is not a casting mode; valid: {CASTS}")
-  if (isinstance(scale_offset, (bool, np.bool_))
-      or not isinstance(scale_offset, (numbers.Real, np.floating, np.integer))):
-    raise TypeError(f"{op}: scale_offset must be a real number (static: it is part of the "
-                    f"compiled kernel), got {type(scale_offset).__name__}")
-  if not math.isfinite(float(scale_offset)):
-    raise ValueError(f"{op}: {scale_offset=} must be finite")
-  if scale is None and float(scale_offset) != 0.0:
+  _check_cast_name(op, cast)
+  scale_offset = _check_real(op, "scale_offset", scale_offset)
+  if scale is None and scale_offset != 0.0:
     raise ValueError(f"{op}: {scale_offset=} without a scale has no effect: y = x_hat * "
                      f"(scale_offset + scale) needs a scale (pass one, or scale_offset=0)")
   if cast == "gemma":
     if scale is None:
       raise ValueError(f"{op}: cast='gemma' multiplies by 1 + scale: pass a scale")
-    if float(scale_offset) not in (0.0, 1.0):
+    if scale_offset not in (0.0, 1.0):
       raise ValueError(f"{op}: cast='gemma' implies scale_offset=1.0, got {scale_offset}")
     return 1.0
-  if cast == "llama" and float(scale_offset) != 0.0:
+  if cast == "llama" and scale_offset != 0.0:
     raise ValueError(f"{op}: cast='llama' multiplies by the weight itself "
                      f"(HF LlamaRMSNorm); {scale_offset=} has no meaning there")
-  return float(scale_offset)
+  return scale_offset
 
 
 def _check_mosaic(op: str, mode, out_dtype) -> None:

@@ -212,22 +212,14 @@ def test_quantise_bottom_up_amax_passes(monkeypatch):
     np.testing.assert_array_equal(a, b_, err_msg=name)
 
 
-def test_quantise_bottom_up_rule(monkeypatch):
+@pytest.mark.parametrize("rule", ["transpose_separately", "quantise_bottom_up"])
+def test_h100_only_rules(rule, monkeypatch):
   """Measured on the H100 only: there, not on the H200 nor in interpret mode."""
   for name, want in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
     info = pallas_norm.config.DeviceInfo("gpu", name, 132)
     monkeypatch.setattr(kfp8, "device_info", lambda info=info: info)
-    assert kfp8.quantise_bottom_up() is want
-    assert kfp8.quantise_bottom_up(interpret=True) is False
-
-
-def test_transpose_separately_rule(monkeypatch):
-  """Measured on the H100 only: there, not on the H200 nor in interpret mode."""
-  for name, want in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
-    info = pallas_norm.config.DeviceInfo("gpu", name, 132)
-    monkeypatch.setattr(kfp8, "device_info", lambda info=info: info)
-    assert kfp8.transpose_separately() is want
-    assert kfp8.transpose_separately(interpret=True) is False
+    assert getattr(kfp8, rule)() is want
+    assert getattr(kfp8, rule)(interpret=True) is False
 
 
 @pytest.mark.parametrize("op,scale,bias,scale_offset,dtype,y_scale", [

@@ -250,20 +250,22 @@ def quantise_bottom_up(interpret: bool = False) -> bool:
   launch grid's order (row blocks fastest, a column of tiles top to bottom, then the
   next). The same values either way; interpret mode keeps the launch order (the tests
   force each)."""
-  if interpret:
-    return False
-  device = device_info()
-  return device.platform == "gpu" and any(d in device.name for d in _Q_BOTTOM_UP_DEVICES)
+  return _on_devices(_Q_BOTTOM_UP_DEVICES, interpret)
 
 
 def transpose_separately(interpret: bool = False) -> bool:
   """Whether delayed scaling's y_t is best written as XLA's transpose of the one-pass
   kernel's y (``_T_SEPARATE_DEVICES``, measured) rather than by the fused kernel
   (``fp8_norm_delayed(transpose=True)``). Interpret mode keeps the fused kernel."""
+  return _on_devices(_T_SEPARATE_DEVICES, interpret)
+
+
+def _on_devices(devices: tuple[str, ...], interpret: bool) -> bool:
+  """A device rule: compiled on a GPU whose name holds one of ``devices``."""
   if interpret:
     return False
   device = device_info()
-  return device.platform == "gpu" and any(d in device.name for d in _T_SEPARATE_DEVICES)
+  return device.platform == "gpu" and any(d in device.name for d in devices)
 
 
 def _warps(tile_elems: int) -> int:
@@ -756,11 +758,6 @@ def _row_launch(m, cfg: Fp8Config):
                stream_x=cfg.stream_x, num_programs=g), g)
 
 
-def _row_results(outs):
-  """(mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32)."""
-  return outs[0], outs[1], outs[2]
-
-
 def _y_outs(x, fp8_dtype, transpose, packed=False):
   m, n = x.shape
   if packed:  # int16 pairs of FP8 values (_packed_kernel; no y_t)
@@ -849,7 +846,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   if cfg.packed:  # [M, N / 2] int16 -> [M, N / 2, 2] FP8, the even column first
     y = lax.bitcast_convert_type(y, jnp.dtype(fp8_dtype)).reshape(m, n)
   y_t = outs.pop(0) if transpose else None
-  return (y, y_t, *_row_results(outs))
+  return (y, y_t, *outs)  # + (mean, rstd, amax bits): _row_outs
 
 
 def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
@@ -875,7 +872,7 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                has_scale=scale is not None, has_bias=bias is not None, fp8_dtype=None,
                transpose=False)
-  return _row_results(list(outs))
+  return tuple(outs)  # (mean, rstd, amax bits): _row_outs
 
 
 def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_mean,
