@@ -76,6 +76,10 @@ HW_SATURATE = True
 # (``_fold_amax``: one FMNMX an element where the int32 bits take an AND and a max);
 # False keeps the int32 bits there too (the A/B of docs/fp8_tuning.md).
 HW_AMAX = True
+# Experiment (session 23): the packed kernel takes bf16 scale/bias as uint32 pairs (a
+# bitcast in the launcher), one contiguous load unpacked into its even and odd columns
+# (``_unpack_bf16``) instead of two strided gathers. Outputs bitwise the same.
+_PACKED_PARAMS = False
 
 
 # --------------------------------------------------------------------------- configs
@@ -615,6 +619,19 @@ def _unpack_bf16(u):
           lax.bitcast_convert_type(u & jnp.uint32(0xFFFF0000), _F32))
 
 
+def _param_pair(ref, packed, cols, cm, offset):
+  """(even, odd) columns of scale (``offset`` added) or bias as [1, bh] f32, (None,
+  None) without the ref: from uint32 pairs of bf16 (``packed``: one load) or two
+  strided gathers."""
+  if ref is None:
+    return None, None
+  if packed:
+    pair = _unpack_bf16(_load(ref.at[cols[None, :]], cm))
+  else:
+    pair = tuple(_load(ref.at[c[None, :]], cm).astype(_F32) for c in (2 * cols, 2 * cols + 1))
+  return tuple(p + _F32(offset) for p in pair) if offset else pair
+
+
 def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
   """int16 pairs of FP8 values of ``hi * inv`` (high byte) and ``lo * inv`` (low byte),
   quantised as _emit does: compiled, the hardware's two-value saturating conversion
@@ -634,7 +651,8 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                   row_amax, stream_x, block_m, block_n, num_programs):
+                   row_amax, stream_x, block_m, block_n, num_programs,
+                   packed_params=(False, False)):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -656,8 +674,11 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   cm = None if col_mask is None else col_mask[None, :]
 
   def params():  # ((w, b) of the even columns, (w, b) of the odd ones), [1, bh] f32
-    return tuple(_load_params(scale_ref, bias_ref, c[None, :], cm, scale_offset)
-                 for c in (2 * cols, 2 * cols + 1))
+    if not any(packed_params):
+      return tuple(_load_params(scale_ref, bias_ref, c[None, :], cm, scale_offset)
+                   for c in (2 * cols, 2 * cols + 1))
+    return tuple(zip(*(_param_pair(r, p, cols, cm, off) for r, p, off in (
+        (scale_ref, packed_params[0], scale_offset), (bias_ref, packed_params[1], 0.0)))))
 
   if hoist_params:
     hoisted = params()
@@ -786,6 +807,16 @@ def _packed_x(x, cfg: Fp8Config, transpose: bool):
   return lax.bitcast_convert_type(x.reshape(m, n // 2, 2), jnp.uint32)
 
 
+def _packed_params(scale, bias, cfg: Fp8Config):
+  """(scale, bias, statics) as the row-block kernel takes them: for ``cfg.packed`` with
+  ``_PACKED_PARAMS``, bf16 ones as [N / 2] uint32 pairs (a bitcast, no copy)."""
+  if not (cfg.packed and _PACKED_PARAMS):
+    return scale, bias, {}
+  pk = lambda p: p is not None and p.dtype == jnp.bfloat16
+  f = lambda p: lax.bitcast_convert_type(p.reshape(-1, 2), jnp.uint32) if pk(p) else p
+  return f(scale), f(bias), dict(packed_params=(pk(scale), pk(bias)))
+
+
 def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
   return pl.pallas_call(
       functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n,
@@ -833,7 +864,10 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
-  outs = _call(kernel, [_packed_x(x, cfg, transpose), scale, bias, _inv(inv)],
+  xp = _packed_x(x, cfg, transpose)  # (its checks first)
+  scale, bias, pp = _packed_params(scale, bias, cfg)
+  extra.update(pp)
+  outs = _call(kernel, [xp, scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose, cfg.packed)
                + _row_outs(x, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
@@ -866,7 +900,10 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
                              interpret=interpret, param_dtype=_param_dtype(scale, bias))
   kernel, grid, extra, num_amax = _row_launch(m, cfg)
-  outs = _call(kernel, [_packed_x(x, cfg, False), scale, bias],
+  xp = _packed_x(x, cfg, False)  # (its checks first)
+  scale, bias, pp = _packed_params(scale, bias, cfg)
+  extra.update(pp)
+  outs = _call(kernel, [xp, scale, bias],
                _row_outs(x, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
