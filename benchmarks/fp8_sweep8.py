@@ -12,8 +12,9 @@ scale/bias in PARAM_DTYPE (float32 by default). Before timing, each config's out
 checked against the default config's (y bytes equal fraction, amax).
 Usage: [ROUNDS=3] python benchmarks/fp8_sweep8.py OUT.json BUDGET_S [PARAM_DTYPE [CASES [TILES]]] (GPU;
 CASES e.g. "delayed:layer:8192x4096,16384x4096", TILES a Python dict {N: [(block_m,
-num_warps, programs a SM or "G<programs>", hoist_params, row_amax), ...]}, packed and
-without .cg)."""
+num_warps, programs a SM or "G<programs>", hoist_params, row_amax, packed_params),
+...]}, packed and without .cg; packed_params (bf16 scale/bias as uint32 pairs) optional,
+False by default)."""
 import ast, dataclasses, os, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 import jax, jax.numpy as jnp
@@ -33,8 +34,8 @@ TILES = {
 }
 # k: programs a SM, or "G<g>" for g programs (a grid that divides the row blocks evenly)
 programs = lambda k: int(k[1:]) if isinstance(k, str) else SMS * k
-P = lambda bm, n, w, k, h=True, ra=True: K.Fp8Config(
-    bm, n, w, programs(k), True, h, ra, packed=True, stream_x=False)
+P = lambda bm, n, w, k, h=True, ra=True, pp=False: K.Fp8Config(
+    bm, n, w, programs(k), True, h, ra, packed=True, stream_x=False, packed_params=pp)
 OPS = ("rms", "layer")
 CASES = [("delayed", m, n) for m, n in ((8192, 4096), (16384, 4096), (32768, 2048),
                                         (8192, 8192))]
@@ -81,4 +82,5 @@ _fp8_sweep.run(groups, out, budget_s=BUDGET, t0=T0, num_sms=SMS,
                note=f"{__doc__}\nparam_dtype={PARAM_DTYPE.name}",
                describe=lambda c: (f"bm={c.block_m:2d} w={c.num_warps:2d} G={c.num_programs:4d} "
                                    f"tp={int(c.tile_params)} h={int(c.hoist_params)} "
-                                   f"ra={int(c.row_amax)} pk={int(c.packed)} cg={int(c.stream_x)}"))
+                                   f"ra={int(c.row_amax)} pk={int(c.packed)} cg={int(c.stream_x)} "
+                                   f"pp={int(c.packed_params)}"))

@@ -536,9 +536,15 @@ def test_config_picks_variants(monkeypatch):
   # LayerNorm delayed at N' = 8192: float32 scale/bias unpacked, 2-byte ones packed
   assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True) == (
       kfp8.Fp8Config(2, 8192, 16, 132, True, True, False, False, False))
+  # ... and from N' = 8192 the 2-byte scale/bias as uint32 pairs too (packed_params)
   assert kfp8.fp8_config(8192, 8192, kernel="delayed", subtract_mean=True,
                          param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
-                             1, 8192, 4, 264, True, True, True, **packed)
+                             1, 8192, 4, 264, True, True, True, **packed,
+                             packed_params=True)
+  assert kfp8.fp8_config(4096, 8192, kernel="delayed", param_dtype=jnp.bfloat16) == (
+      kfp8.Fp8Config(1, 8192, 8, 264, True, True, True, **packed, packed_params=True))
+  assert not kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
+                             param_dtype=jnp.bfloat16).packed_params
   # None in the 2-byte table: the pick before sweep 8 stays
   assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True,
                          param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
@@ -635,6 +641,39 @@ def test_packed_matches_unpacked(subtract_mean, m, n, fp8_dtype, hoist, row_amax
       (lambda v: kfp8.fp8_stats(v, s, b, config=pcfg, **kw), 2))]
   assert amaxes[0] > 1
   np.testing.assert_allclose(amaxes[1:], amaxes[0], rtol=_rtol())
+
+
+@pytest.mark.parametrize("m,n,params,scale_offset", [
+    (37, 256, "bf16", 0.0),       # ragged row blocks, whole tile
+    (21, 200, "bf16", 1.0),       # column mask: 100 of 128 pairs; zero-centred scale
+    (9, 130, "mixed", 0.0),       # bf16 scale as pairs, float32 bias gathered
+    (16, 512, "scale", 0.0),      # RMSNorm's shape of it: scale only
+])
+def test_packed_params_bitwise(m, n, params, scale_offset):
+  """Fp8Config.packed_params (bf16 scale/bias loaded as uint32 pairs, unpacked once)
+  gives the same bits as their strided gathers, delayed and statistics kernels, with a
+  NaN row and a saturating value."""
+  rng = np.random.default_rng(m)
+  x = jnp.asarray(rng.standard_normal((m, n)) * 2 + 1.5, jnp.bfloat16)
+  x = x.at[m - 2, 3].set(3000.0).at[1, n - 1].set(jnp.nan)
+  s = jnp.asarray(1 + 0.5 * rng.standard_normal(n), jnp.bfloat16)
+  b = None if params == "scale" else jnp.asarray(
+      rng.standard_normal(n), F32 if params == "mixed" else jnp.bfloat16)
+  kw = dict(eps=1e-5, scale_offset=scale_offset, subtract_mean=b is not None,
+            interpret=not _on_gpu())
+  cfg = kfp8.Fp8Config(2, 256 if n <= 256 else 512, 4, 5, True, True, True, packed=True)
+  outs = []
+  for pp in (False, True):
+    c = dataclasses.replace(cfg, packed_params=pp)
+    y, _, *rest = kfp8.fp8_norm_delayed(x, s, b, F32(1e3), fp8_dtype=E4M3,
+                                        transpose=False, config=c, **kw)
+    outs.append([np.asarray(y).view(np.uint8), *map(np.asarray, rest),
+                 *map(np.asarray, kfp8.fp8_stats(x, s, b, config=c, **kw))])
+  for a, r in zip(*outs):
+    np.testing.assert_array_equal(a, r)
+  y = outs[1][0].view(jnp.float8_e4m3fn).astype(np.float32)
+  assert np.isnan(y[1]).any() and np.nanmax(np.abs(y)) == 448.0  # NaN kept, saturated
+  assert np.isnan(_f32(kfp8.reduce_amax(outs[1][3])))
 
 
 def test_packed_config_errors():

@@ -76,10 +76,6 @@ HW_SATURATE = True
 # (``_fold_amax``: one FMNMX an element where the int32 bits take an AND and a max);
 # False keeps the int32 bits there too (the A/B of docs/fp8_tuning.md).
 HW_AMAX = True
-# Experiment (session 23): the packed kernel takes bf16 scale/bias as uint32 pairs (a
-# bitcast in the launcher), one contiguous load unpacked into its even and odd columns
-# (``_unpack_bf16``) instead of two strided gathers. Outputs bitwise the same.
-_PACKED_PARAMS = False
 
 
 # --------------------------------------------------------------------------- configs
@@ -126,6 +122,10 @@ class Fp8Config:
       ``_compat.stream_cache_modifier``, the forward's choice, measured on the H200's
       bf16 forward), or without (False: L1 and L2; faster for these kernels on the
       H100, docs/fp8_tuning.md#fp8-packed). Ignored otherwise.
+    packed_params: with ``packed``, bf16 scale/bias enter as uint32 pairs too ([N / 2],
+      a bitcast) and are loaded in one contiguous load, unpacked into their even and
+      odd columns, instead of two strided gathers; the outputs are the same bits.
+      Ignored otherwise (and for scale/bias of another dtype).
   """
 
   block_m: int
@@ -137,6 +137,7 @@ class Fp8Config:
   row_amax: bool = False
   packed: bool = False
   stream_x: bool = True
+  packed_params: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -244,6 +245,12 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
+# The packed kernel's bf16 scale/bias as uint32 pairs (Fp8Config.packed_params) from
+# rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
+# LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
+# 37.3, 72.3 -> 70.7, LayerNorm's statistics pass 1-2% faster; at N' 2048 and 4096
+# within -1% to +1%: not taken there. [docs/fp8_tuning.md#fp8-packed-params]
+_PACKED_PARAMS_MIN_N = 8192
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
 
@@ -334,7 +341,10 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
     bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x
-    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
+    cfg = Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
+    if cfg.packed and cfg.block_n >= _PACKED_PARAMS_MIN_N:
+      cfg = dataclasses.replace(cfg, packed_params=True)
+    return cfg
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
@@ -626,7 +636,8 @@ def _param_pair(ref, packed, cols, cm, offset):
   if ref is None:
     return None, None
   if packed:
-    pair = _unpack_bf16(_load(ref.at[cols[None, :]], cm))
+    pair = _unpack_bf16(plgpu.load(ref.at[cols[None, :]], mask=cm, other=(
+        None if cm is None else jnp.array(0, ref.dtype))))
   else:
     pair = tuple(_load(ref.at[c[None, :]], cm).astype(_F32) for c in (2 * cols, 2 * cols + 1))
   return tuple(p + _F32(offset) for p in pair) if offset else pair
@@ -809,8 +820,8 @@ def _packed_x(x, cfg: Fp8Config, transpose: bool):
 
 def _packed_params(scale, bias, cfg: Fp8Config):
   """(scale, bias, statics) as the row-block kernel takes them: for ``cfg.packed`` with
-  ``_PACKED_PARAMS``, bf16 ones as [N / 2] uint32 pairs (a bitcast, no copy)."""
-  if not (cfg.packed and _PACKED_PARAMS):
+  ``cfg.packed_params``, bf16 ones as [N / 2] uint32 pairs (a bitcast, no copy)."""
+  if not (cfg.packed and cfg.packed_params):
     return scale, bias, {}
   pk = lambda p: p is not None and p.dtype == jnp.bfloat16
   f = lambda p: lax.bitcast_convert_type(p.reshape(-1, 2), jnp.uint32) if pk(p) else p
