@@ -249,7 +249,7 @@ _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 # rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
 # LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
 # 37.3, 72.3 -> 70.7, LayerNorm's statistics pass 1-2% faster; at N' 2048 and 4096
-# within -1% to +1%: not taken there. [docs/fp8_tuning.md#fp8-packed-params]
+# within -1% to +1%: not taken there. [docs/fp8_tuning.md#fp8-packed-params-8192]
 _PACKED_PARAMS_MIN_N = 8192
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
