@@ -245,10 +245,13 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
-# Experiment (session 23): persistent programs fold their amax bits into one zeroed [1]
-# int32 output by an atomic max (the zeros an input aliased to it) instead of [G]
-# partials reduced by XLA afterwards (a kernel of 1.1-1.4 us on the H100).
-_AMAX_ATOMIC = False
+# Persistent programs fold their amax bits into one zeroed [1] int32 output by an atomic
+# max (the zeros an input aliased to it; ``atomic_amax``) instead of [G] partials that
+# XLA reduces afterwards: on the H100 0.2-0.8 us faster in 11 of 12 FP8-output ops
+# (delayed LayerNorm 8192x4096 40.3 -> 39.6 us, RMSNorm 37.4 -> 36.7; current scaling
+# 0-0.8 us), the other equal. The H200 not measured (none lent).
+# [docs/fp8_tuning.md#fp8-atomic-amax]
+_AMAX_ATOMIC_DEVICES = ("H100",)
 # The packed kernel's bf16 scale/bias as uint32 pairs (Fp8Config.packed_params) from
 # rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
 # LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
@@ -273,6 +276,15 @@ def transpose_separately(interpret: bool = False) -> bool:
   kernel's y (``_T_SEPARATE_DEVICES``, measured) rather than by the fused kernel
   (``fp8_norm_delayed(transpose=True)``). Interpret mode keeps the fused kernel."""
   return _on_devices(_T_SEPARATE_DEVICES, interpret)
+
+
+def atomic_amax(interpret: bool = False) -> bool:
+  """Whether persistent FP8-output programs fold their amax into one zeroed [1] output
+  by an integer atomic max (``_AMAX_ATOMIC_DEVICES``, measured) rather than storing [G]
+  partials for XLA's max. The same bits either way (a max of non-negative int32 bits
+  is exact and order-free); interpret mode stores the partials (the tests force
+  each)."""
+  return _on_devices(_AMAX_ATOMIC_DEVICES, interpret)
 
 
 def _on_devices(devices: tuple[str, ...], interpret: bool) -> bool:
@@ -470,7 +482,7 @@ def _walk(num_chunks, body, init):
 
 def _store_program_amax(amax_ref, pid, bits, atomic):
   """A persistent program's amax bits: its own slot of [G] partials, or (``atomic``,
-  ``_AMAX_ATOMIC``) an integer atomic max into the one zeroed [1] slot (exact and
+  ``atomic_amax``) an integer atomic max into the one zeroed [1] slot (exact and
   order-free: a max of non-negative int32 bits)."""
   if atomic:
     plgpu.atomic_max(amax_ref, jnp.zeros((), jnp.int32), bits)
@@ -590,7 +602,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   static_persistent. Longer rows: each row block chunked
   as in ``_norm_kernel``. |y| is max-ed elementwise into a [block_m, block_n] carry
   (``_fold_amax``; no reduction a row) and reduced across the tile once, at the end:
-  amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
+  amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are), or [1] with
+  ``amax_atomic`` (``atomic_amax``).
   """
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
       refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat, amax_atomic)
@@ -847,12 +860,12 @@ def _packed_params(scale, bias, cfg: Fp8Config):
   return f(scale), f(bias), dict(packed_params=(pk(scale), pk(bias)))
 
 
-def _atomic_amax(inputs, y_outs, extra, num_amax, cfg: Fp8Config):
-  """With ``_AMAX_ATOMIC`` and persistent programs: appends the zeroed [1] amax to
+def _atomic_amax(inputs, y_outs, extra, num_amax, cfg: Fp8Config, interpret):
+  """With ``atomic_amax`` and persistent programs: appends the zeroed [1] amax to
   ``inputs`` (in place), sets the kernel's ``amax_atomic``, and returns (1, the
   input_output_aliases: that input to the amax output, last of mean, rstd, amax after
   ``y_outs``); else (num_amax, None)."""
-  if not (_AMAX_ATOMIC and cfg.num_programs):
+  if not (cfg.num_programs and atomic_amax(interpret)):
     return num_amax, None
   extra["amax_atomic"] = True
   inputs.append(jnp.zeros((1,), jnp.int32))
@@ -899,7 +912,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
     f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
-    |y_f32| (config.num_programs == 0), or [G], each persistent program's max).
+    |y_f32| (config.num_programs == 0), or [G], each persistent program's max, or [1]
+    where ``atomic_amax`` folds those in the kernel).
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -914,7 +928,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   extra.update(pp)
   inputs = [xp, scale, bias, _inv(inv)]
   outs = _y_outs(x, fp8_dtype, transpose, cfg.packed)
-  num_amax, aliases = _atomic_amax(inputs, outs, extra, num_amax, cfg)
+  num_amax, aliases = _atomic_amax(inputs, outs, extra, num_amax, cfg, interpret)
   outs = _call(kernel, inputs, outs + _row_outs(x, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", aliases, **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
@@ -936,8 +950,8 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   Args: as in ``fp8_norm_delayed``.
 
   Returns:
-    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32 (as in
-    ``fp8_norm_delayed``)).
+    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M], [G] or [1] int32
+    (as in ``fp8_norm_delayed``)).
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -950,7 +964,7 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp)
   inputs = [xp, scale, bias]
-  num_amax, aliases = _atomic_amax(inputs, [], extra, num_amax, cfg)
+  num_amax, aliases = _atomic_amax(inputs, [], extra, num_amax, cfg, interpret)
   outs = _call(kernel, inputs, _row_outs(x, num_amax), (grid,),
                cfg, interpret, "pallas_norm_fp8_stats", aliases, **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
@@ -1027,6 +1041,6 @@ def fp8_tile_amax(x, scale, bias, mean, rstd, *, scale_offset: float, subtract_m
 
 
 def reduce_amax(amax_bits):
-  """() float32 tensor amax from the kernels' int32 amax bits ([M] a row, or [G] a
-  persistent program; NaN if any has one)."""
+  """() float32 tensor amax from the kernels' int32 amax bits ([M] a row, [G] a
+  persistent program, or [1] folded by ``atomic_amax``; NaN if any has one)."""
   return lax.bitcast_convert_type(jnp.max(amax_bits), _F32)
