@@ -23,7 +23,7 @@ SHAPES = [tuple(map(int, s.split("x"))) for s in (sys.argv[2] if len(sys.argv) >
           "8192x4096,16384x4096").split(",")]
 OPS = (sys.argv[3] if len(sys.argv) > 3 else
        "layer_delayed,rms_delayed,layer_current").split(",")
-CALLS = 200
+CALLS = int(__import__("os").environ.get("CALLS", 200))
 timing.warm_up()
 rule = K.atomic_amax
 rows = []
