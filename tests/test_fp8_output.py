@@ -212,8 +212,7 @@ def test_quantise_bottom_up_amax_passes(monkeypatch):
     np.testing.assert_array_equal(a, b_, err_msg=name)
 
 
-@pytest.mark.parametrize("rule", ["transpose_separately", "quantise_bottom_up",
-                                  "atomic_amax"])
+@pytest.mark.parametrize("rule", ["transpose_separately", "quantise_bottom_up"])
 def test_h100_only_rules(rule, monkeypatch):
   """Measured on the H100 only: there, not on the H200 nor in interpret mode."""
   for name, want in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
@@ -331,11 +330,9 @@ def _check_variant(op, x, s, b, cfg, vcfg, *, transpose):
   var = kfp8.fp8_norm_delayed(x, s, b, inv, fp8_dtype=E4M3, transpose=transpose,
                               config=vcfg, **kw)
   stats = kfp8.fp8_stats(x, s, b, config=vcfg, **kw)
-  # an amax a row, or one a persistent program (one in all where atomic_amax folds them)
-  parts = min(vcfg.num_programs, -(-m // vcfg.block_m)) or m
-  if vcfg.num_programs and kfp8.atomic_amax(interpret=not _on_gpu()):
-    parts = 1
-  assert base[4].shape == (m,) and var[4].shape == stats[2].shape == (parts,)
+  # an amax a row, or one a persistent program
+  assert base[4].shape == (m,) and var[4].shape == stats[2].shape == (
+      min(vcfg.num_programs, -(-m // vcfg.block_m)) or m,)
   amaxes = [_f32(kfp8.reduce_amax(a)) for a in (base[4], var[4], stats[2])]
   assert amaxes[0] > 0
   if transpose:
@@ -677,37 +674,6 @@ def test_packed_params_bitwise(m, n, params, scale_offset):
   y = outs[1][0].view(jnp.float8_e4m3fn).astype(np.float32)
   assert np.isnan(y[1]).any() and np.nanmax(np.abs(y)) == 448.0  # NaN kept, saturated
   assert np.isnan(_f32(kfp8.reduce_amax(outs[1][3])))
-
-
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("subtract_mean", [False, True])
-def test_atomic_amax_matches_partials(packed, subtract_mean, monkeypatch):
-  """atomic_amax (persistent programs fold their amax into one zeroed [1] output by an
-  integer atomic max) gives the same outputs and tensor amax as the [G] partials, a NaN
-  row included, delayed and statistics kernels; and the one-row-block-a-program kernel
-  keeps its [M] row amaxes."""
-  m, n = 37, 200
-  x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16).at[m - 3, 4].set(50.0)
-  s = (1 + 0.1 * jax.random.normal(jax.random.key(1), (n,))).astype(jnp.bfloat16)
-  b = (0.1 * jax.random.normal(jax.random.key(2), (n,))).astype(jnp.bfloat16)
-  b = b if subtract_mean else None
-  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=subtract_mean, interpret=True)
-  cfg = kfp8.Fp8Config(2, 256, 4, 5, True, True, True, packed=packed)
-  for xx in (x, x.at[3, 5].set(jnp.nan)):
-    outs = {}
-    for atomic in (False, True):
-      monkeypatch.setattr(kfp8, "atomic_amax", lambda interpret=False, a=atomic: a)
-      d = kfp8.fp8_norm_delayed(xx, s, b, F32(3), fp8_dtype=E4M3, transpose=False,
-                                config=cfg, **kw)
-      st = kfp8.fp8_stats(xx, s, b, config=cfg, **kw)
-      assert d[4].shape == st[2].shape == ((1,) if atomic else (5,))
-      outs[atomic] = [np.asarray(d[0]).view(np.uint8), d[2], d[3], kfp8.reduce_amax(d[4]),
-                      st[0], st[1], kfp8.reduce_amax(st[2])]
-    for a, r in zip(outs[True], outs[False]):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
-    assert np.isnan(outs[True][3]) == bool(jnp.isnan(xx).any())
-    assert kfp8.fp8_norm_delayed(xx, s, b, F32(3), fp8_dtype=E4M3, transpose=False,
-                                 config=kfp8.Fp8Config(2, 256, 4), **kw)[4].shape == (m,)
 
 
 def test_packed_config_errors():

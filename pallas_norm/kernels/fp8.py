@@ -245,13 +245,6 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
-# Persistent programs fold their amax bits into one zeroed [1] int32 output by an atomic
-# max (the zeros an input aliased to it; ``atomic_amax``) instead of [G] partials that
-# XLA reduces afterwards: on the H100 0.2-0.8 us faster in 11 of 12 FP8-output ops
-# (delayed LayerNorm 8192x4096 40.3 -> 39.6 us, RMSNorm 37.4 -> 36.7; current scaling
-# 0-0.8 us), the other equal. The H200 not measured (none lent).
-# [docs/fp8_tuning.md#fp8-atomic-amax]
-_AMAX_ATOMIC_DEVICES = ("H100",)
 # The packed kernel's bf16 scale/bias as uint32 pairs (Fp8Config.packed_params) from
 # rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
 # LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
@@ -276,15 +269,6 @@ def transpose_separately(interpret: bool = False) -> bool:
   kernel's y (``_T_SEPARATE_DEVICES``, measured) rather than by the fused kernel
   (``fp8_norm_delayed(transpose=True)``). Interpret mode keeps the fused kernel."""
   return _on_devices(_T_SEPARATE_DEVICES, interpret)
-
-
-def atomic_amax(interpret: bool = False) -> bool:
-  """Whether persistent FP8-output programs fold their amax into one zeroed [1] output
-  by an integer atomic max (``_AMAX_ATOMIC_DEVICES``, measured) rather than storing [G]
-  partials for XLA's max. The same bits either way (a max of non-negative int32 bits
-  is exact and order-free); interpret mode stores the partials (the tests force
-  each)."""
-  return _on_devices(_AMAX_ATOMIC_DEVICES, interpret)
 
 
 def _on_devices(devices: tuple[str, ...], interpret: bool) -> bool:
@@ -480,18 +464,7 @@ def _walk(num_chunks, body, init):
   return lax.fori_loop(0, num_chunks, lambda j, c: body(num_chunks - 1 - j, c), init)
 
 
-def _store_program_amax(amax_ref, pid, bits, atomic):
-  """A persistent program's amax bits: its own slot of [G] partials, or (``atomic``,
-  ``atomic_amax``) an integer atomic max into the one zeroed [1] slot (exact and
-  order-free: a max of non-negative int32 bits)."""
-  if atomic:
-    plgpu.atomic_max(amax_ref, jnp.zeros((), jnp.int32), bits)
-  else:
-    amax_ref[pid] = bits
-
-
-def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat,
-               amax_atomic=False):
+def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat):
   """(x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref) of a row-block kernel;
   q as in _emit (None for the statistics kernel), the absent refs None."""
   refs = list(refs)
@@ -499,11 +472,8 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   q = None
-  inv_ref = refs.pop(0) if fp8_dtype is not None else None
-  if amax_atomic:
-    refs.pop(0)  # the zeroed amax input, aliased to amax_ref
   if fp8_dtype is not None:
-    y_ref = refs.pop(0)
+    inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   mean_ref, rstd_ref, amax_ref = refs  # RMSNorm's mean_ref: its zeros (_store_row_stats)
@@ -591,8 +561,7 @@ def _row_block_loader(x_ref, *, n, block_m, block_n, stream):
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       row_amax, stream_x, block_m, block_n, num_programs,
-                       amax_atomic=False):
+                       row_amax, stream_x, block_m, block_n, num_programs):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
   ``num_programs``), with the amax as one partial a program.
 
@@ -602,11 +571,10 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   static_persistent. Longer rows: each row block chunked
   as in ``_norm_kernel``. |y| is max-ed elementwise into a [block_m, block_n] carry
   (``_fold_amax``; no reduction a row) and reduced across the tile once, at the end:
-  amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are), or [1] with
-  ``amax_atomic`` (``atomic_amax``).
+  amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
   """
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat, amax_atomic)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
   m = x_ref.shape[0]
   pid = pl.program_id(0)
   num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
@@ -639,7 +607,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
     init = _carry_init(row_amax, (block_m, block_n), hw_amax)
     amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
-    _store_program_amax(amax_ref, pid, _carry_out(amax, row_amax), amax_atomic)
+    amax_ref[pid] = _carry_out(amax, row_amax)
   else:  # chunked rows: the elementwise carry (row_amax is for whole rows)
     def body(i, amax):
       rb = pid + i * num_programs
@@ -650,7 +618,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       return amax
 
     amax = lax.fori_loop(0, num_steps, body, _amax_zeros((block_m, block_n), hw_amax))
-    _store_program_amax(amax_ref, pid, _amax_out(amax, (0, 1)), amax_atomic)
+    amax_ref[pid] = _amax_out(amax, (0, 1))
 
 
 def _unpack_bf16(u):
@@ -695,7 +663,7 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
                    row_amax, stream_x, block_m, block_n, num_programs,
-                   packed_params=(False, False), amax_atomic=False):
+                   packed_params=(False, False)):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -706,7 +674,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   FP8 ulp apart (benchmarks/fp8_sweep8.py checks them)."""
   del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat, amax_atomic)
+      refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
   m, h = x_ref.shape
   bh = block_n // 2
   pid = pl.program_id(0)
@@ -756,7 +724,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
   amax, _ = lax.fori_loop(0, num_steps, body,
                           (_carry_init(row_amax, (block_m, bh), hw_amax), load(pid)))
-  _store_program_amax(amax_ref, pid, _carry_out(amax, row_amax), amax_atomic)
+  amax_ref[pid] = _carry_out(amax, row_amax)
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
@@ -860,21 +828,7 @@ def _packed_params(scale, bias, cfg: Fp8Config):
   return f(scale), f(bias), dict(packed_params=(pk(scale), pk(bias)))
 
 
-def _atomic_amax(inputs, y_outs, extra, num_amax, cfg: Fp8Config, interpret):
-  """With ``atomic_amax`` and persistent programs: appends the zeroed [1] amax to
-  ``inputs`` (in place), sets the kernel's ``amax_atomic``, and returns (1, the
-  input_output_aliases: that input to the amax output, last of mean, rstd, amax after
-  ``y_outs``); else (num_amax, None)."""
-  if not (cfg.num_programs and atomic_amax(interpret)):
-    return num_amax, None
-  extra["amax_atomic"] = True
-  inputs.append(jnp.zeros((1,), jnp.int32))
-  n_in = sum(a is not None for a in inputs)
-  return 1, {n_in - 1: len(y_outs) + 2}
-
-
-def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, aliases=None,
-          **statics):
+def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, **statics):
   return pl.pallas_call(
       functools.partial(kernel, block_m=cfg.block_m, block_n=cfg.block_n,
                         hw_sat=HW_SATURATE and not interpret,
@@ -884,7 +838,6 @@ def _call(kernel, inputs, outs, grid, cfg: Fp8Config, interpret, name, aliases=N
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=interpret,
       name=name,
-      input_output_aliases=aliases or {},
   )(*[a for a in inputs if a is not None])
 
 
@@ -912,8 +865,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
     f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
-    |y_f32| (config.num_programs == 0), or [G], each persistent program's max, or [1]
-    where ``atomic_amax`` folds those in the kernel).
+    |y_f32| (config.num_programs == 0), or [G], each persistent program's max).
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -926,11 +878,10 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   xp = _packed_x(x, cfg, transpose)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp)
-  inputs = [xp, scale, bias, _inv(inv)]
-  outs = _y_outs(x, fp8_dtype, transpose, cfg.packed)
-  num_amax, aliases = _atomic_amax(inputs, outs, extra, num_amax, cfg, interpret)
-  outs = _call(kernel, inputs, outs + _row_outs(x, num_amax),
-               (grid,), cfg, interpret, "pallas_norm_fp8_delayed", aliases, **extra,
+  outs = _call(kernel, [xp, scale, bias, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose, cfg.packed)
+               + _row_outs(x, num_amax),
+               (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
                has_bias=bias is not None, fp8_dtype=jnp.dtype(fp8_dtype).name,
@@ -950,8 +901,8 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   Args: as in ``fp8_norm_delayed``.
 
   Returns:
-    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M], [G] or [1] int32
-    (as in ``fp8_norm_delayed``)).
+    (mean [M] f32 (zeros for RMSNorm), rstd [M] f32, amax bits [M] or [G] int32 (as in
+    ``fp8_norm_delayed``)).
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -963,10 +914,9 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   xp = _packed_x(x, cfg, False)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp)
-  inputs = [xp, scale, bias]
-  num_amax, aliases = _atomic_amax(inputs, [], extra, num_amax, cfg, interpret)
-  outs = _call(kernel, inputs, _row_outs(x, num_amax), (grid,),
-               cfg, interpret, "pallas_norm_fp8_stats", aliases, **extra, n=n, eps=float(eps),
+  outs = _call(kernel, [xp, scale, bias],
+               _row_outs(x, num_amax), (grid,),
+               cfg, interpret, "pallas_norm_fp8_stats", **extra, n=n, eps=float(eps),
                scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                has_scale=scale is not None, has_bias=bias is not None, fp8_dtype=None,
                transpose=False)
@@ -1041,6 +991,6 @@ def fp8_tile_amax(x, scale, bias, mean, rstd, *, scale_offset: float, subtract_m
 
 
 def reduce_amax(amax_bits):
-  """() float32 tensor amax from the kernels' int32 amax bits ([M] a row, [G] a
-  persistent program, or [1] folded by ``atomic_amax``; NaN if any has one)."""
+  """() float32 tensor amax from the kernels' int32 amax bits ([M] a row, or [G] a
+  persistent program; NaN if any has one)."""
   return lax.bitcast_convert_type(jnp.max(amax_bits), _F32)
