@@ -66,7 +66,17 @@ class _Static:
 # --------------------------------------------------------------------------- checks
 
 
+def _check_array(op: str, name: str, a) -> None:
+  """TypeError unless ``a`` is an array (a jax.Array, tracer or numpy array: anything
+  with a shape and a dtype); a list or a Python number is refused as ``jnp`` functions
+  refuse them, naming the argument."""
+  if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+    raise TypeError(f"{op + ': ' if op else ''}{name} must be an array (jax.Array or "
+                    f"numpy.ndarray), got {type(a).__name__}")
+
+
 def _check_float(name: str, a, op: str = "") -> None:
+  _check_array(op, name, a)
   dt = jnp.result_type(a)
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"{op + ': ' if op else ''}{name}.dtype={dt} must be a floating dtype "
@@ -118,6 +128,7 @@ def _check_residual_dtype(op: str, residual_dtype):
 
 def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
   _check_mode_backend(op, mode, backend)
+  _check_array(op, "x", x)
   x_shape = jnp.shape(x)
   if len(x_shape) == 0:
     raise ValueError(f"{op}: x must have rank >= 1, got {x_shape=}")
@@ -132,6 +143,7 @@ def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) ->
   for name, p in (("scale", scale), ("bias", bias)):
     if p is None:
       continue
+    _check_array(op, name, p)
     if jnp.result_type(p) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
       raise TypeError(f"{op}: {name}.dtype={jnp.result_type(p)} must be float32, bfloat16 "
                       f"or float16")
@@ -148,7 +160,7 @@ def _check_residual(op: str, x, residual, residual_dtype):
     if residual_dtype is not None:
       raise ValueError(f"{op}: {residual_dtype=} needs a residual")
     return None, None
-  _check_float("residual", residual)
+  _check_float("residual", residual, op)
   floats = [jnp.dtype(d) for d in _FLOAT_DTYPES]
   if jnp.result_type(residual) not in floats:
     raise TypeError(f"{op}: residual.dtype={jnp.result_type(residual)} must be float32, "
@@ -179,6 +191,7 @@ def _check_fp8(op: str, x, x_scale, group_size, out_dtype, cast, residual) -> st
   if x_scale is None:
     raise ValueError(f"{op}: x.dtype={x_dtype} needs x_scale, its float32 dequantisation "
                      f"scales of shape x.shape[:-1] + (N // group_size,)")
+  _check_array(op, "x_scale", x_scale)
   if residual is not None:
     raise ValueError(f"{op}: residual= is not supported with FP8 x (x.dtype={x_dtype})")
   if cast == "llama":

@@ -824,6 +824,20 @@ def test_empty_rows():
     (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), jnp.ones(4, jnp.float8_e4m3fn)),
      TypeError, "rms_norm: scale.dtype=float8_e4m3fn must be float32, bfloat16"),
     (lambda: pallas_norm.rms_norm(jnp.ones((3, 4), jnp.int32)), TypeError, "rms_norm: x.dtype"),
+    # arrays only (as jnp functions): a list or a Python number named, not jnp's
+    # "Cannot determine dtype"
+    (lambda: pallas_norm.rms_norm([[1.0, 2.0]]), TypeError,
+     "rms_norm: x must be an array .* got list"),
+    (lambda: pallas_norm.layer_norm(2.0), TypeError, "layer_norm: x must be an array"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), [1.0] * 4), TypeError,
+     "layer_norm: scale must be an array .* got list"),
+    (lambda: pallas_norm.layer_norm(jnp.ones((3, 4)), None, (0.0,) * 4), TypeError,
+     "bias must be an array .* got tuple"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 4)), residual=[[0.0] * 4] * 3), TypeError,
+     "rms_norm: residual must be an array"),
+    (lambda: pallas_norm.rms_norm(jnp.ones((3, 32), jnp.float8_e4m3fn), x_scale=[[1.0, 1.0]] * 3),
+     TypeError, "rms_norm: x_scale must be an array"),
+    (lambda: pallas_norm.rms_norm_fp8([[1.0, 2.0]]), TypeError, "x must be an array"),
 ])
 def test_errors_before_any_kernel(call, exc, match):
   with pytest.raises(exc, match=match):
