@@ -245,10 +245,6 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
-# Experiment (session 23): with packed_params, hold the hoisted bf16 pairs as loaded
-# (uint32, half the registers) and unpack them at each row block, instead of holding
-# their unpacked float32 columns. Outputs bitwise the same.
-_HOLD_PAIRS = False
 # The packed kernel's bf16 scale/bias as uint32 pairs (Fp8Config.packed_params) from
 # rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
 # LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
@@ -633,20 +629,15 @@ def _unpack_bf16(u):
           lax.bitcast_convert_type(u & jnp.uint32(0xFFFF0000), _F32))
 
 
-def _load_pairs(ref, cols, cm):
-  """[1, bh] uint32 pairs of bf16 scale or bias (0 outside ``cm``)."""
-  return plgpu.load(ref.at[cols[None, :]], mask=cm,
-                    other=None if cm is None else jnp.array(0, ref.dtype))
-
-
-def _param_pair(ref, packed, cols, cm, offset, raw=None):
+def _param_pair(ref, packed, cols, cm, offset):
   """(even, odd) columns of scale (``offset`` added) or bias as [1, bh] f32, (None,
-  None) without the ref: from uint32 pairs of bf16 (``packed``: one load, or ``raw``,
-  pairs loaded before) or two strided gathers."""
+  None) without the ref: from uint32 pairs of bf16 (``packed``: one load) or two
+  strided gathers."""
   if ref is None:
     return None, None
   if packed:
-    pair = _unpack_bf16(_load_pairs(ref, cols, cm) if raw is None else raw)
+    pair = _unpack_bf16(plgpu.load(ref.at[cols[None, :]], mask=cm, other=(
+        None if cm is None else jnp.array(0, ref.dtype))))
   else:
     pair = tuple(_load(ref.at[c[None, :]], cm).astype(_F32) for c in (2 * cols, 2 * cols + 1))
   return tuple(p + _F32(offset) for p in pair) if offset else pair
@@ -700,15 +691,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     return tuple(zip(*(_param_pair(r, p, cols, cm, off) for r, p, off in (
         (scale_ref, packed_params[0], scale_offset), (bias_ref, packed_params[1], 0.0)))))
 
-  if hoist_params and _HOLD_PAIRS and any(packed_params):
-    specs = ((scale_ref, packed_params[0], scale_offset), (bias_ref, packed_params[1], 0.0))
-    held = [_load_pairs(r, cols, cm) if p else _param_pair(r, False, cols, cm, off)
-            for r, p, off in specs]  # pairs held as loaded, unpacked at each use
-
-    def params():
-      return tuple(zip(*(_param_pair(r, p, cols, cm, off, raw=hd) if p else hd
-                         for (r, p, off), hd in zip(specs, held))))
-  elif hoist_params:
+  if hoist_params:
     hoisted = params()
     params = lambda: hoisted
   load = _row_block_loader(x_ref, n=h, block_m=block_m, block_n=bh, stream=stream_x)
