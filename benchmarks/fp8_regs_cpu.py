@@ -1,0 +1,84 @@
+"""Registers and spills of FP8-output row-block kernels, compiled for the H100/H200
+(sm_90a) on a CPU: no device time. Each config's Pallas kernel is lowered for CUDA
+(`lowering_platforms=("cuda",)`), the Triton module that JAX's Pallas Triton lowering
+emits (TTIR) is taken from the lowering, and Triton compiles it to PTX; the bundled
+`ptxas -v` gives registers a thread and spill bytes. Programs a SM need
+`programs * 32 * num_warps * registers <= 65536` (registers allocated 8 at a time):
+a tile whose registers forbid the programs a SM it asks for runs them in waves.
+Usage: python benchmarks/fp8_regs_cpu.py KERNEL:OP:MxN 'TILES'
+  KERNEL delayed or stats, OP rms or layer; TILES a Python list of Fp8Config tuples
+  (block_m, num_warps, programs a SM, hoist_params, row_amax, packed, stream_x,
+  packed_params), e.g. "[(2, 4, 2, True, True, True, False)]"; bf16 x and scale/bias.
+Needs TRITON_ALWAYS_COMPILE=1 (set here) so that Triton's cache does not skip PTX."""
+import ast, os, re, subprocess, sys, tempfile
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+import jax, jax.numpy as jnp
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import compiler as nv
+from jax._src.pallas.triton import pallas_call_registration as R
+from pallas_norm.kernels import fp8 as K
+
+TTIR, PTX = [], []
+_lower = R.lowering.lower_jaxpr_to_triton_module
+
+
+def _capture(*a, **k):  # the TTIR of each pallas_call lowered
+  res = _lower(*a, **k)
+  TTIR.append(res.module.operation.get_asm(enable_debug_info=False))
+  return res
+
+
+R.lowering.lower_jaxpr_to_triton_module = _capture
+_cubin = nv.CUDABackend.make_cubin
+
+
+def _keep_ptx(self, src, metadata, opt, capability):
+  PTX.append(src)
+  return _cubin(self, src, metadata, opt, capability)
+
+
+nv.CUDABackend.make_cubin = _keep_ptx
+PTXAS = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+
+
+def registers(kernel, op, m, n, cfg):
+  """(registers a thread, spill store bytes) of the kernel ``cfg`` runs for [m, n]."""
+  x = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+  layer = op == "layer"
+  kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False, config=cfg)
+  if kernel == "delayed":
+    f = lambda x, s, b: K.fp8_norm_delayed(x, s, b if layer else None, 3.0,
+                                           fp8_dtype=jnp.float8_e4m3fn, transpose=False,
+                                           **kw)
+  else:
+    f = lambda x, s, b: K.fp8_stats(x, s, b if layer else None, **kw)
+  TTIR.clear(); PTX.clear()
+  jax.jit(f).trace(x, s, s).lower(lowering_platforms=("cuda",))
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "kernel.ttir")
+    open(path, "w").write(TTIR[-1])
+    triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=cfg.num_warps, num_stages=1))
+    open(os.path.join(d, "k.ptx"), "w").write(PTX[-1])
+    log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", os.path.join(d, "k.ptx"), "-o",
+                          os.path.join(d, "k.o")], capture_output=True, text=True).stderr
+  return (int(re.search(r"Used (\d+) registers", log).group(1)),
+          int(re.search(r"(\d+) bytes spill stores", log).group(1)))
+
+
+if __name__ == "__main__":
+  kernel, op, shape = sys.argv[1].split(":")
+  m, n = map(int, shape.split("x"))
+  bn = 1 << (n - 1).bit_length()
+  print(f"{kernel} {op} {m}x{n}, sm_90a (compiled on a CPU): registers a thread, spill "
+        f"bytes, programs a SM the registers allow")
+  for t in ast.literal_eval(sys.argv[2]):
+    bm, warps, per_sm, hoist, ra, packed, cg, pp = t
+    cfg = K.Fp8Config(bm, bn, warps, 132 * per_sm, True, hoist, ra, packed=packed,
+                      stream_x=cg, packed_params=pp)
+    r, spill = registers(kernel, op, m, n, cfg)
+    fit = 65536 // (32 * warps * -(-r // 8) * 8)
+    print(f"  {t}: {r} registers, {spill} spill bytes; fits {fit} a SM (asks {per_sm})",
+          flush=True)
