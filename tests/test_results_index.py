@@ -21,7 +21,7 @@ def test_every_result_is_indexed():
     return [e for alt in m.group(1).split(",")
             for e in expand(pattern[:m.start()] + alt + pattern[m.end():])]
 
-  patterns = [p for tok in re.findall(r"`(h[12]00[^`\s]*)`", index) for p in expand(tok)]
+  patterns = [p for tok in re.findall(r"`((?:h[12]00|cpu_\d{4}-)[^`\s]*)`", index) for p in expand(tok)]
   unmatched = [p for p in patterns if not fnmatch.filter(files, p)]
   assert not unmatched, f"benchmarks/README.md names files that do not exist: {unmatched}"
   orphans = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
