@@ -1,7 +1,7 @@
 """Registers and spills of FP8-output row-block kernels, compiled for the H100/H200
 (sm_90a) on a CPU: no device time. Each config's Pallas kernel is lowered for CUDA
 (`lowering_platforms=("cuda",)`), the Triton module that JAX's Pallas Triton lowering
-emits (TTIR) is taken from the lowering, and Triton compiles it to PTX; the bundled
+emits (TTIR, the custom call's ``ir``) is compiled by Triton to PTX; the bundled
 `ptxas -v` gives registers a thread and spill bytes. Programs a SM need
 `programs * 32 * num_warps * registers <= 65536` (registers allocated 8 at a time):
 a tile whose registers forbid the programs a SM it asks for runs them in waves.
@@ -20,20 +20,9 @@ import jax, jax.numpy as jnp
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import compiler as nv
-from jax._src.pallas.triton import pallas_call_registration as R
 from pallas_norm.kernels import fp8 as K
 
-TTIR, PTX = [], []
-_lower = R.lowering.lower_jaxpr_to_triton_module
-
-
-def _capture(*a, **k):  # the TTIR of each pallas_call lowered
-  res = _lower(*a, **k)
-  TTIR.append(res.module.operation.get_asm(enable_debug_info=False))
-  return res
-
-
-R.lowering.lower_jaxpr_to_triton_module = _capture
+PTX = []
 _cubin = nv.CUDABackend.make_cubin
 
 
@@ -110,9 +99,13 @@ def registers(kernel, op, m, n, cfg):
                                            **kw)
   else:
     f = lambda x, s, b: K.fp8_stats(x, s, b if layer else None, **kw)
-  TTIR.clear(); PTX.clear()
-  jax.jit(f).trace(x, s, s).lower(lowering_platforms=("cuda",))
-  return _ptxas(TTIR[-1], cfg.num_warps)
+  (_, _, regs, spill), = op_registers(f, x, s, s)
+  return regs, spill
+
+
+def fits(num_warps, regs):
+  """Programs a SM that ``regs`` registers a thread allow (65536 a SM, 8 at a time)."""
+  return 65536 // (32 * num_warps * -(-regs // 8) * 8)
 
 
 def fp8in_vjp(op, m, n):
@@ -139,9 +132,10 @@ if __name__ == "__main__":
           f"CPU): kernel, warps, registers a thread, spill bytes, programs a SM allowed")
     for sh in shape.split(","):
       m, n = map(int, sh.split("x"))
-      for name, w, r, sp in op_registers(*fp8in_vjp(op, m, n)[:1], *fp8in_vjp(op, m, n)[1]):
-        fit = 65536 // (32 * w * -(-r // 8) * 8)
-        print(f"  {m}x{n} {name}: {w} warps, {r} registers, {sp} spill bytes; {fit} a SM",
+      f, args = fp8in_vjp(op, m, n)
+      for name, w, r, sp in op_registers(f, *args):
+        print(f"  {m}x{n} {name}: {w} warps, {r} registers, {sp} spill bytes; "
+              f"{fits(w, r)} a SM",
               flush=True)
     sys.exit(0)
   m, n = map(int, shape.split("x"))
@@ -153,6 +147,6 @@ if __name__ == "__main__":
     cfg = K.Fp8Config(bm, bn, warps, 132 * per_sm, True, hoist, ra, packed=packed,
                       stream_x=cg, packed_params=pp)
     r, spill = registers(kernel, op, m, n, cfg)
-    fit = 65536 // (32 * warps * -(-r // 8) * 8)
-    print(f"  {t}: {r} registers, {spill} spill bytes; fits {fit} a SM (asks {per_sm})",
+    print(f"  {t}: {r} registers, {spill} spill bytes; fits {fits(warps, r)} a SM "
+          f"(asks {per_sm})",
           flush=True)

@@ -128,11 +128,10 @@ def _check_residual_dtype(op: str, residual_dtype):
 
 def _check_args(op: str, x, scale, bias, eps, mode, backend, allow_fp8=False) -> int:
   _check_mode_backend(op, mode, backend)
-  _check_array(op, "x", x)
+  _check_float("x", x, op)  # an array of a float dtype
   x_shape = jnp.shape(x)
   if len(x_shape) == 0:
     raise ValueError(f"{op}: x must have rank >= 1, got {x_shape=}")
-  _check_float("x", x, op)
   dtypes = _FLOAT_DTYPES + (_FP8_DTYPES if allow_fp8 else ())
   if jnp.result_type(x) not in [jnp.dtype(d) for d in dtypes]:
     raise TypeError(f"{op}: x.dtype={jnp.result_type(x)} must be float32, bfloat16 or float16"
@@ -792,7 +791,8 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       unevenly over a mesh axis (before any kernel: at trace time on an Explicit mesh;
       on an Auto mesh XLA's compilation reports it as a jax.errors.JaxRuntimeError
       carrying the same message).
-    TypeError: integer or complex x, scale or residual, an FP8 x other than
+    TypeError: x, scale, bias, residual or x_scale not an array (a list, a Python
+      number); integer or complex x, scale or residual, an FP8 x other than
       float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
       bfloat16 or float16, or scale/bias in another dtype (FP8 included); an x_scale
       that is not float32; a group_size not an int; an eps or scale_offset that is not a
