@@ -544,6 +544,13 @@ def test_config_picks_variants(monkeypatch):
   assert kfp8.fp8_config(4096, 8192, kernel="delayed", param_dtype=jnp.bfloat16) == (
       kfp8.Fp8Config(1, 8192, 8, 264, True, True, True, **packed, packed_params=True))
   assert not kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
+                             param_dtype=jnp.float32).packed_params
+  # ... and LayerNorm's delayed kernel at N' = 4096 takes them at [1, 4096] x 8 warps
+  assert kfp8.fp8_config(8192, 4096, kernel="delayed", subtract_mean=True,
+                         param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
+                             1, 4096, 8, 396, True, True, True, **packed,
+                             packed_params=True)
+  assert not kfp8.fp8_config(8192, 4096, kernel="delayed",
                              param_dtype=jnp.bfloat16).packed_params
   # None in the 2-byte table: the pick before sweep 8 stays
   assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True,

@@ -216,9 +216,13 @@ _BF16_ROWS_H100: dict[tuple[str, str, int], tuple] = {
 }
 # The same with 2-byte scale/bias, where they want another config (us, this / the
 # float32 rule above, both with bf16 params; the pick before: 89.1); None: no bf16-x
-# rule, the picks before it stay:
+# rule, the picks before it stay; an eighth element: packed_params (below):
 _BF16_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
     ("delayed", "layer", 8192): (1, 4, 2, True, True, True, False),  # 76.5 / 80.5
+    # 8192x4096 37.0 / 38.9, 16384x4096 71.6 / 74.0: [1, 4096] x 8 warps with the pairs
+    # (79 registers; 3 a SM), h100_2026-11-27_sweep8_pp4096_1a9d994.json
+    # [docs/fp8_tuning.md#fp8-pp-4096]
+    ("delayed", "layer", 4096): (1, 8, 3, True, True, True, False, True),
     ("stats", "layer", 4096): None,  # 27.2 the pick (1, 4, 6) against 27.4: no change
 }
 # Delayed with y_t: persistent programs over 32-row blocks (32 one-byte values = one
@@ -249,7 +253,8 @@ _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 # rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
 # LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
 # 37.3, 72.3 -> 70.7, LayerNorm's statistics pass 1-2% faster; at N' 2048 and 4096
-# within -1% to +1%: not taken there. [docs/fp8_tuning.md#fp8-packed-params-8192]
+# within -1% to +1%: not taken there (but LayerNorm's delayed kernel at N' = 4096 takes
+# them with its own tile, _BF16_ROWS_H100_2B). [docs/fp8_tuning.md#fp8-packed-params-8192]
 _PACKED_PARAMS_MIN_N = 8192
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
@@ -340,7 +345,7 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     tile = _PERSISTENT_ROWS_H100.get(key)
   tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
-    bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x
+    bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x, packed_params
     cfg = Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
     if cfg.packed and cfg.block_n >= _PACKED_PARAMS_MIN_N:
       cfg = dataclasses.replace(cfg, packed_params=True)
