@@ -552,10 +552,11 @@ def test_config_picks_variants(monkeypatch):
                              packed_params=True)
   assert not kfp8.fp8_config(8192, 4096, kernel="delayed",
                              param_dtype=jnp.bfloat16).packed_params
-  # None in the 2-byte table: the pick before sweep 8 stays
+  # ... its statistics kernel too (without 2-byte params: the packed [2, 4096] tile)
   assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True,
                          param_dtype=jnp.bfloat16) == kfp8.Fp8Config(
-                             1, 4096, 4, 792, True, True, True)
+                             1, 4096, 8, 396, True, True, True, **packed,
+                             packed_params=True)
   assert kfp8.fp8_config(8192, 4096, kernel="stats", subtract_mean=True) == (
       kfp8.Fp8Config(2, 4096, 4, 528, True, True, True, **packed))
   # an odd N keeps the tables before it
