@@ -199,8 +199,14 @@ _PERSISTENT_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
 }
 # H100, bf16 x of even N (sweep 8): Fp8Config.packed (x carried as bf16 pairs) and
 # stream_x=False (x loaded without .cg) beat every pick above. {(kernel, op, N'):
-# (block_m, num_warps, programs a SM, hoist_params, row_amax, packed, stream_x)}; us at
-# the sweep's shapes, this / the pick before it. [docs/fp8_tuning.md#fp8-packed]
+# (block_m, num_warps, programs a SM, hoist_params, row_amax, packed, stream_x[,
+# packed_params])}; us at the sweep's shapes, this / the pick before it.
+# [docs/fp8_tuning.md#fp8-packed]
+# packed_params (the packed kernel's bf16 scale/bias as uint32 pairs; nothing for other
+# dtypes) at N' = 8192: delayed LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at
+# 8192x8192, RMSNorm 38.5 -> 37.3, 72.3 -> 70.7, LayerNorm's statistics pass 1-2%
+# faster; at the N' 2048 and 4096 tiles within -1% to +1%: not taken there.
+# [docs/fp8_tuning.md#fp8-packed-params-8192]
 _BF16_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("delayed", "rms", 4096): (2, 8, 2, True, True, True, False),    # 35.6/38.2, 69.3/74.2
     # 39.0/43.4, 74.7/82.9; 2 a SM (the registers' limit) against 4: 39.0/39.5, 74.7/75.4
@@ -208,17 +214,16 @@ _BF16_ROWS_H100: dict[tuple[str, str, int], tuple] = {
     ("delayed", "layer", 4096): (2, 4, 2, True, True, True, False),
     ("delayed", "rms", 2048): (2, 4, 4, True, True, True, False),    # 69.2 / 72.6
     ("delayed", "layer", 2048): (2, 4, 4, True, True, True, False),  # 70.8 / 82.0
-    ("delayed", "rms", 8192): (1, 8, 2, True, True, True, False),    # 72.9 / 78.4
+    ("delayed", "rms", 8192): (1, 8, 2, True, True, True, False, True),  # 72.9 / 78.4
     ("delayed", "layer", 8192): (2, 16, 1, True, False, False, False),  # 78.9 / 89.0
     ("stats", "layer", 4096): (2, 4, 4, True, True, True, False),    # 27.6 / 28.4
     ("stats", "layer", 2048): (2, 4, 4, True, True, True, False),    # 49.1 / 61.8
-    ("stats", "layer", 8192): (1, 4, 2, True, True, True, False),    # 53.0 / 62.0
+    ("stats", "layer", 8192): (1, 4, 2, True, True, True, False, True),  # 53.0 / 62.0
 }
 # The same with 2-byte scale/bias, where they want another config (us, this / the
-# float32 rule above, both with bf16 params; the pick before: 89.1); an eighth element:
-# packed_params (below):
+# float32 rule above, both with bf16 params; the pick before: 89.1):
 _BF16_ROWS_H100_2B: dict[tuple[str, str, int], tuple] = {
-    ("delayed", "layer", 8192): (1, 4, 2, True, True, True, False),  # 76.5 / 80.5
+    ("delayed", "layer", 8192): (1, 4, 2, True, True, True, False, True),  # 76.5 / 80.5
     # 8192x4096 37.0 / 38.9, 16384x4096 71.6 / 74.0: [1, 4096] x 8 warps with the pairs
     # (79 registers; 3 a SM), h100_2026-11-27_sweep8_pp4096_1a9d994.json
     # [docs/fp8_tuning.md#fp8-pp-4096]
@@ -252,13 +257,6 @@ _TILE_PARAMS = False  # the forward-tile path (tp there: 8192x4096 delayed 36.8 
 # Unmeasured: the quantise pass's 2-D tiles (25.6 us at 8192x4096 without y_t: 3.9 TB/s).
 _Q_TILE_T = (64, 128)  # quantise with y_t: 64-byte y_t segments, 128-byte y segments
 _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
-# The packed kernel's bf16 scale/bias as uint32 pairs (Fp8Config.packed_params) from
-# rows this wide (N'): on the H100 (the packed kernel's only device) at N' = 8192 delayed
-# LayerNorm 42.8 -> 40.1 us at 4096x8192, 77.4 -> 74.8 at 8192x8192, RMSNorm 38.5 ->
-# 37.3, 72.3 -> 70.7, LayerNorm's statistics pass 1-2% faster; at N' 2048 and 4096
-# within -1% to +1%: not taken there (but LayerNorm's delayed kernel at N' = 4096 takes
-# them with its own tile, _BF16_ROWS_H100_2B). [docs/fp8_tuning.md#fp8-packed-params-8192]
-_PACKED_PARAMS_MIN_N = 8192
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
 
@@ -349,10 +347,7 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   tile = tile or _PERSISTENT_ROWS.get(key)
   if gpu and tile is not None and next_power_of_2(n) <= _WHOLE_ROW_MAX:
     bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x, packed_params
-    cfg = Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
-    if cfg.packed and cfg.block_n >= _PACKED_PARAMS_MIN_N:
-      cfg = dataclasses.replace(cfg, packed_params=True)
-    return cfg
+    return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
   fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
