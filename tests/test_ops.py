@@ -289,6 +289,39 @@ def test_split_persistent_forward_matches_split():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_split_persistent_kernels_take_no_constant(layer):
+  """The persistent split-row kernels (forward static_persistent with split_rows, the
+  split-row backward) take their ticket counter in the _PENDING fill of their slots
+  (forward._split_rows_refs): no array of their own that XLA would make a constant and
+  copy into the aliased buffer with a MemcpyD2D every call, which the kernel bench's
+  CUPTI kernel time does not see (docs/performance.md). Lowered for CUDA on CPU: the
+  kernels' aliased int32 operands are broadcasts of _PENDING, one with the extra row."""
+  import re
+  from pallas_norm.kernels import backward, forward
+  m, n = 64, 1024
+  x = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+  fcfg = pn_config.ForwardConfig("static_persistent", 1, 256, 4, 8, split_rows=True,
+                                 split_lag=2)
+  bcfg = pn_config.BackwardConfig(1, 256, 4, 8, split_rows=True, split_lag=1,
+                                  **pn_config.reduce_config(n, 8))
+  kw = dict(scale_offset=0.0, subtract_mean=layer, interpret=False)
+
+  def f(x, w):
+    y, mean, rstd = forward.norm_forward(x, w, w if layer else None, eps=1e-5, config=fcfg,
+                                         **kw)
+    return backward.norm_backward(y, x, w, mean, rstd, has_bias=layer, config=bcfg,
+                                  scale_dtype=w.dtype, bias_dtype=w.dtype, **kw)
+
+  text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, stage 1, stage 2
+  assert "tensor<1xi32>" not in text  # the counter of its own, before
+  slots = re.findall(r"= stablehlo\.broadcast_in_dim [^\n]*-> tensor<(\d+)x4xi32>", text)
+  # each kernel's slot arrays (LayerNorm: two), the first with the counter's row
+  assert sorted(map(int, slots)) == sorted(([m + 1, m] if layer else [m + 1]) * 2), slots
+
+
 def test_split_rows_config_errors():
   with pytest.raises(ValueError, match="static_persistent option"):
     pn_config.ForwardConfig("multi_wave_cached", 1, 256, 4, split_rows=True)

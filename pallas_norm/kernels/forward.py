@@ -773,9 +773,12 @@ def _split_rows_refs(refs, n_slots, num_splits, phase):
   """(slot refs, output refs, r, k) of a persistent split-row kernel, from its refs
   after its own inputs.
 
-  ``phase`` "all" (the GPU kernel): refs are the zeroed ticket and the _PENDING slots
-  (inputs), the outputs, then the ticket and slots again (outputs aliased to those
-  inputs); (r, k) come from the ticket counter in the order programs start, so a
+  ``phase`` "all" (the GPU kernel): refs are the _PENDING slots (inputs), the outputs,
+  then the slots again (outputs aliased to those inputs); the first slots' extra last
+  row holds the ticket counter at [rows, 0], counting down from _PENDING (one fill for
+  slots and counter: a counter of its own was a constant that XLA copied in with a
+  MemcpyD2D every call, docs/performance.md); (r, k) come from the ticket counter in the
+  order programs start, so a
   waiting program only waits on programs of its own group that are running or will get
   an SM when an earlier group finishes: no deadlock while a row's num_splits programs
   can all be resident (config.split_resident_programs a SM). Interpret mode runs
@@ -787,9 +790,10 @@ def _split_rows_refs(refs, n_slots, num_splits, phase):
     return refs[:n_slots], [], pl.program_id(0), pl.program_id(1)
   if phase == "consume":
     return refs[:n_slots], refs[n_slots:], pl.program_id(0), pl.program_id(1)
-  refs = refs[1 + n_slots:]
-  outs, (ticket_ref, *slot_refs) = refs[:-1 - n_slots], refs[-1 - n_slots:]
-  ticket = plgpu.atomic_add(ticket_ref, 0, jnp.int32(1))
+  refs = refs[n_slots:]
+  outs, slot_refs = refs[:-n_slots], refs[-n_slots:]
+  counter = (slot_refs[0].shape[0] - 1, 0)  # starts at _PENDING, counts down: no overflow
+  ticket = jnp.int32(_PENDING) - plgpu.atomic_add(slot_refs[0], counter, jnp.int32(-1))
   return slot_refs, outs, ticket // num_splits, ticket % num_splits
 
 
@@ -844,8 +848,9 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
                  grid=(num_row_blocks, num_splits), name=f"{name}_publish")(*inputs)
     return call(functools.partial(kernel, phase="consume"), out_shape=out_shape,
                 grid=(num_groups, num_splits), name=name)(*inputs, *slots)
-  sync = [jnp.zeros((1,), jnp.int32)]  # the ticket counter
-  sync += [jnp.full(slot_shape, _PENDING, jnp.int32) for _ in range(n_slots)]
+  # the slots, the first with an extra row for the ticket counter (_split_rows_refs)
+  sync = [jnp.full((slot_shape[0] + (i == 0), slot_shape[1]), _PENDING, jnp.int32)
+          for i in range(n_slots)]
   first = len(inputs)
   outs = call(functools.partial(kernel, phase="all"),
               out_shape=[*out_shape, *(out_struct(a.shape, a.dtype, a) for a in sync)],

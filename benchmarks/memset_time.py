@@ -1,0 +1,174 @@
+"""What the kernel bench's clock leaves out: the memsets (and memcpys) of each call.
+
+``pallas_norm.bench.timing.cupti_time`` sums the durations of a call's *kernels*. XLA
+fills some buffers with memsets instead: the zeros and sentinels of the persistent
+split-row kernels (``kernels/forward.py``: the ticket counter, the slots filled with
+``_PENDING``; the split-row forward's sync array), aliased into the kernels. Those are
+not in the kernel bench's figures (docs/performance.md, "Nor our own memsets"). This
+script measures them: each cell's jitted call, timed by ``cupti_time`` and then traced by
+``jax.profiler`` (the device plane's stream lines, every activity: kernels, memsets,
+memcpys), over ``CALLS`` calls on rotated inputs.
+
+Per cell it prints: the CUPTI kernel time (median us a call), from the trace the kernels'
+and the memsets' / memcpys' mean us a call and how many a call, and the memsets' share of
+kernels + memsets. Device, date and method are in the output.
+
+Usage (GPU machine): python benchmarks/memset_time.py OUT.json [CELL ...]
+  CELL: op:pass:MxN[:dtype], op rms|layer|rms_fp8in|layer_fp8in, pass fwd|fwdbwd
+  (default: the split-row cells of the kernel bench and a one-tile cell beside them)
+"""
+from __future__ import annotations
+
+import glob
+import json
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_norm
+from pallas_norm import config as C
+from pallas_norm.bench import timing
+
+CALLS = 20
+DEFAULT_CELLS = ["rms:fwdbwd:4096x4096", "rms:fwd:4096x65536", "rms:fwdbwd:4096x65536",
+                 "layer:fwd:4096x65536", "layer:fwdbwd:4096x65536",
+                 "rms:fwdbwd:16384x16384", "layer:fwdbwd:16384x16384",
+                 "rms:fwd:1024x262144", "layer:fwdbwd:1024x262144",
+                 "rms_fp8in:fwdbwd:4096x16384", "layer_fp8in:fwdbwd:4096x16384"]
+
+
+def _cell(spec: str):
+  """(name, step, arg_sets) of 'op:pass:MxN[:dtype]'."""
+  op, pass_, shape, *rest = spec.split(":")
+  m, n = map(int, shape.split("x"))
+  dtype = jnp.dtype(rest[0] if rest else "bfloat16")
+  layer = op.startswith("layer")
+  fp8 = op.endswith("_fp8in")
+  norm = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  key = jax.random.split(jax.random.key(0), 8)
+  w = (1 + 0.1 * jax.random.normal(key[0], (n,))).astype(jnp.bfloat16)
+  params = (w, w) if layer else (w,)
+  sets = []
+  n_sets = max(2, timing_rotations(m, n))
+  for i in range(n_sets):
+    k = jax.random.split(key[1 + i % 7], 3)
+    if fp8:
+      x = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
+      xs = jax.random.uniform(k[1], (m, n // 16), minval=0.5, maxval=2.0)
+      kw = dict(x_scale=xs)
+    else:
+      x, kw = jax.random.normal(k[0], (m, n), dtype), {}
+    dy = jax.random.normal(k[2], (m, n), dtype)
+    sets.append((x, dy, kw))
+
+  out = dict(out_dtype=dtype) if fp8 else {}
+
+  def fwd(x, dy, kw):
+    return norm(x, *params, **kw, **out)
+
+  def fwdbwd(x, dy, kw):
+    y, vjp = jax.vjp(lambda x: norm(x, *params, **kw, **out), x)
+    return y, vjp(dy)[0]
+
+  step = jax.jit(fwd if pass_ == "fwd" else fwdbwd)
+  return spec, step, [(x, dy, kw) for x, dy, kw in sets]
+
+
+def timing_rotations(m: int, n: int) -> int:
+  """Input sets so that they span >= 256 MiB (the bench's rotation: no L2 carry-over)."""
+  return int(np.ceil((256 << 20) / (m * n * 2)))
+
+
+def _trace_events(step, arg_sets, calls: int):
+  """Per-activity (name, duration_ns) on the device plane's stream lines, over ``calls``
+  calls, and the line names seen."""
+  for a in arg_sets[:2]:
+    jax.block_until_ready(step(*a))
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for i in range(calls):
+    out = step(*arg_sets[i % len(arg_sets)])
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  path = glob.glob(d + "/**/*.xplane.pb", recursive=True)[0]
+  data = jax.profiler.ProfileData.from_file(path)
+  events, lines = [], set()
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU:0"):
+      continue
+    for line in plane.lines:
+      names = [e.name for e in line.events]
+      common = sorted(set(names), key=names.count, reverse=True)[:4]
+      lines.add(f"{line.name} [{len(names)} events: {', '.join(n[:40] for n in common)}]")
+      if not line.name.startswith("Stream"):
+        continue  # derived lines (XLA Ops, Modules) repeat the stream's activities
+      events += [(e.name, e.duration_ns) for e in line.events]
+  return events, sorted(lines)
+
+
+def _kind(name: str) -> str:
+  low = name.lower()
+  return "memset" if "memset" in low else "memcpy" if "memcpy" in low else "kernel"
+
+
+def main(out_path, specs):
+  dev = C.device_info()
+  print(f"device {dev.name}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"jax {jax.__version__}; {CALLS} calls a cell on rotated inputs (>= 256 MiB); "
+        f"cupti = timing.cupti_time (kernels only, median a call); trace = "
+        f"jax.profiler's device plane, stream lines, mean a call", flush=True)
+  # Every CUPTI timing first: once jax.profiler has traced, the CUPTI client of
+  # cupti_time stops ("activity records were dropped").
+  cuptis = {}
+  for spec in specs:
+    _, step, sets = _cell(spec)
+    cuptis[spec] = timing.cupti_time(step, sets, CALLS)
+    del step, sets
+  rows = []
+  for spec in specs:
+    name, step, sets = _cell(spec)
+    cupti = cuptis[spec]
+    events, lines = _trace_events(step, sets, CALLS)
+    del step, sets
+    by = {"kernel": [], "memset": [], "memcpy": []}
+    for nm, ns in events:
+      by[_kind(nm)].append((nm, ns))
+    per = {k: sum(ns for _, ns in v) / 1e3 / CALLS for k, v in by.items()}
+    cnt = {k: len(v) / CALLS for k, v in by.items()}
+    share = per["memset"] / max(1e-9, per["kernel"] + per["memset"])
+    row = dict(cell=name, cupti_us=cupti.get("us"), cupti_kernels=cupti.get("kernels"),
+               trace_kernel_us=per["kernel"], trace_memset_us=per["memset"],
+               trace_memcpy_us=per["memcpy"], kernels_per_call=cnt["kernel"],
+               memsets_per_call=cnt["memset"], memcpys_per_call=cnt["memcpy"],
+               memset_share=share, memset_names=sorted({n for n, _ in by["memset"]}),
+               lines=lines, config=str(_configs(spec)))
+    rows.append(row)
+    print(f"{name:32s} cupti {row['cupti_us'] or float('nan'):9.1f} us | trace kernels "
+          f"{per['kernel']:9.1f} us ({cnt['kernel']:.0f}) memsets {per['memset']:6.2f} us "
+          f"({cnt['memset']:.0f}) memcpys {per['memcpy']:6.2f} us ({cnt['memcpy']:.0f}) | "
+          f"memsets {100 * share:.2f}% of kernels + memsets", flush=True)
+    print("  the device plane's lines:", *lines, sep="\n    ", flush=True)
+  with open(out_path, "w") as f:
+    json.dump(dict(device=dev.name, date=time.strftime("%Y-%m-%d"), calls=CALLS,
+                   jax=jax.__version__, rows=rows), f, indent=1)
+
+
+def _configs(spec):
+  """The forward and backward configs the library picks for the cell (for the record)."""
+  op, pass_, shape, *_ = spec.split(":")
+  m, n = map(int, shape.split("x"))
+  layer = op.startswith("layer")
+  dt = jnp.float8_e4m3fn if op.endswith("_fp8in") else jnp.bfloat16
+  out = {"fwd": C.forward_config(m, n, dt, subtract_mean=layer, param_dtype=jnp.bfloat16)}
+  if pass_ == "fwdbwd":  # (under jax.vjp some rules pick another forward: the record
+    # gives forward_config's plain pick)
+    out["bwd"] = C.backward_config(m, n, dt, subtract_mean=layer, param_dtype=jnp.bfloat16)
+  return out
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2:] or DEFAULT_CELLS)
