@@ -13,7 +13,7 @@ Per cell it prints: the CUPTI kernel time (median us a call), from the trace the
 and the memsets' / memcpys' mean us a call and how many a call, and the memsets' share of
 kernels + memsets. Device, date and method are in the output.
 
-Usage (GPU machine): python benchmarks/memset_time.py OUT.json [CELL ...]
+Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [CELL ...]
   CELL: op:pass:MxN[:dtype], op rms|layer|rms_fp8in|layer_fp8in, pass fwd|fwdbwd
   (default: the split-row cells of the kernel bench and a one-tile cell beside them)
 """
