@@ -775,7 +775,7 @@ def _split_rows_refs(refs, n_slots, num_splits, phase):
 
   ``phase`` "all" (the GPU kernel): refs are the _PENDING slots (inputs), the outputs,
   then the slots again (outputs aliased to those inputs); the first slots' extra last
-  row holds the ticket counter at [rows, 0], counting down from _PENDING (one fill for
+  row (each slot array has one) holds the ticket counter at [rows, 0], counting down from _PENDING (one fill for
   slots and counter: a counter of its own was a constant that XLA copied in with a
   MemcpyD2D every call, docs/performance.md); (r, k) come from the ticket counter in the
   order programs start, so a
@@ -848,9 +848,10 @@ def _split_rows_call(kernel, inputs, out_shape, *, num_row_blocks, block_m, num_
                  grid=(num_row_blocks, num_splits), name=f"{name}_publish")(*inputs)
     return call(functools.partial(kernel, phase="consume"), out_shape=out_shape,
                 grid=(num_groups, num_splits), name=name)(*inputs, *slots)
-  # the slots, the first with an extra row for the ticket counter (_split_rows_refs)
-  sync = [jnp.full((slot_shape[0] + (i == 0), slot_shape[1]), _PENDING, jnp.int32)
-          for i in range(n_slots)]
+  # the slots, each with an extra row: the first's holds the ticket counter
+  # (_split_rows_refs); the same shape for all, so that XLA fills them in one fusion
+  sync = [jnp.full((slot_shape[0] + 1, slot_shape[1]), _PENDING, jnp.int32)
+          for _ in range(n_slots)]  # (one array each: each is aliased to an output)
   first = len(inputs)
   outs = call(functools.partial(kernel, phase="all"),
               out_shape=[*out_shape, *(out_struct(a.shape, a.dtype, a) for a in sync)],
