@@ -13,9 +13,10 @@ Per cell it prints: the CUPTI kernel time (median us a call), from the trace the
 and the memsets' / memcpys' mean us a call and how many a call, and the memsets' share of
 kernels + memsets. Device, date and method are in the output.
 
-Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [CELL ...]
-  CELL: op:pass:MxN[:dtype], op rms|layer|rms_fp8in|layer_fp8in, pass fwd|fwdbwd
-  (default: the split-row cells of the kernel bench and a one-tile cell beside them)
+Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [--more | CELL ...]
+  CELL: op:pass:MxN[:dtype][@backend] (``_cell``), pass fwd|fwdbwd (default: the
+  split-row cells of the kernel bench and a one-tile cell beside them; ``--more``: the
+  residual add, FP8 output and input, and the Triton and Mosaic backends)
 """
 from __future__ import annotations
 
@@ -39,43 +40,70 @@ DEFAULT_CELLS = ["rms:fwdbwd:4096x4096", "rms:fwd:4096x65536", "rms:fwdbwd:4096x
                  "rms:fwdbwd:16384x16384", "layer:fwdbwd:16384x16384",
                  "rms:fwd:1024x262144", "layer:fwdbwd:1024x262144",
                  "rms_fp8in:fwdbwd:4096x16384", "layer_fp8in:fwdbwd:4096x16384"]
+# --more: the other ops' kernels (residual add, FP8 output, the other backends)
+MORE_CELLS = ["rms_res:fwdbwd:8192x4096", "layer_res:fwdbwd:8192x4096",
+              "layer_res:fwdbwd:4096x65536", "rms_fp8in:fwdbwd:8192x4096",
+              "rms_fp8:fwd:8192x4096", "layer_fp8_t:fwd:8192x4096",
+              "rms_fp8_delayed:fwd:8192x4096", "layer_fp8_delayed_t:fwd:8192x4096",
+              "layer_fp8_delayed:fwd:4096x8192", "rms:fwdbwd:8192x4096@mosaic",
+              "layer:fwdbwd:8192x4096@mosaic", "rms:fwdbwd:8192x4096@triton",
+              "layer:fwdbwd:4096x65536@triton"]
+FP8_DELAYED_SCALE = 8.0 / 448.0  # the kernel bench's (plan.FP8_DELAYED_SCALE)
 
 
 def _cell(spec: str):
-  """(name, step, arg_sets) of 'op:pass:MxN[:dtype]'."""
-  op, pass_, shape, *rest = spec.split(":")
+  """(name, step, arg_sets) of 'op:pass:MxN[:dtype][@backend]': op rms|layer, then
+  optionally _res (the fused residual add), _fp8in (FP8 x), or _fp8[_delayed][_t] (FP8
+  output, forward only: current or delayed scaling, with y_t); backend pallas (default),
+  triton or mosaic."""
+  spec_, _, backend = spec.partition("@")
+  backend = backend or "pallas"
+  op, pass_, shape, *rest = spec_.split(":")
   m, n = map(int, shape.split("x"))
   dtype = jnp.dtype(rest[0] if rest else "bfloat16")
   layer = op.startswith("layer")
   fp8 = op.endswith("_fp8in")
+  res = op.endswith("_res")
+  fp8_out = "_fp8" in op and not fp8
   norm = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  opts = dict(backend=backend)
+  if fp8_out:
+    if pass_ != "fwd":
+      raise ValueError(f"{spec}: FP8 output is forward only")
+    norm = pallas_norm.layer_norm_fp8 if layer else pallas_norm.rms_norm_fp8
+    opts.update(transpose=op.endswith("_t"))
+    if "_delayed" in op:
+      opts.update(y_scale=jnp.float32(FP8_DELAYED_SCALE))
+  if fp8:
+    opts.update(out_dtype=dtype)
   key = jax.random.split(jax.random.key(0), 8)
   w = (1 + 0.1 * jax.random.normal(key[0], (n,))).astype(jnp.bfloat16)
   params = (w, w) if layer else (w,)
   sets = []
   n_sets = max(2, timing_rotations(m, n))
   for i in range(n_sets):
-    k = jax.random.split(key[1 + i % 7], 3)
+    k = jax.random.split(key[1 + i % 7], 4)
     if fp8:
       x = (2 * jax.random.normal(k[0], (m, n))).astype(jnp.float8_e4m3fn)
       xs = jax.random.uniform(k[1], (m, n // 16), minval=0.5, maxval=2.0)
       kw = dict(x_scale=xs)
     else:
       x, kw = jax.random.normal(k[0], (m, n), dtype), {}
+    if res:
+      kw = dict(residual=jax.random.normal(k[3], (m, n), dtype))
     dy = jax.random.normal(k[2], (m, n), dtype)
     sets.append((x, dy, kw))
 
-  out = dict(out_dtype=dtype) if fp8 else {}
-
   def fwd(x, dy, kw):
-    return norm(x, *params, **kw, **out)
+    return norm(x, *params, **kw, **opts)
 
   def fwdbwd(x, dy, kw):
-    y, vjp = jax.vjp(lambda x: norm(x, *params, **kw, **out), x)
-    return y, vjp(dy)[0]
+    y, vjp = jax.vjp(lambda x: norm(x, *params, **kw, **opts), x)
+    cot = (dy, dy) if res else dy  # (y, h) with the residual add
+    return y, vjp(cot)[0]
 
   step = jax.jit(fwd if pass_ == "fwd" else fwdbwd)
-  return spec, step, [(x, dy, kw) for x, dy, kw in sets]
+  return spec, step, sets
 
 
 def timing_rotations(m: int, n: int) -> int:
@@ -145,7 +173,7 @@ def main(out_path, specs):
                trace_memcpy_us=per["memcpy"], kernels_per_call=cnt["kernel"],
                memsets_per_call=cnt["memset"], memcpys_per_call=cnt["memcpy"],
                memset_share=share, memset_names=sorted({n for n, _ in by["memset"]}),
-               lines=lines, config=str(_configs(spec)))
+               lines=lines)
     rows.append(row)
     print(f"{name:32s} cupti {row['cupti_us'] or float('nan'):9.1f} us | trace kernels "
           f"{per['kernel']:9.1f} us ({cnt['kernel']:.0f}) memsets {per['memset']:6.2f} us "
@@ -157,18 +185,8 @@ def main(out_path, specs):
                    jax=jax.__version__, rows=rows), f, indent=1)
 
 
-def _configs(spec):
-  """The forward and backward configs the library picks for the cell (for the record)."""
-  op, pass_, shape, *_ = spec.split(":")
-  m, n = map(int, shape.split("x"))
-  layer = op.startswith("layer")
-  dt = jnp.float8_e4m3fn if op.endswith("_fp8in") else jnp.bfloat16
-  out = {"fwd": C.forward_config(m, n, dt, subtract_mean=layer, param_dtype=jnp.bfloat16)}
-  if pass_ == "fwdbwd":  # (under jax.vjp some rules pick another forward: the record
-    # gives forward_config's plain pick)
-    out["bwd"] = C.backward_config(m, n, dt, subtract_mean=layer, param_dtype=jnp.bfloat16)
-  return out
-
-
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2:] or DEFAULT_CELLS)
+  cells = sys.argv[2:]
+  if cells == ["--more"]:
+    cells = MORE_CELLS
+  main(sys.argv[1], cells or DEFAULT_CELLS)
