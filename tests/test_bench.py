@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -245,14 +246,17 @@ def test_fp8_ops_plan_and_bytes():
     bench.bytes_model(8, 16, 2, "fwdbwd", "rms_fp8")
 
 
-def test_fp8_ops_on_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("op", ["layer_fp8_t", "rms_fp8_delayed_t"])
+def test_fp8_ops_on_cpu(tmp_path, monkeypatch, op):
   """An FP8-output op through the run loop (interpret mode): --check against the jnp
-  chain passes on every Fp8Norm output, the bytes model is (itemsize + 1 + 1) * M * N
-  with the transposed copy."""
+  chain passes on every Fp8Norm output the step returns, the bytes model is (itemsize +
+  1 + 1) * M * N with the transposed copy. Under delayed scaling the step leaves out
+  the given y_scale (a constant of the step, which XLA would copy out with a MemcpyD2D
+  that the CUPTI kernel time does not see: peers._fp8_fn)."""
   monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
   monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
   out = tmp_path / "fp8.json"
-  args = _args("--shapes", "16x256", "--ops", "layer_fp8_t", "--impls", "pallas,xla",
+  args = _args("--shapes", "16x256", "--ops", op, "--impls", "pallas,xla",
                "--iters", "2", "--check", "--out", str(out))
   assert run.run_plan(args, bench.build_plan(args)) == 0
   rows = json.loads(out.read_text())["rows"]
@@ -260,7 +264,12 @@ def test_fp8_ops_on_cpu(tmp_path, monkeypatch):
   for r in rows:
     assert r["check"] == "ok", r
     assert "y_t:rel=" in r["check_detail"] and "amax:rel=" in r["check_detail"]
+    assert ("y_scale:" in r["check_detail"]) == ("delayed" not in op), r["check_detail"]
     assert r["bytes"] == 4 * 16 * 256
+  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], op)
+  x = jnp.ones((16, 256), jnp.bfloat16)
+  leaves = jax.tree.leaves(jax.eval_shape(f, x, x[0], x[0]))
+  assert len(leaves) == len(run._fp8_names(op)) == (5 if "delayed" in op else 6)
 
 
 def test_check_flags_a_wrong_output():

@@ -151,8 +151,8 @@ def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   out = jax.block_until_ready(step(*arg_sets[0]))  # compile + warm up
   row = {"compile_s": round(time.perf_counter() - t0, 2)}
   if ref is not None:
-    row.update(compare(out, ref, args.dtype, _FP8_NAMES[fp8_variant(c.op)[2]]
-                       if fp8_variant(c.op) else None))
+    row.update(compare(out, ref, args.dtype, _fp8_names(c.op) if fp8_variant(c.op)
+                       else None))
   del out
   row.update(timing.cupti_time(step, arg_sets, args.iters))
   row["timer"] = "cupti"
@@ -223,9 +223,12 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
   return row
 
 
-# Fp8Norm's leaves, without and with y_t.
-_FP8_NAMES = {False: ["y", "y_scale", "amax", "mean", "rstd"],
-              True: ["y", "y_scale", "amax", "y_t", "mean", "rstd"]}
+def _fp8_names(op: str) -> list[str]:
+  """Fp8Norm's leaves as the bench's FP8-output step returns them: y_t with "_t", no
+  y_scale under delayed scaling (the given one, left out: peers._fp8_fn)."""
+  _, delayed, transpose = fp8_variant(op)
+  return ["y"] + ([] if delayed else ["y_scale"]) + ["amax"] + (
+      ["y_t"] if transpose else []) + ["mean", "rstd"]
 
 
 _METHOD = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure, all kernels "
