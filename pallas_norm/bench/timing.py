@@ -135,9 +135,10 @@ def summarise(per_call_us: list[float]) -> dict:
 
 def cupti_time(step, arg_sets, iters: int) -> dict:
   """CUPTI kernel time of ``step`` over rotated ``arg_sets``: {us, us_p10, us_p90, kernels}
-  or {status: "n/a", reason}. The sum of the kernels' durations: memsets (XLA writes
-  the zeros of a buffer aliased into a kernel with one) and the gaps between kernels are
-  not in it (docs/fp8_tuning.md#fp8-atomic-amax)."""
+  or {status: "n/a", reason}. The sum of the kernels' durations: memsets and memcpys
+  (XLA writes a constant aliased into a kernel, or returned, with one) and the gaps
+  between kernels are not in it; benchmarks/kernel_clock_gaps.py traces them
+  (docs/performance.md, "Nor our own memsets and memcpys")."""
   rot = rotating_step(step, arg_sets)
   try:
     _, timings = profiler().measure(rot, aggregate=False, iterations=iters)()
