@@ -13,10 +13,13 @@ Per cell it prints: the CUPTI kernel time (median us a call), from the trace the
 and the memsets' / memcpys' mean us a call and how many a call, and the memsets' share of
 kernels + memsets. Device, date and method are in the output.
 
-Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [--more | CELL ...]
+Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [--more | CELL ... |
+  --e2e [CONFIG ...]]
   CELL: op:pass:MxN[:dtype][@backend] (``_cell``), pass fwd|fwdbwd (default: the
   split-row cells of the kernel bench and a one-tile cell beside them; ``--more``: the
-  residual add, FP8 output and input, and the Triton and Mosaic backends)
+  residual add, FP8 output and input, and the Triton and Mosaic backends; ``--e2e``:
+  the e2e bench's train steps instead, ``main_e2e``, configs llama qwen3 gemma by
+  default or the bench's ``--fp8-dense`` d4096 etc.)
 """
 from __future__ import annotations
 
@@ -141,7 +144,8 @@ def _trace_events(step, arg_sets, calls: int):
       lines.add(f"{line.name} [{len(names)} events: {', '.join(n[:40] for n in common)}]")
       if not line.name.startswith("Stream"):
         continue  # derived lines (XLA Ops, Modules) repeat the stream's activities
-      events += [(e.name, e.duration_ns) for e in line.events]
+      events += [(e.name, e.duration_ns, dict(e.stats).get("hlo_op", ""))
+                 for e in line.events]
   return events, sorted(lines)
 
 
@@ -170,7 +174,7 @@ def main(out_path, specs):
     events, lines = _trace_events(step, sets, CALLS)
     del step, sets
     by = {"kernel": [], "memset": [], "memcpy": []}
-    for nm, ns in events:
+    for nm, ns, _ in events:
       by[_kind(nm)].append((nm, ns))
     per = {k: sum(ns for _, ns in v) / 1e3 / CALLS for k, v in by.items()}
     cnt = {k: len(v) / CALLS for k, v in by.items()}
@@ -192,8 +196,70 @@ def main(out_path, specs):
                    jax=jax.__version__, rows=rows), f, indent=1)
 
 
+def main_e2e(out_path, config_names):
+  """The e2e bench's train steps (``pallas_norm.bench.e2e``: its configs, variants and
+  non-donating step, as its CUPTI breakdown takes them): per variant the CUPTI kernel
+  time of a step, and from the trace the kernels', memsets' and memcpys' time a step,
+  the memcpys of HLO instructions in the ``pn_norm`` name scope apart (what the
+  breakdown's ``norm`` category would leave out)."""
+  from pallas_norm.bench import e2e
+  dev = C.device_info()
+  steps = 3
+  print(f"device {dev.name}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"jax {jax.__version__}; e2e train steps (pallas_norm.bench.e2e.build, the "
+        f"non-donating step), {steps} steps a variant: cupti = timing.cupti_time "
+        f"(kernels only, median a step); trace = jax.profiler's device plane, stream "
+        f"lines, mean a step", flush=True)
+  built = []
+  for name in config_names:
+    cfg = (e2e.CONFIGS | e2e.FP8_DENSE_CONFIGS)[name]
+    if cfg.style == "dense":
+      tokens = jax.random.normal(jax.random.key(0), (cfg.batch * cfg.seq, cfg.d),
+                                 jnp.bfloat16)
+      variants = ("flax", "pallas")
+    else:
+      tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0,
+                                  cfg.vocab)
+      variants = e2e.VARIANTS
+    for v in variants:
+      step, _, params, opt_state = e2e.build(cfg, v, 0)
+      step = step.lower(params, opt_state, tokens).compile()  # (compiled once)
+      hlo = step.as_text()
+      args = (params, opt_state, tokens)
+      built.append((name, v, step, args, e2e.norm_fusions(hlo),
+                    timing.cupti_time(step, [args], steps)))
+  rows = []
+  for name, v, step, args, norm_names, cupti in built:  # traces after every CUPTI timing
+    events, _ = _trace_events(step, [args], steps)
+    per = {"kernel": 0.0, "memset": 0.0, "memcpy": 0.0, "memcpy_norm": 0.0}
+    cnt = dict.fromkeys(per, 0)
+    for nm, ns, op in events:
+      k = _kind(nm)
+      per[k] += ns / 1e3 / steps
+      cnt[k] += 1 / steps
+      if k == "memcpy" and (op in norm_names or op.replace(".", "_") in norm_names):
+        per["memcpy_norm"] += ns / 1e3 / steps
+        cnt["memcpy_norm"] += 1 / steps
+    row = dict(config=name, variant=v, cupti_us=cupti.get("us"),
+               **{f"trace_{k}_us": u for k, u in per.items()},
+               **{f"{k}s_per_step": c for k, c in cnt.items()},
+               memcpy_ops=sorted({op for nm, _, op in events if _kind(nm) == "memcpy"}))
+    rows.append(row)
+    print(f"{name:6s} {v:7s} cupti {row['cupti_us'] or float('nan'):9.1f} us | trace kernels "
+          f"{per['kernel']:9.1f} us ({cnt['kernel']:.0f}) memsets {per['memset']:6.2f} us "
+          f"({cnt['memset']:.0f}) memcpys {per['memcpy']:6.2f} us ({cnt['memcpy']:.0f}), in "
+          f"pn_norm {per['memcpy_norm']:6.2f} us ({cnt['memcpy_norm']:.0f}) | memcpy ops "
+          f"{row['memcpy_ops'][:8]}", flush=True)
+  with open(out_path, "w") as f:
+    json.dump(dict(device=dev.name, date=time.strftime("%Y-%m-%d"), steps=steps,
+                   jax=jax.__version__, rows=rows), f, indent=1)
+
+
 if __name__ == "__main__":
   cells = sys.argv[2:]
+  if cells[:1] == ["--e2e"]:
+    main_e2e(sys.argv[1], cells[1:] or ["llama", "qwen3", "gemma"])
+    sys.exit(0)
   if cells == ["--more"]:
     cells = MORE_CELLS
   main(sys.argv[1], cells or DEFAULT_CELLS)
