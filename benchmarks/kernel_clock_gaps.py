@@ -14,12 +14,12 @@ and the memsets' / memcpys' mean us a call and how many a call, and the memsets'
 kernels + memsets. Device, date and method are in the output.
 
 Usage (GPU machine): python benchmarks/kernel_clock_gaps.py OUT.json [--more | CELL ... |
-  --e2e [CONFIG ...]]
+  --e2e CONFIG]
   CELL: op:pass:MxN[:dtype][@backend] (``_cell``), pass fwd|fwdbwd (default: the
   split-row cells of the kernel bench and a one-tile cell beside them; ``--more``: the
   residual add, FP8 output and input, and the Triton and Mosaic backends; ``--e2e``:
-  the e2e bench's train steps instead, ``main_e2e``, configs llama qwen3 gemma by
-  default or the bench's ``--fp8-dense`` d4096 etc.)
+  the e2e bench's train steps of one config instead, ``main_e2e``: llama, qwen3, gemma
+  or the bench's ``--fp8-dense`` d4096 etc.)
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _trace_events(step, arg_sets, calls: int):
       if not line.name.startswith("Stream"):
         continue  # derived lines (XLA Ops, Modules) repeat the stream's activities
       events += [(e.name, e.duration_ns, dict(e.stats).get("hlo_op", ""))
-                 for e in line.events]
+                 for e in line.events]  # (a duplicate "_src" stat key: the last wins)
   return events, sorted(lines)
 
 
@@ -258,7 +258,11 @@ def main_e2e(out_path, config_names):
 if __name__ == "__main__":
   cells = sys.argv[2:]
   if cells[:1] == ["--e2e"]:
-    main_e2e(sys.argv[1], cells[1:] or ["llama", "qwen3", "gemma"])
+    if len(cells) != 2:  # every variant's state is held until the traces, which come
+      # after every CUPTI timing of the process (llama and gemma in one process ran out
+      # of an H100's memory)
+      sys.exit("--e2e takes one config a process: llama, qwen3, gemma, d4096, ...")
+    main_e2e(sys.argv[1], cells[1:])
     sys.exit(0)
   if cells == ["--more"]:
     cells = MORE_CELLS
