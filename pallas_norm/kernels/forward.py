@@ -774,11 +774,11 @@ def _split_rows_refs(refs, n_slots, num_splits, phase):
   after its own inputs.
 
   ``phase`` "all" (the GPU kernel): refs are the _PENDING slots (inputs), the outputs,
-  then the slots again (outputs aliased to those inputs); the first slots' extra last
-  row (each slot array has one) holds the ticket counter at [rows, 0], counting down from _PENDING (one fill for
-  slots and counter: a counter of its own was a constant that XLA copied in with a
-  MemcpyD2D every call, docs/performance.md); (r, k) come from the ticket counter in the
-  order programs start, so a
+  then the slots again (outputs aliased to those inputs). Each slot array has an extra
+  last row; the first's holds the ticket counter at [rows, 0], counting down from
+  _PENDING (one fill for slots and counter: a counter of its own was a constant that XLA
+  copied in with a MemcpyD2D every call, docs/performance.md). (r, k) come from the
+  ticket counter in the order programs start, so a
   waiting program only waits on programs of its own group that are running or will get
   an SM when an earlier group finishes: no deadlock while a row's num_splits programs
   can all be resident (config.split_resident_programs a SM). Interpret mode runs
