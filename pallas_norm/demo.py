@@ -218,6 +218,28 @@ def check_config(cfg: DemoConfig, text_chars: int) -> None:
   if text_chars < need:
     raise ValueError(f"the text has {text_chars} characters; --seq={cfg.seq} needs at "
                      f"least {need} (a {_HELDOUT_FRACTION:.0%} held-out split of seq+2)")
+  if cfg.backend == "mosaic":
+    _check_mosaic(cfg)
+
+
+def _check_mosaic(cfg: DemoConfig) -> None:
+  """ValueError where backend='mosaic' cannot serve the model's norms.
+
+  The Mosaic GPU kernels serve fewer shapes than the others (N a multiple of 128, among
+  others: docs/mosaic.md); their own checks run when the op is traced, so this traces the
+  norm's forward and backward at the model's shape (``jax.eval_shape``: no kernel runs)
+  and turns their NotImplementedError into the flag error.
+  """
+  ndev, _ = data_parallel_devices(cfg)
+  rows = cfg.batch // ndev * cfg.seq
+  x = jax.ShapeDtypeStruct((rows, cfg.d_model), jnp.float32)
+  scale = jax.ShapeDtypeStruct((cfg.d_model,), jnp.float32)
+  loss = lambda x, scale: pallas_norm.rms_norm(x, scale, backend="mosaic").sum()
+  try:
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1)), x, scale)
+  except NotImplementedError as e:
+    raise ValueError(f"--backend mosaic cannot serve this model's norms ([{rows}, "
+                     f"{cfg.d_model}] rows per device): {e}") from None
 
 
 def data_parallel_devices(cfg: DemoConfig) -> tuple[int, str | None]:

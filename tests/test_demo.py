@@ -100,6 +100,7 @@ def test_cli_fp8_tracks_bf16(tmp_path, capsys, monkeypatch):
     (["--lr", "0"], "--lr=0.0 must be positive"),
     (["--devices", "0"], "--devices=0 must be a positive integer"),
     (["--devices", "100000"], "--devices=100000, but this process has"),
+    (["--backend", "mosaic"], "N=64 must be a multiple of 128"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
