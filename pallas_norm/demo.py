@@ -693,6 +693,10 @@ def main(argv: list[str] | None = None) -> int:
   for run in (r.pallas, r.flax) + ((r.fp8,) if r.fp8 is not None else ()):
     print(f"{run.norm:<22}{run.train_loss:>11.4f}{run.heldout_loss:>10.4f}"
           f"{run.steps_per_s:>9.2f}{run.compile_s:>11.1f}")
+  if platform == "gpu":  # what the steps/s column can and cannot tell there
+    print(f"steps/s: the whole train step's wall clock (the host's dispatch included); at "
+          f"d_model={cfg.d_model} that says little about the norm kernels "
+          f"(docs/demo.md); a train step at real widths: python -m pallas_norm.bench --e2e")
   diff = np.abs(r.pallas.losses - r.flax.losses)
   print(f"loss curves: max |Δ| = {diff.max():.2e} over {len(diff)} steps "
         f"(first loss {r.pallas.losses[0]:.4f}, last {r.pallas.losses[-1]:.4f})")
