@@ -146,3 +146,43 @@ def test_cli_backend_auto(tmp_path, monkeypatch):
   assert seen and set(seen) == {None}
   assert demo.main(tiny) == 0
   np.testing.assert_array_equal(runs[0].pallas.losses, runs[1].pallas.losses)
+
+
+def test_steps_per_s_clock_compiles_nothing(monkeypatch):
+  """No XLA compilation between a run's first step and its last (the steps/s window).
+
+  Until 2026-11-27 the clock stopped after a jnp.stack of the losses, whose compile (a
+  steps-operand concatenate, 0.5 s at 1000 steps on CPU) fell into the first run's
+  window only: pallas_norm's model printed 0.33-0.44x flax's steps/s on a GPU.
+  """
+  log = []
+
+  class Bar:  # tqdm's calls in _run, each logged in order with the compiles
+    def __init__(self, *a, **k): pass
+    def update(self, n): log.append("step")
+    def set_postfix(self, *a, **k): pass
+    def close(self): log.append("close")
+
+  def on_compile(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":  # jax's dispatch.py
+      log.append("compile")
+
+  monkeypatch.setattr(demo, "tqdm", Bar)
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  try:
+    cfg = demo.DemoConfig(steps=6, batch=4, seq=16, d_model=16, layers=1, heads=2,
+                          eval_batches=1, sample_chars=8, progress=False)
+    demo.train(cfg, "the quick brown fox jumps over the lazy dog. " * 40)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  windows, inside = [], None
+  for e in log:
+    if e == "step" and inside is None:
+      inside = []
+    elif e == "close" and inside is not None:
+      windows.append(inside)
+      inside = None
+    elif inside is not None and e == "compile":
+      inside.append(e)
+  assert len(windows) == 2, log  # the pallas_norm and flax runs
+  assert windows == [[], []], log
