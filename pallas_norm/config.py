@@ -39,6 +39,8 @@ import functools
 import jax
 import numpy as np
 
+from pallas_norm import tuning as _tuning
+
 __all__ = [
     "MODES",
     "DeviceInfo",
@@ -275,6 +277,116 @@ class BackwardConfig:
     if self.num_programs < 1:
       raise ValueError(f"{self.num_programs=} must be >= 1")
     _check_split_lag(self)
+
+
+# ======================================================================= Tables
+# Tuned configs are data (pallas_norm/tuning/, made by ``python -m pallas_norm.tune``): an
+# entry stores a config's fields with ``num_programs`` as ``programs_per_sm`` (programs,
+# times the splits of a row for ``split_rows``, over the SM count of the table's device)
+# and pieces as ``pieces_round`` (pieces of N rounded up to it; 0: none); the stage-2
+# knobs are ``reduce_config``'s. ``from_entry`` rebuilds a config for the actual shape
+# and device, and returns None where it does not fit (the caller then takes the default).
+
+
+def dtype_name(dtype) -> str:
+  """A dtype's name for a table key ("bfloat16"); "none" for None."""
+  if dtype is None:
+    return "none"
+  try:
+    return np.dtype(dtype).name
+  except TypeError:  # a torch dtype (the Triton backend's tests)
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def table_key(pass_: str, m: int, n: int, dtype, *, subtract_mean: bool,
+              residual: bool = False, llama: bool = False,
+              param_dtype=None) -> _tuning.Key:
+  """The tuning key of one kernel call (pallas_norm.tuning's docstring)."""
+  return _tuning.Key(pass_, _tuning.family(subtract_mean, residual, llama),
+                     dtype_name(dtype), dtype_name(param_dtype), int(n), int(max(m, 1)))
+
+
+def entry_fields(cfg, n: int, num_sms: int) -> dict:
+  """A ForwardConfig's or BackwardConfig's fields as a table stores them (above)."""
+  f = dataclasses.asdict(cfg)
+  f.pop("mode", None)
+  for k in ("reduce_block_n", "reduce_block_g", "reduce_num_warps"):
+    f.pop(k, None)
+  splits = cdiv(n, cfg.block_n) if cfg.split_rows else 1
+  f["programs_per_sm"] = round(cfg.num_programs * splits / num_sms, 6)
+  del f["num_programs"]
+  if "pieces" in f:
+    pieces = f.pop("pieces")
+    f["pieces_round"] = pieces[-1] if pieces else 0
+  return f
+
+
+def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend: str):
+  """``entry``'s config rebuilt for x viewed as [m, n] on ``device`` (block_n: the whole
+  padded row where the entry's was; block_m at most next_power_of_2(m); programs_per_sm
+  times this device's SMs), or None where it does not fit."""
+  f = entry.fields
+  pps = float(f.pop("programs_per_sm", 0))
+  bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
+  bn = int(f.get("block_n", bn_full))
+  f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
+  block_m = min(int(f.get("block_m", 1)), next_power_of_2(m))
+  f["block_m"] = _cpu_block_m(block_m, m) if device.platform == "cpu" else block_m
+  if f.get("chunk_n"):
+    f["chunk_n"] = min(int(f["chunk_n"]), f["block_n"])
+  splits = cdiv(n, f["block_n"]) if f.get("split_rows") else 1
+  programs = max(1, min(int(round(pps * device.num_sms)) // splits,
+                        cdiv(m, f["block_m"])))
+  try:
+    if entry.key.pass_ == "bwd":
+      r = int(f.pop("pieces_round", 0))
+      pieces = (_binary_pieces(cdiv(n, r) * r) if r and f["block_n"] >= n
+                and cdiv(n, r) * r <= f["block_n"] else ())
+      cfg = BackwardConfig(**f, num_programs=programs, pieces=pieces,
+                           **reduce_config(n, programs, backend))
+    else:
+      mode = entry.mode
+      cfg = ForwardConfig(mode=mode, **f,
+                          num_programs=programs if mode == "static_persistent" else 0)
+  except (TypeError, ValueError):
+    return None
+  return cfg if fits(cfg, n, device, backend) else None
+
+
+def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
+  """Whether ``cfg`` can run rows of N on ``device`` with ``backend`` (the launchers'
+  own limits, checked before any kernel is traced)."""
+  bn_full = next_power_of_2(n)
+  gpu = device.platform == "gpu"
+  splits = cdiv(n, cfg.block_n)
+  if cfg.block_m * cfg.block_n > 65536 or cfg.block_n > max(bn_full, 1):
+    return False
+  if cfg.split_rows and (backend != "pallas" or cfg.block_n >= n or (
+      gpu and splits > device.num_sms * split_resident_programs(cfg.num_warps))):
+    return False
+  if isinstance(cfg, ForwardConfig):
+    if cfg.mode == "multi_wave_cached" and cfg.block_n < n:  # the split-row kernel
+      return backend == "pallas" and (not gpu or splits <= device.num_sms)
+    if cfg.mode == "multi_wave_cached" and bn_full > _CACHED_MAX_BLOCK_N:
+      return False
+    return True
+  if backend != "pallas" and (cfg.pieces or cfg.reload_rows):
+    return False
+  return cfg.block_n >= n or not cfg.pieces
+
+
+def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: str,
+           mode: str | None, subtract_mean: bool, residual: bool, llama: bool,
+           param_dtype):
+  """The tables' config for this call (``from_entry``), or None: no entry, or it does
+  not fit."""
+  key = table_key(pass_, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
+                  llama=llama, param_dtype=param_dtype)
+  found = _tuning.lookup(key, device.name, backend=backend, mode=mode,
+                         gpu=device.platform == "gpu")
+  if found is None:
+    return None
+  return from_entry(found[0], m, n, device, backend)
 
 
 # ======================================================================== Rules
@@ -535,15 +647,26 @@ _CPU_MIN_BLOCK_M = 64
 
 
 def choose_backend(pass_: str, n: int, dtype, subtract_mean: bool = False,
-                   device: DeviceInfo | None = None, residual: bool = False) -> str:
-  """The backend ``backend=None`` gives one kernel: "pallas", or the backend of the
-  first ``_BACKEND_RULES`` entry that matches (``device``'s name, ``pass_`` "fwd" or
+                   device: DeviceInfo | None = None, residual: bool = False, *,
+                   m: int | None = None, param_dtype=None, llama: bool = False,
+                   return_residuals: bool = True) -> str:
+  """The backend ``backend=None`` gives one kernel: given ``m``, the backend of the
+  tuning tables' entry for the call (``pass_`` "fwd", with ``return_residuals`` the
+  tables' "fwd_stats", or "bwd"; ``pallas_norm.tuning``); else "pallas", or the backend
+  of the first ``_BACKEND_RULES`` entry that matches (``device``'s name, ``pass_`` "fwd" or
   "bwd", the op (``subtract_mean``: LayerNorm; ``residual``: the fused residual add),
   N, a dtype of at most 2 bytes). On CPU (interpret mode) always "pallas". Whether that
   backend serves the call (a cast, FP8 x, a mode, jax-triton installed, shared memory,
   the residual's dtypes) is ``ops``' check; where it does not, ``ops`` takes "pallas".
   [T#backend]"""
   device = device or device_info()
+  if m is not None:
+    p = "bwd" if pass_ == "bwd" else ("fwd_stats" if return_residuals else "fwd")
+    key = table_key(p, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
+                    llama=llama, param_dtype=param_dtype)
+    found = _tuning.lookup(key, device.name, gpu=device.platform == "gpu")
+    if found is not None:
+      return found[0].backend
   if device.platform != "gpu" or np.dtype(dtype).itemsize > _BACKEND_MAX_ITEMSIZE:
     return "pallas"
   op = ("layer" if subtract_mean else "rms") + ("_res" if residual else "")
@@ -793,8 +916,10 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    device: DeviceInfo | None = None, *,
                    subtract_mean: bool = False, backend: str = "pallas",
                    residual: bool = False, param_dtype=None,
-                   return_residuals: bool = True) -> ForwardConfig:
-  """Default forward launch config for x viewed as [m, n] of ``dtype``.
+                   return_residuals: bool = True, llama: bool = False,
+                   tuned: bool = True) -> ForwardConfig:
+  """The forward launch config for x viewed as [m, n] of ``dtype``: the tuning tables'
+  entry for the call (``pallas_norm.tuning``), else the default.
 
   Args:
     m: rows (x's leading axes flattened), >= 1.
@@ -813,6 +938,8 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       ``jax.vjp``; default True): on the H100 the FP8-x RMSNorm forward at N' = 8192
       then takes the one-tile static_persistent forward (``choose_mode``), and at 8192
       < N <= 16384 the split-row one (``_FP8_RMS_VJP_SPLIT_H100``).
+    llama: ``cast="llama"`` (a key of its own in the tables).
+    tuned: look the tables up (False: the default alone).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -824,6 +951,13 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       4096 x SMs (LayerNorm).
   """
   device = device or device_info()
+  if mode is not None and mode not in MODES:
+    raise ValueError(f"{mode=} must be one of {MODES}")
+  cfg = tuned and _tuned("fwd_stats" if return_residuals else "fwd", m, n, dtype, device,
+                         backend=backend, mode=mode, subtract_mean=subtract_mean,
+                         residual=residual, llama=llama, param_dtype=param_dtype)
+  if cfg:
+    return cfg
   mode = mode or choose_mode(m, n, dtype, device, subtract_mean=subtract_mean,
                              backend=backend, residual=residual, param_dtype=param_dtype,
                              return_residuals=return_residuals)
@@ -988,8 +1122,10 @@ def _bwd_tile(m: int, n: int, bn_full: int, subtract_mean: bool, backend: str,
 
 def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
                     subtract_mean: bool = False, backend: str = "pallas",
-                    residual: bool = False, param_dtype=None) -> BackwardConfig:
-  """Default backward launch config for x viewed as [m, n] of ``dtype``.
+                    residual: bool = False, param_dtype=None, llama: bool = False,
+                    tuned: bool = True) -> BackwardConfig:
+  """The backward launch config for x viewed as [m, n] of ``dtype``: the tuning tables'
+  entry for the call (``pallas_norm.tuning``), else the default.
 
   Args:
     m: rows (x's leading axes flattened), >= 1.
@@ -1005,6 +1141,8 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     param_dtype: the scale's dtype, or None (unknown, or no scale): with FP8 x and a
       2-byte scale the H100's one-tile stage 1 takes ``_FP8_BWD_H100_2B``'s tiles and
       flags (8 elements a thread at 1024 threads a SM).
+    llama: ``cast="llama"`` (a key of its own in the tables).
+    tuned: look the tables up (False: the default alone).
 
   Returns:
     A BackwardConfig, stage 2's knobs from ``reduce_config``. Rows up to N' = 8192 are
@@ -1017,6 +1155,11 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     docs/tuning.md, the "Backward" sections.
   """
   device = device or device_info()
+  cfg = tuned and _tuned("bwd", m, n, dtype, device, backend=backend, mode=None,
+                         subtract_mean=subtract_mean, residual=residual, llama=llama,
+                         param_dtype=param_dtype)
+  if cfg:
+    return cfg
   bn_full = next_power_of_2(n)
   wide = bn_full > _BWD_SINGLE_TILE_MAX and backend == "pallas"
   split = _bwd_split_rule(n, subtract_mean, device) if wide else None

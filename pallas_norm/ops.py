@@ -281,8 +281,11 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
   if st.backend is not None:
     return st.backend
   m, n = x2.shape
+  params = [p.dtype for p in (scale, bias) if p is not None]
   backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean,
-                                   residual=residual)
+                                   residual=residual, m=m,
+                                   param_dtype=params[0] if params else None,
+                                   llama=st.llama is not None)
   if backend == "pallas" or st.interpret or fused or st.llama is not None:
     return "pallas"
   if residual and len({st.x_dtype, st.residual_dtype, st.residual_in_dtype}) != 1:
@@ -343,7 +346,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
       residual=residual is not None,
       # float32 scale/bias have their own tiles (measured on the plain norm only)
       param_dtype=params[0] if params and combine_stats is None else None,
-      return_residuals=return_residuals and combine_stats is None)
+      return_residuals=return_residuals and combine_stats is None,
+      llama=st.llama is not None)
   fwd, _ = _backend_module(backend)
   if backend == "mosaic" and combine_stats is not None:
     raise NotImplementedError(
@@ -388,7 +392,8 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
                           residual=st.residual_dtype is not None)
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=backend, residual=st.residual_dtype is not None,
-                               param_dtype=None if scale is None else scale.dtype)
+                               param_dtype=None if scale is None else scale.dtype,
+                               llama=st.llama is not None)
   _, bwd = _backend_module(backend)
   dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
   res = {}

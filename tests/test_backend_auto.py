@@ -61,7 +61,7 @@ def test_auto_backend_falls_back_where_the_pick_does_not_serve(monkeypatch):
   before any kernel): the fused paths, cast="llama", a mode it lacks, its launchers'
   limits; an explicit backend is never changed."""
   picks = {}
-  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt, sm, residual=False: picks[p])
+  monkeypatch.setattr(config, "choose_backend", lambda p, n, dt, sm, residual=False, **kw: picks[p])
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
   s = jax.ShapeDtypeStruct((256,), jnp.bfloat16)
   picks.update(fwd="mosaic", bwd="mosaic")

@@ -349,9 +349,10 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     bm, warps, per_sm, hoist, *rest = tile  # rest: row_amax, packed, stream_x, packed_params
     return Fp8Config(bm, next_power_of_2(n), warps, sms * per_sm, True, hoist, *rest)
   mode = "multi_wave_cached" if next_power_of_2(n) <= _WHOLE_ROW_MAX else "multi_wave_reload"
-  fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean)
+  fwd = forward_config(m, n, dtype, mode, subtract_mean=subtract_mean, tuned=False)
   if fwd.block_n < n and mode == "multi_wave_cached":  # a split row: not this kernel's
-    fwd = forward_config(m, n, dtype, "multi_wave_reload", subtract_mean=subtract_mean)
+    fwd = forward_config(m, n, dtype, "multi_wave_reload", subtract_mean=subtract_mean,
+                         tuned=False)
   return Fp8Config(fwd.block_m, fwd.block_n, fwd.num_warps, tile_params=_TILE_PARAMS)
 
 
