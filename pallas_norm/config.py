@@ -389,6 +389,47 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
   return from_entry(found[0], m, n, device, backend)
 
 
+def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str,
+                 mode: str | None, subtract_mean: bool) -> dict[str, tuple]:
+  """Each tunable field's domain for one key (the tuner's coordinate search, one field at
+  a time, in this order: the kernel's structure first, then tiles, warps and programs,
+  then the flags). Values are table fields (``entry_fields``); combinations that do not
+  fit are pruned by ``from_entry``."""
+  bn_full = next_power_of_2(n)
+  rows = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_power_of_2(m))
+  warps = (1, 2, 4, 8, 16, 32)
+  per_sm = (1, 2, 3, 4, 6, 8)
+  chunks = tuple(c for c in (1024, 2048, 4096, 8192, 16384) if c < bn_full)
+  pallas = backend == "pallas"
+  space: dict[str, tuple] = {}
+  if pass_ == "bwd":
+    if bn_full > _BWD_SINGLE_TILE_MAX:
+      space["block_n"] = tuple(c for c in (512,) + chunks if c < bn_full)
+      if pallas:
+        space.update(split_rows=(False, True), reload_rows=(False, True),
+                     split_lag=(1, 2, 3), split_early_publish=(False, True),
+                     chunk_n=(0, 1024, 2048))
+    space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)
+    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX:
+      if subtract_mean:
+        space.update(pieces_round=(0, 512, 1024), joint_row_sums=(False, True))
+      space.update(prefetch_stats=(False, True), recompute_dx=(False, True),
+                   reload_scale=(False, True), prefetch_depth=(1, 2))
+    return space
+  if mode == "multi_wave_cached" and pallas and n > _SPLIT_MIN_N:
+    space.update(block_n=(2048, 4096, 8192, 16384), chunk_n=(0, 1024, 2048, 4096))
+  elif mode == "multi_wave_reload":
+    space.update(block_n=chunks or (bn_full,), num_stages=(1, 2))
+  elif mode == "static_persistent":
+    whole = (bn_full,) if bn_full <= _CACHED_MAX_BLOCK_N else ()
+    space.update(block_n=whole + chunks, programs_per_sm=per_sm)
+    if pallas and bn_full > _BWD_SINGLE_TILE_MAX:
+      space.update(split_rows=(False, True), split_lag=(1, 2, 3),
+                   split_early_publish=(False, True))
+  space.update(block_m=rows, num_warps=warps)
+  return space
+
+
 # ======================================================================== Rules
 # One rule a line (or a small table): the value, a one-line reason, and [T#anchor]: the
 # section of docs/tuning.md with the measurement (device, date, figures, results file).

@@ -1,0 +1,545 @@
+"""The autotuner: ``python -m pallas_norm.tune`` measures launch configs on this GPU and
+writes a tuning table (``pallas_norm.tuning``'s format).
+
+For each key (pass, op family, dtypes, N, M) and each backend that serves it (and, for
+the forward, each mode), it starts from the default config (``config.forward_config`` /
+``backward_config`` with ``tuned=False``) and runs a coordinate search over
+``config.search_space``: one field at a time, every value of that field's domain with
+the others held, the fastest kept if it beats the best by more than ``--min-gain``;
+rounds until one changes nothing (at most ``--rounds``). Candidates that do not fit the
+shape (``config.fits``, the dataclasses' checks) are pruned before anything is traced;
+those whose trace raises (the launchers' own checks) before they compile. The candidates
+of one field compile together on a thread pool; then each is timed.
+
+Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kernels),
+inputs rotated over >= 4x L2, the median of ``--iters`` calls. The forward ("fwd") is
+the op's primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and
+rstd); "bwd" the pull-back alone (a jitted call of the vjp function on dy, the
+residuals made beforehand). Each winner is checked against ``backend="xla"`` (the
+reference) before it is written; a winner that fails is dropped for the next best.
+
+The table: one entry per (key, backend[, mode]) with its median us and the default's
+(``default_us``: the default config of the default backend and mode, the
+"analytic default" figure). ``--out`` (default: the user's table,
+``tuning.user_path(device_kind)``) is merged into: with ``--resume`` (default) keys
+already there are skipped. ``--budget-s`` stops starting keys after that many seconds
+and writes what it has.
+
+Example: ``python -m pallas_norm.tune --shapes 4096x5120,1x4096 --families rms,layer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_norm import config as C
+from pallas_norm import tuning
+
+__all__ = ["Candidate", "run", "main", "keys_for", "DEFAULT_SHAPES"]
+
+# The kernel bench's shapes and the few-row buckets (decode, sampling).
+DEFAULT_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 128),
+                  (16384, 16384), (4096, 65536), (1024, 262144), (8192, 2048),
+                  (8192, 4096), (8192, 8192), (1, 4096), (8, 4096), (64, 4096),
+                  (512, 4096), (1, 2048), (64, 8192))
+FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama")
+TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
+BACKENDS = ("pallas", "triton", "mosaic")
+_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+_L2_BYTES = 64 << 20
+_MAX_ROTATIONS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One config to time: its table entry (key, backend, mode, fields) and the config it
+  rebuilds to for the key's shape."""
+
+  entry: tuning.Entry
+  config: object
+
+  @property
+  def label(self) -> str:
+    cls = C.BackwardConfig if self.entry.key.pass_ == "bwd" else C.ForwardConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    short = " ".join(f"{k}={v}" for k, v in sorted(self.entry.fields.items())
+                     if k in ("block_m", "block_n", "num_warps") or defaults.get(k, 0) != v)
+    return f"{self.entry.backend}/{self.entry.mode or '-'} {short}"
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def keys_for(shapes, families=("rms", "layer"), passes=TUNED_PASSES,
+             dtypes=("bfloat16",), params=(None,)) -> list[tuning.Key]:
+  """Every key of the product; ``params`` None means x's dtype."""
+  out = []
+  for (m, n), fam, p, dt, pd in itertools.product(shapes, families, passes, dtypes, params):
+    out.append(tuning.Key(p, fam, dt, pd or dt, int(n), int(m)))
+  return out
+
+
+def _parts(key: tuning.Key) -> dict:
+  fam = key.family
+  return dict(subtract_mean=fam.startswith("layer"), residual="_res" in fam,
+              llama="_llama" in fam)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+def _op(key: tuning.Key, backend: str, mode: str | None):
+  """f(x, scale, bias, residual) -> the op's output (y, or (y, h))."""
+  import pallas_norm
+  p = _parts(key)
+  kw = dict(mode=mode, backend=backend, cast="llama" if p["llama"] else "torch")
+  if p["subtract_mean"]:
+    def f(x, s, b, r):
+      return pallas_norm.layer_norm(x, s, b, residual=r, **kw)
+  else:
+    def f(x, s, b, r):
+      del b
+      return pallas_norm.rms_norm(x, s, residual=r, **kw)
+  return f
+
+
+def _inputs(key: tuning.Key, rotations: int, seed: int = 0) -> list[tuple]:
+  """Argument sets (x, scale, bias, residual[, dy]) for the key, ``rotations`` copies."""
+  m, n = key.m, key.n
+  dt, pdt = jnp.dtype(key.x), jnp.dtype(key.params)
+  p = _parts(key)
+  k = jax.random.split(jax.random.key(seed), 3)
+  scale = (1.0 + 0.1 * jax.random.normal(k[0], (n,), jnp.float32)).astype(pdt)
+  bias = (0.1 * jax.random.normal(k[1], (n,), jnp.float32)).astype(pdt) if p[
+      "subtract_mean"] else None
+  sets = []
+  for i in range(rotations):
+    ki = jax.random.split(jax.random.fold_in(k[2], i), 3)
+    x = jax.random.normal(ki[0], (m, n), jnp.float32).astype(dt)
+    r = jax.random.normal(ki[1], (m, n), jnp.float32).astype(dt) if p["residual"] else None
+    dy = jax.random.normal(ki[2], (m, n), jnp.float32).astype(dt)
+    sets.append((x, scale, bias, r, dy))
+  return sets
+
+
+def _step(key: tuning.Key, backend: str, mode: str | None):
+  """(prepare, fn): ``prepare(args)`` turns an argument set into fn's arguments (for
+  "bwd": the vjp function and the cotangent, made with the default config), ``fn`` is
+  what is timed."""
+  f = _op(key, backend, mode)
+  if key.pass_ == "fwd":
+    return (lambda a: a[:4]), f
+  if key.pass_ == "fwd_stats":
+    def fwd_stats(x, s, b, r):
+      return jax.vjp(lambda x, s, b, r: f(x, s, b, r), x, s, b, r)
+    return (lambda a: a[:4]), fwd_stats
+
+  def prepare(a):
+    x, s, b, r, dy = a
+    out, pull = jax.vjp(f, x, s, b, r)
+    ct = dy if r is None else (dy, dy)
+    del out
+    return pull, ct
+
+  def bwd(pull, ct):
+    return pull(ct)
+  return prepare, bwd
+
+
+def _compile(cand: Candidate, fn, args):
+  """The candidate's compiled executable (configs are chosen at trace time, under the
+  forced entry), or the error that ruled it out."""
+  try:
+    with tuning.forced(cand.entry):
+      lowered = jax.jit(fn).lower(*args)
+    return lowered.compile(), None
+  except (ValueError, NotImplementedError, TypeError) as e:
+    return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  except Exception as e:  # noqa: BLE001 - a compiler's failure rules the candidate out
+    return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def cupti_timer(cand: Candidate, exe, arg_sets, iters: int) -> float | None:
+  """The bench's timing (pallas_norm.bench.timing.cupti_time): median us, or None."""
+  from pallas_norm.bench import timing
+  jax.block_until_ready(exe(*arg_sets[0]))
+  return timing.cupti_time(exe, arg_sets, iters).get("us")
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _entry(key, backend, mode, cfg, device) -> tuning.Entry:
+  fields = C.entry_fields(cfg, key.n, device.num_sms)
+  return tuning.Entry(key, backend, mode or "", tuple(sorted(fields.items())))
+
+
+def _candidate(key, backend, mode, fields: dict, device) -> Candidate | None:
+  """The candidate of ``fields`` rebuilt for the key's shape, or None if it does not
+  fit (pruned before any trace)."""
+  e = tuning.Entry(key, backend, mode or "", tuple(sorted(fields.items())))
+  cfg = C.from_entry(e, key.m, key.n, device, backend)
+  if cfg is None:
+    return None
+  # the entry as the rebuilt config normalises (clamped block_m, ...), so that
+  # duplicates are found and what is stored is what runs
+  return Candidate(_entry(key, backend, mode, cfg, device), cfg)
+
+
+def _default(key, backend, mode, device) -> Candidate | None:
+  p = _parts(key)
+  params = None if key.params == key.x else jnp.dtype(key.params)
+  try:
+    if key.pass_ == "bwd":
+      cfg = C.backward_config(key.m, key.n, jnp.dtype(key.x), device,
+                              subtract_mean=p["subtract_mean"], backend=backend,
+                              residual=p["residual"], param_dtype=params,
+                              llama=p["llama"], tuned=False)
+    else:
+      cfg = C.forward_config(key.m, key.n, jnp.dtype(key.x), mode, device,
+                             subtract_mean=p["subtract_mean"], backend=backend,
+                             residual=p["residual"], param_dtype=params,
+                             return_residuals=key.pass_ == "fwd_stats",
+                             llama=p["llama"], tuned=False)
+  except (ValueError, NotImplementedError):
+    return None
+  mode = getattr(cfg, "mode", None)
+  return Candidate(_entry(key, backend, mode, cfg, device), cfg)
+
+
+class _Measurer:
+  """Compiles (on a pool) and times candidates of one key and backend/mode; memoised
+  by the rebuilt config."""
+
+  def __init__(self, key, backend, mode, arg_sets, timer, iters, workers, log):
+    self.prepare, self.fn = _step(key, backend, mode)
+    self.args = [self.prepare(a) for a in arg_sets]
+    self.timer, self.iters, self.workers, self.log = timer, iters, workers, log
+    self.times: dict = {}
+    self.exes: dict = {}
+    self.cands: dict = {}
+
+  def measure(self, cands: list[Candidate]) -> None:
+    todo = [c for c in dict.fromkeys(cands) if c.config not in self.times]
+    todo = list({c.config: c for c in todo}.values())
+    if not todo:
+      return
+    if self.workers > 1 and len(todo) > 1:
+      with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+        built = list(pool.map(lambda c: _compile(c, self.fn, self.args[0]), todo))
+    else:
+      built = [_compile(c, self.fn, self.args[0]) for c in todo]
+    for c, (exe, err) in zip(todo, built):
+      us = None
+      if exe is not None:
+        try:
+          us = self.timer(c, exe, self.args, self.iters)
+        except Exception as e:  # noqa: BLE001 - a launch failure rules it out
+          err = f"{type(e).__name__}: {str(e)[:200]}"
+      self.times[c.config] = us
+      self.exes[c.config] = exe
+      self.cands[c.config] = c
+      self.log(f"    {'%9.2f us' % us if us is not None else '   pruned'}  {c.label}"
+               + (f"  ({err})" if err and us is None else ""))
+
+
+def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Measurer,
+                       rounds: int, min_gain: float) -> Candidate | None:
+  space = C.search_space(key.pass_, key.m, key.n, device, backend=backend, mode=mode,
+                         subtract_mean=_parts(key)["subtract_mean"])
+  meas.measure([start])
+  best = start if meas.times.get(start.config) is not None else None
+  for _ in range(rounds):
+    changed = False
+    for field, values in space.items():
+      base = dict(best.entry.fields) if best else dict(start.entry.fields)
+      cands = []
+      for v in values:
+        c = _candidate(key, backend, mode, dict(base, **{field: v}), device)
+        if c is not None:
+          cands.append(c)
+      meas.measure(cands)
+      for c in cands:
+        us = meas.times.get(c.config)
+        if us is None:
+          continue
+        if best is None or us < meas.times[best.config] * (1.0 - min_gain):
+          best, changed = c, True
+    if not changed:
+      break
+  return best
+
+
+def _primal(key: tuning.Key, out):
+  """What the check compares: the forward's outputs (y, or y and h); of "fwd_stats"
+  the primal only (the residuals differ by backend); of "bwd" every cotangent."""
+  if key.pass_ == "fwd_stats":
+    out = out[0]
+  return [a for a in jax.tree.leaves(out) if getattr(a, "ndim", 0) > 0]
+
+
+def _check(key, out, ref) -> str | None:
+  """None if ``out`` matches ``ref`` (relative L2 error within the dtype's tolerance,
+  NaN never), else why not."""
+  out, ref = _primal(key, out), _primal(key, ref)
+  if [a.shape for a in out] != [a.shape for a in ref]:
+    return f"outputs {[a.shape for a in out]} against {[a.shape for a in ref]}"
+  tol = _TOL.get(key.x, 2e-2)
+  for o, r in zip(out, ref):
+    o32, r32 = np.asarray(o, np.float32), np.asarray(r, np.float32)
+    err = float(np.linalg.norm(o32 - r32) / max(float(np.linalg.norm(r32)), 1e-30))
+    if not err <= tol:
+      return f"rel err {err:.2e} > {tol:g}"
+  return None
+
+
+def _modes(key: tuning.Key, backend: str) -> tuple:
+  if key.pass_ == "bwd":
+    return (None,)
+  return ("static_persistent",) if backend == "mosaic" else C.MODES
+
+
+def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=None,
+             iters: int = 30, workers: int = 1, rounds: int = 2, min_gain: float = 0.003,
+             log=print) -> list[tuning.Entry]:
+  """The entries of one key: per backend (and forward mode) the fastest config found
+  that passes the check, each with ``default_us`` (the default config of the Pallas
+  backend and the default mode: what the op runs with no table)."""
+  timer = timer or cupti_timer
+  nbytes = key.m * key.n * jnp.dtype(key.x).itemsize
+  r = 1 if device.platform != "gpu" else int(
+      min(_MAX_ROTATIONS, max(1, math.ceil(4 * _L2_BYTES / nbytes))))
+  arg_sets = _inputs(key, r)
+  ref_prepare, ref_fn = _step(key, "xla", None)
+  ref = jax.jit(ref_fn)(*ref_prepare(arg_sets[0]))
+  measurers: dict = {}
+
+  def measurer(backend, mode):
+    if (backend, mode) not in measurers:
+      measurers[backend, mode] = _Measurer(key, backend, mode, arg_sets, timer, iters,
+                                           workers, log)
+    return measurers[backend, mode]
+
+  default = _default(key, "pallas", None, device)
+  default_us = None
+  if default is not None:
+    dmode = default.entry.mode or None
+    measurer("pallas", dmode).measure([default])
+    default_us = measurer("pallas", dmode).times.get(default.config)
+  results = []
+  for backend in backends:
+    for mode in _modes(key, backend):
+      start = _default(key, backend, mode, device)
+      if start is None:
+        continue
+      try:
+        meas = measurer(backend, mode)
+        if backend == "mosaic":  # its launchers pick their own configs: one candidate
+          meas.measure([start])
+          best = start if meas.times.get(start.config) is not None else None
+        else:
+          best = _coordinate_search(start, key, backend, mode, device, meas, rounds,
+                                    min_gain)
+      except Exception as e:  # noqa: BLE001 - a backend that cannot run here
+        log(f"    {backend}/{mode}: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      ranked = sorted((c for cfg, c in meas.cands.items()
+                       if meas.times.get(cfg) is not None),
+                      key=lambda c: meas.times[c.config])
+      for c in ranked[:3]:
+        why = _check(key, meas.exes[c.config](*meas.args[0]), ref)
+        if why is None:
+          results.append(dataclasses.replace(c.entry, us=round(meas.times[c.config], 3)))
+          break
+        log(f"    check failed: {c.label}: {why}")
+      if best is not None and ranked and best.config != ranked[0].config:
+        log(f"    note: the search's best is not the fastest measured")
+  return [dataclasses.replace(e, default_us=None if default_us is None
+                              else round(default_us, 3)) for e in results]
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _meta(device: C.DeviceInfo, argv, method: str) -> dict:
+  from pallas_norm.bench import timing as _t  # noqa: F401 - sets XLA_FLAGS for CUPTI
+  return dict(device_kind=device.name, num_sms=device.num_sms,
+              made_by="python -m pallas_norm.tune " + " ".join(argv or []),
+              commit=_git_commit(), date=datetime.date.today().isoformat(),
+              jax=jax.__version__, timing=method)
+
+
+def _git_commit() -> str:
+  import subprocess
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True,
+                          cwd=pathlib.Path(__file__).parent).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _read(path: pathlib.Path) -> list[tuning.Entry]:
+  if not path.exists():
+    return []
+  return list(tuning.Table.load(path).entries())
+
+
+def _write(path: pathlib.Path, entries, meta: dict) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(tuning.to_doc(entries, meta), indent=1) + "\n")
+  os.replace(tmp, path)
+  tuning.clear_cache()
+
+
+def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS,
+        timer=None, iters: int = 30, workers: int | None = None, rounds: int = 2,
+        min_gain: float = 0.003, budget_s: float | None = None, resume: bool = True,
+        progress: bool = True, argv=None, log=None) -> pathlib.Path:
+  """Tune ``keys`` (``keys_for``) on this device and merge the entries into the table
+  at ``out`` (default: the user's table for this device kind); returns its path.
+
+  Args:
+    keys: tuning.Key list.
+    out: the table's path.
+    device: the DeviceInfo (default: ``config.device_info()``).
+    backends: the backends to try (each where it serves the key).
+    timer: ``timer(candidate, executable, arg_sets, iters) -> us or None``; default the
+      CUPTI kernel time (a GPU); tests inject a deterministic one.
+    iters: timed calls a candidate (the median is kept).
+    workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
+    rounds, min_gain: the coordinate search's rounds and the relative gain a change must
+      bring.
+    budget_s: stop starting keys after this many seconds (the table keeps what is done).
+    resume: skip keys whose entries are already in ``out``.
+    progress: a tqdm progress bar over the keys.
+
+  Raises:
+    tuning.TableError: ``out`` exists and is not a table this version reads.
+  """
+  device = device or C.device_info()
+  path = pathlib.Path(out) if out else tuning.user_path(device.name)
+  entries = _read(path)
+  done = {(e.key.group, e.key.n, e.key.m) for e in entries}
+  if workers is None:
+    workers = (os.cpu_count() or 1) if device.platform == "gpu" else 1
+  todo = [k for k in keys if not (resume and (k.group, k.n, k.m) in done)]
+  meta = _meta(device, argv, "injected timer" if timer else
+               "CUPTI kernel time, median, inputs rotated over >= 4x L2")
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=len(todo), desc="tune", unit="key", file=sys.stderr)
+  log = log or (bar.write if bar is not None else print)
+  t0 = time.perf_counter()
+  for key in todo:
+    if budget_s is not None and time.perf_counter() - t0 > budget_s:
+      log(f"budget of {budget_s:.0f} s spent: {len(todo) - (bar.n if bar else 0)} keys "
+          f"left (run again with --resume)")
+      break
+    log(f"{key.pass_} {key.family} x={key.x} params={key.params} {key.m}x{key.n}")
+    new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
+                   workers=workers, rounds=rounds, min_gain=min_gain, log=log)
+    entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
+               (key.group, key.n, key.m)] + new
+    _write(path, entries, meta)
+    for e in new:
+      log(f"  -> {e.backend}/{e.mode or '-'} {e.us} us (default {e.default_us} us)")
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  if not path.exists():
+    _write(path, entries, meta)
+  return path
+
+
+def _shapes(text: str):
+  from pallas_norm.bench.plan import parse_shapes
+  return parse_shapes(text)
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m pallas_norm.tune",
+      description="Measure launch configs on this GPU and write a tuning table "
+                  "(docs/tuning.md).")
+  p.add_argument("--shapes", type=_shapes, default=DEFAULT_SHAPES,
+                 help="MxN,MxN,... (default: the kernel bench's shapes and few-row ones)")
+  p.add_argument("--families", default="rms,layer",
+                 help=f"comma-separated, of {', '.join(FAMILIES)} (default rms,layer)")
+  p.add_argument("--passes", default=",".join(TUNED_PASSES),
+                 help=f"comma-separated, of {', '.join(TUNED_PASSES)}")
+  p.add_argument("--dtypes", default="bfloat16", help="x's dtypes (default bfloat16)")
+  p.add_argument("--params", default="", help="scale's dtypes (default: x's)")
+  p.add_argument("--backends", default=",".join(BACKENDS))
+  p.add_argument("--out", default=None, help="the table (default: the user's table, "
+                 "~/.cache/pallas_norm/<device_kind>.json or $PALLAS_NORM_TUNING_DIR)")
+  p.add_argument("--iters", type=int, default=30)
+  p.add_argument("--workers", type=int, default=None)
+  p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--min-gain", type=float, default=0.003)
+  p.add_argument("--budget-s", type=float, default=None)
+  p.add_argument("--no-resume", dest="resume", action="store_false")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--dry-run", action="store_true", help="list the keys and exit")
+  return p
+
+
+def _names(text: str, valid, what: str) -> tuple[str, ...]:
+  names = tuple(t.strip() for t in text.split(",") if t.strip())
+  bad = [t for t in names if t not in valid]
+  if bad or not names:
+    raise ValueError(f"{what}: {bad or text!r} not in {tuple(valid)}")
+  return names
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parser().parse_args(argv)
+  try:
+    families = _names(args.families, FAMILIES, "--families")
+    passes = _names(args.passes, TUNED_PASSES, "--passes")
+    backends = _names(args.backends, BACKENDS, "--backends")
+    dtypes = _names(args.dtypes, ("float32", "bfloat16", "float16"), "--dtypes")
+    params = _names(args.params, ("float32", "bfloat16", "float16"), "--params") if (
+        args.params) else (None,)
+  except ValueError as e:
+    print(f"pallas_norm.tune: {e}", file=sys.stderr)
+    return 2
+  keys = keys_for(args.shapes, families, passes, dtypes, params)
+  if args.dry_run:
+    for k in keys:
+      print(k.pass_, k.family, k.x, k.params, f"{k.m}x{k.n}")
+    print(f"{len(keys)} keys")
+    return 0
+  device = C.device_info()
+  if device.platform != "gpu":
+    print("pallas_norm.tune times kernels on a GPU (jax.default_backend() is "
+          f"{jax.default_backend()!r}); --dry-run lists the keys", file=sys.stderr)
+    return 2
+  path = run(keys, out=args.out, device=device, backends=backends, iters=args.iters,
+             workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
+             budget_s=args.budget_s, resume=args.resume, progress=args.progress,
+             argv=argv)
+  print(f"table: {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
