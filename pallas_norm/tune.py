@@ -193,11 +193,18 @@ def _candidate(key, backend, mode, fields: dict, device) -> Candidate | None:
   fit (pruned before any trace)."""
   e = tuning.Entry(key, backend, mode or "", tuple(sorted(fields.items())))
   cfg = C.from_entry(e, key.m, key.n, device, backend)
-  if cfg is None:
+  if cfg is None or not _plausible(cfg, key.n):
     return None
   # the entry as the rebuilt config normalises (clamped block_m, ...), so that
   # duplicates are found and what is stored is what runs
   return Candidate(_entry(key, backend, mode, cfg, device), cfg)
+
+
+def _plausible(cfg, n: int) -> bool:
+  """The search skips tiles of fewer than 2 or more than 128 elements a thread (the
+  defaults are never pruned)."""
+  per_thread = cfg.block_m * min(cfg.block_n, C.next_power_of_2(n)) / (32 * cfg.num_warps)
+  return 2 <= per_thread <= 128
 
 
 def _default(key, backend, mode, device) -> Candidate | None:
@@ -315,7 +322,7 @@ def _modes(key: tuning.Key, backend: str) -> tuple:
 
 def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=None,
              iters: int = 30, workers: int = 1, rounds: int = 2, min_gain: float = 0.003,
-             log=print) -> list[tuning.Entry]:
+             search_top: int = 2, log=print) -> list[tuning.Entry]:
   """The entries of one key: per backend (and forward mode) the fastest config found
   that passes the check, each with ``default_us`` (the default config of the Pallas
   backend and the default mode: what the op runs with no table)."""
@@ -340,34 +347,36 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
     dmode = default.entry.mode or None
     measurer("pallas", dmode).measure([default])
     default_us = measurer("pallas", dmode).times.get(default.config)
-  results = []
+  # Every (backend, mode)'s default first; the coordinate search then runs from the
+  # ``search_top`` fastest of them only (the others keep their default's entry).
+  starts = []
   for backend in backends:
     for mode in _modes(key, backend):
       start = _default(key, backend, mode, device)
       if start is None:
         continue
       try:
-        meas = measurer(backend, mode)
-        if backend == "mosaic":  # its launchers pick their own configs: one candidate
-          meas.measure([start])
-          best = start if meas.times.get(start.config) is not None else None
-        else:
-          best = _coordinate_search(start, key, backend, mode, device, meas, rounds,
-                                    min_gain)
+        measurer(backend, mode).measure([start])
       except Exception as e:  # noqa: BLE001 - a backend that cannot run here
-        log(f"    {backend}/{mode}: {type(e).__name__}: {str(e)[:200]}")
+        log(f"    {backend}/{mode}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         continue
-      ranked = sorted((c for cfg, c in meas.cands.items()
-                       if meas.times.get(cfg) is not None),
-                      key=lambda c: meas.times[c.config])
-      for c in ranked[:3]:
-        why = _check(key, meas.exes[c.config](*meas.args[0]), ref)
-        if why is None:
-          results.append(dataclasses.replace(c.entry, us=round(meas.times[c.config], 3)))
-          break
-        log(f"    check failed: {c.label}: {why}")
-      if best is not None and ranked and best.config != ranked[0].config:
-        log(f"    note: the search's best is not the fastest measured")
+      us = measurer(backend, mode).times.get(start.config)
+      if us is not None:
+        starts.append((us, backend, mode, start))
+  starts.sort(key=lambda t: t[0])
+  results = []
+  for rank, (_, backend, mode, start) in enumerate(starts):
+    meas = measurer(backend, mode)
+    if rank < search_top and backend != "mosaic":  # mosaic picks its own configs
+      _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain)
+    ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),
+                    key=lambda c: meas.times[c.config])
+    for c in ranked[:3]:
+      why = _check(key, meas.exes[c.config](*meas.args[0]), ref)
+      if why is None:
+        results.append(dataclasses.replace(c.entry, us=round(meas.times[c.config], 3)))
+        break
+      log(f"    check failed: {c.label}: {why}")
   return [dataclasses.replace(e, default_us=None if default_us is None
                               else round(default_us, 3)) for e in results]
 
@@ -409,8 +418,8 @@ def _write(path: pathlib.Path, entries, meta: dict) -> None:
 
 def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS,
         timer=None, iters: int = 30, workers: int | None = None, rounds: int = 2,
-        min_gain: float = 0.003, budget_s: float | None = None, resume: bool = True,
-        progress: bool = True, argv=None, log=None) -> pathlib.Path:
+        min_gain: float = 0.003, search_top: int = 2, budget_s: float | None = None,
+        resume: bool = True, progress: bool = True, argv=None, log=None) -> pathlib.Path:
   """Tune ``keys`` (``keys_for``) on this device and merge the entries into the table
   at ``out`` (default: the user's table for this device kind); returns its path.
 
@@ -425,6 +434,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must
       bring.
+    search_top: how many of the (backend, mode) defaults, fastest first, are searched
+      from (the others' entries are their defaults).
     budget_s: stop starting keys after this many seconds (the table keeps what is done).
     resume: skip keys whose entries are already in ``out``.
     progress: a tqdm progress bar over the keys.
@@ -454,7 +465,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
       break
     log(f"{key.pass_} {key.family} x={key.x} params={key.params} {key.m}x{key.n}")
     new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
-                   workers=workers, rounds=rounds, min_gain=min_gain, log=log)
+                   workers=workers, rounds=rounds, min_gain=min_gain,
+                   search_top=search_top, log=log)
     entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
                (key.group, key.n, key.m)] + new
     _write(path, entries, meta)
@@ -494,6 +506,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--min-gain", type=float, default=0.003)
+  p.add_argument("--search-top", type=int, default=2,
+                 help="search from the N fastest (backend, mode) defaults (default 2)")
   p.add_argument("--budget-s", type=float, default=None)
   p.add_argument("--no-resume", dest="resume", action="store_false")
   p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -535,7 +549,7 @@ def main(argv=None) -> int:
     return 2
   path = run(keys, out=args.out, device=device, backends=backends, iters=args.iters,
              workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
-             budget_s=args.budget_s, resume=args.resume, progress=args.progress,
+             search_top=args.search_top, budget_s=args.budget_s, resume=args.resume, progress=args.progress,
              argv=argv)
   print(f"table: {path}")
   return 0
