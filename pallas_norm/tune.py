@@ -464,6 +464,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
           f"left (run again with --resume)")
       break
     log(f"{key.pass_} {key.family} x={key.x} params={key.params} {key.m}x{key.n}")
+    tk = time.perf_counter()
     new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
                    workers=workers, rounds=rounds, min_gain=min_gain,
                    search_top=search_top, log=log)
@@ -472,6 +473,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     _write(path, entries, meta)
     for e in new:
       log(f"  -> {e.backend}/{e.mode or '-'} {e.us} us (default {e.default_us} us)")
+    log(f"  ({time.perf_counter() - tk:.1f} s)")
     if bar is not None:
       bar.update(1)
   if bar is not None:
