@@ -41,6 +41,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -148,15 +149,18 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
       return jax.vjp(lambda x, s, b, r: f(x, s, b, r), x, s, b, r)
     return (lambda a: a[:4]), fwd_stats
 
+  treedef = []  # the vjp function's structure, from the first argument set
+
   def prepare(a):
     x, s, b, r, dy = a
-    out, pull = jax.vjp(f, x, s, b, r)
-    ct = dy if r is None else (dy, dy)
-    del out
-    return pull, ct
+    _, pull = jax.vjp(f, x, s, b, r)
+    leaves, tree = jax.tree.flatten(pull)
+    if not treedef:
+      treedef.append(tree)
+    return leaves, (dy if r is None else (dy, dy))
 
-  def bwd(pull, ct):
-    return pull(ct)
+  def bwd(residuals, ct):
+    return jax.tree.unflatten(treedef[0], residuals)(ct)
   return prepare, bwd
 
 
@@ -444,6 +448,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     tuning.TableError: ``out`` exists and is not a table this version reads.
   """
   device = device or C.device_info()
+  warnings.filterwarnings("ignore", "pallas_norm: no tuned table")
   path = pathlib.Path(out) if out else tuning.user_path(device.name)
   entries = _read(path)
   done = {(e.key.group, e.key.n, e.key.m) for e in entries}

@@ -22,9 +22,10 @@ for the forward, one mode):
 
 Lookup (``lookup``), with no timing: the user's table, then the shipped one. In a table,
 the entries of the same pass, family and dtypes (and backend and mode where the caller
-fixed them); of those the nearest point: the smallest |log2 N - log2 N_e|, then the
-smallest distance of M buckets, then N_e >= N before N_e < N; at that point the
-smallest ``us``. ``config.py`` re-validates the entry for the actual shape and takes its
+fixed them) with N_e within a factor of 2 of N (``MAX_N_RATIO``: a table measured at
+other widths says nothing of this one); of those the nearest point: the smallest
+|log2 N - log2 N_e|, then the smallest distance of M buckets, then N_e >= N before
+N_e < N; at that point the smallest ``us``. ``config.py`` re-validates the entry for the actual shape and takes its
 analytic default where it does not fit. Deterministic; each table is read once a
 process (``clear_cache`` forgets them). A missing shipped table for a GPU, or a corrupt
 or older-version table, gives one warning, then the default.
@@ -46,7 +47,7 @@ import threading
 import warnings
 
 __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "Key", "Entry", "Table",
-           "TableError", "m_bucket", "device_slug", "shipped_path", "user_dir",
+           "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path", "user_dir",
            "user_path", "tables", "lookup", "forced", "clear_cache"]
 
 FORMAT = "pallas_norm.tuning"
@@ -56,6 +57,7 @@ PASSES = ("fwd", "fwd_stats", "bwd", "fp8_stats", "fp8_delayed", "fp8_delayed_t"
 # Upper bounds of the M buckets (1 row; decode and small batches; training); M above the
 # last is bucket len(M_BUCKETS).
 M_BUCKETS = (1, 8, 64, 512, 4096, 32768, 262144)
+MAX_N_RATIO = 2.0  # the farthest an entry's N may be from the looked-up N (either way)
 _HERE = pathlib.Path(__file__).parent
 
 
@@ -189,9 +191,11 @@ class Table:
   def nearest(self, key: Key, backend: str | None = None,
               mode: str | None = None) -> Entry | None:
     """The entry for ``key`` by the module docstring's rule, or None."""
+    lim = math.log2(MAX_N_RATIO) + 1e-9
     cands = [e for e in self.groups.get(key.group, ())
              if (backend is None or e.backend == backend)
-             and (mode is None or e.mode == mode)]
+             and (mode is None or e.mode == mode)
+             and abs(math.log2(e.key.n / key.n)) <= lim]
     if not cands:
       return None
     b, ln = m_bucket(key.m), math.log2(key.n)
