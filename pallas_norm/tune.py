@@ -463,10 +463,10 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     bar = tqdm(total=len(todo), desc="tune", unit="key", file=sys.stderr)
   log = log or (bar.write if bar is not None else print)
   t0 = time.perf_counter()
-  for key in todo:
+  for i, key in enumerate(todo):
     if budget_s is not None and time.perf_counter() - t0 > budget_s:
-      log(f"budget of {budget_s:.0f} s spent: {len(todo) - (bar.n if bar else 0)} keys "
-          f"left (run again with --resume)")
+      log(f"budget of {budget_s:.0f} s spent: {len(todo) - i} keys left (run the same "
+          f"command again: it resumes)")
       break
     log(f"{key.pass_} {key.family} x={key.x} params={key.params} {key.m}x{key.n}")
     tk = time.perf_counter()

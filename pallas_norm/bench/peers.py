@@ -76,6 +76,24 @@ def jax_fn(impl: Impl, op: str):
   raise ValueError(f"{impl.name=} is not a JAX implementation")
 
 
+def without_tables(step):
+  """``step`` traced with ``PALLAS_NORM_TUNING=none``: launch configs from the default
+  alone (configs are chosen at trace time, so the variable is set around the trace)."""
+  import os
+
+  def untuned(*args):
+    before = os.environ.get("PALLAS_NORM_TUNING")
+    os.environ["PALLAS_NORM_TUNING"] = "none"
+    try:
+      return step(*args)
+    finally:
+      if before is None:
+        del os.environ["PALLAS_NORM_TUNING"]
+      else:
+        os.environ["PALLAS_NORM_TUNING"] = before
+  return untuned
+
+
 def fwdbwd(f, op: str = "rms"):
   """step(x, s, b, dy) -> (y, grads): ``jax.vjp`` of ``f``, pulled back at dy. For an
   FP8-input op x is (x8, x_scale) and the grads are (dx, dscale, dbias): the scales are

@@ -53,7 +53,7 @@ _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
 _BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
 # The implementations that serve the fused residual add (the others: n/a): ours (both
 # backends), XLA's fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
-_RES_IMPLS = ("pallas", "triton", "mosaic", "auto", "xla", "flax")
+_RES_IMPLS = ("pallas", "triton", "mosaic", "auto", "auto-untuned", "xla", "flax")
 # FP8 output: ours (Pallas, the heuristic config) and the jnp chain under jit (norm in
 # float32, amax, quantise, transpose: pallas_norm's backend="xla").
 _FP8_IMPLS = ("pallas", "xla")
@@ -77,10 +77,14 @@ class Impl:
   abbrev: str
   backend: str | None = None
   mode: str | None = None
+  tables: bool = True  # False: traced with PALLAS_NORM_TUNING=none (the default alone)
 
 
 IMPLS = (
     Impl("pallas", "pallas_norm", "jax", 0, "pal", backend="pallas"),
+    # the same with the tuning tables ignored: the default configs alone
+    Impl("pallas-untuned", "pallas_norm", "jax", 0, "pal.u", backend="pallas",
+         tables=False),
     Impl("triton", "pallas_norm", "jax", 0, "tri", backend="triton"),
     # backend="mosaic" (issue #29): the plain norms and the fused residual add (not
     # in the FP8 impl lists); it refuses N % 128 != 0 and rows beyond its shared
@@ -88,6 +92,7 @@ IMPLS = (
     Impl("mosaic", "pallas_norm", "jax", 0, "mos", backend="mosaic"),
     # backend=None: per kernel, the backend config.choose_backend picks (plain and fused)
     Impl("auto", "pallas_norm", "jax", 0, "auto", backend=None),
+    Impl("auto-untuned", "pallas_norm", "jax", 0, "auto.u", backend=None, tables=False),
     Impl("xla", "peer", "jax", 0, "xla"),
     Impl("flax", "peer", "jax", 0, "flax"),
     Impl("tokamax", "peer", "jax", 0, "tkmx"),
