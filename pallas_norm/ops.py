@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_norm import config as _config
+from pallas_norm import tuning as _tuning
 from pallas_norm import reference, spmd
 from pallas_norm.kernels._compat import to_varying, varying_axes
 
@@ -61,6 +62,9 @@ class _Static:
   llama: tuple[str, str] | None = None
   # FP8 x (x_scale=): y's and dx's dtype name; None for a float x
   out_dtype: str | None = None
+  # the tuning tables' context (tuning.context()): the jitted bodies are traced again
+  # when it changes, so that configs chosen at trace time follow it
+  tables: tuple = ()
 
 
 # --------------------------------------------------------------------------- checks
@@ -692,15 +696,16 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
         f"one device, on a GPU (interpret=False), or use backend='pallas'")
   x, x_scale, residual, scale, bias = (to_varying(a, axes)
                                        for a in (x, x_scale, residual, scale, bias))
+  tables = _tuning.context()
   if residual is None:
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-                 names, groups, llama=llama, out_dtype=out_dtype)
+                 names, groups, llama=llama, out_dtype=out_dtype, tables=tables)
     if x.ndim == 1:
       return _norm_nd_jit(x[None], None if x_scale is None else x_scale[None], scale, bias,
                           st)[0]
     return _norm_nd_jit(x, x_scale, scale, bias, st)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-               names, groups, h_dtype, x.dtype.name, res_in_dtype, llama)
+               names, groups, h_dtype, x.dtype.name, res_in_dtype, llama, tables=tables)
   if x.ndim == 1:
     y, h = _norm_res_nd_jit(x[None], residual[None], scale, bias, st)
     return y[0], h[0]

@@ -138,9 +138,10 @@ def _inputs(key: tuning.Key, rotations: int, seed: int = 0) -> list[tuple]:
 
 
 def _step(key: tuning.Key, backend: str, mode: str | None):
-  """(prepare, fn): ``prepare(args)`` turns an argument set into fn's arguments (for
-  "bwd": the vjp function and the cotangent, made with the default config), ``fn`` is
-  what is timed."""
+  """(prepare, fn): ``prepare(args)`` turns an argument set into fn's arguments, ``fn``
+  is what is timed. For "bwd" fn is the forward and the backward (the forward at the
+  tables' or the default's config: the forced entry is the backward's); the timer
+  leaves out the forward's kernels (``_Measurer.skip``)."""
   f = _op(key, backend, mode)
   if key.pass_ == "fwd":
     return (lambda a: a[:4]), f
@@ -149,27 +150,20 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
       return jax.vjp(lambda x, s, b, r: f(x, s, b, r), x, s, b, r)
     return (lambda a: a[:4]), fwd_stats
 
-  treedef = []  # the vjp function's structure, from the first argument set
-
-  def prepare(a):
-    x, s, b, r, dy = a
+  def fwd_bwd(x, s, b, r, dy):
     _, pull = jax.vjp(f, x, s, b, r)
-    leaves, tree = jax.tree.flatten(pull)
-    if not treedef:
-      treedef.append(tree)
-    return leaves, (dy if r is None else (dy, dy))
-
-  def bwd(residuals, ct):
-    return jax.tree.unflatten(treedef[0], residuals)(ct)
-  return prepare, bwd
+    return pull(dy if r is None else (dy, dy))
+  return (lambda a: a), fwd_bwd
 
 
 def _compile(cand: Candidate, fn, args):
   """The candidate's compiled executable (configs are chosen at trace time, under the
   forced entry), or the error that ruled it out."""
+  def fresh(*a):  # a new function each time: jit's trace cache is keyed on it
+    return fn(*a)
   try:
     with tuning.forced(cand.entry):
-      lowered = jax.jit(fn).lower(*args)
+      lowered = jax.jit(fresh).lower(*args)
     return lowered.compile(), None
   except (ValueError, NotImplementedError, TypeError) as e:
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -177,11 +171,30 @@ def _compile(cand: Candidate, fn, args):
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def cupti_timer(cand: Candidate, exe, arg_sets, iters: int) -> float | None:
-  """The bench's timing (pallas_norm.bench.timing.cupti_time): median us, or None."""
+def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: int = 0) -> float | None:
+  """The bench's timing (pallas_norm.bench.timing.cupti_time): the median us of a
+  call's kernels, the first ``skip`` left out (each kernel's own median, summed), or
+  None."""
   from pallas_norm.bench import timing
+  del cand
   jax.block_until_ready(exe(*arg_sets[0]))
-  return timing.cupti_time(exe, arg_sets, iters).get("us")
+  t = timing.cupti_time(exe, arg_sets, iters)
+  if "us" not in t:
+    return None
+  return t["us"] if not skip else float(sum(t["kernel_us"][skip:]))
+
+
+def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> int:
+  """How many kernels the forward under ``jax.vjp`` launches for ``key`` (the backward's
+  timing leaves them out); 0 off a GPU."""
+  if jax.default_backend() != "gpu":
+    return 0
+  from pallas_norm.bench import timing
+  prepare, fn = _step(dataclasses.replace(key, pass_="fwd_stats"), backend, None)
+  exe = jax.jit(fn)
+  args = [prepare(a) for a in arg_sets[:1]]
+  jax.block_until_ready(exe(*args[0]))
+  return len(timing.cupti_time(exe, args, 3).get("kernels", ()))
 
 
 # --------------------------------------------------------------------------- search
@@ -239,6 +252,7 @@ class _Measurer:
   def __init__(self, key, backend, mode, arg_sets, timer, iters, workers, log):
     self.prepare, self.fn = _step(key, backend, mode)
     self.args = [self.prepare(a) for a in arg_sets]
+    self.skip = forward_kernels(key, backend, arg_sets) if key.pass_ == "bwd" else 0
     self.timer, self.iters, self.workers, self.log = timer, iters, workers, log
     self.times: dict = {}
     self.exes: dict = {}
@@ -258,7 +272,7 @@ class _Measurer:
       us = None
       if exe is not None:
         try:
-          us = self.timer(c, exe, self.args, self.iters)
+          us = self.timer(c, exe, self.args, self.iters, self.skip)
         except Exception as e:  # noqa: BLE001 - a launch failure rules it out
           err = f"{type(e).__name__}: {str(e)[:200]}"
       self.times[c.config] = us
@@ -432,8 +446,9 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     out: the table's path.
     device: the DeviceInfo (default: ``config.device_info()``).
     backends: the backends to try (each where it serves the key).
-    timer: ``timer(candidate, executable, arg_sets, iters) -> us or None``; default the
-      CUPTI kernel time (a GPU); tests inject a deterministic one.
+    timer: ``timer(candidate, executable, arg_sets, iters, skip) -> us or None`` (skip:
+      the forward's kernels to leave out of a "bwd" key's time); default the CUPTI
+      kernel time (a GPU); tests inject a deterministic one.
     iters: timed calls a candidate (the median is kept).
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must

@@ -48,7 +48,7 @@ import warnings
 
 __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "Key", "Entry", "Table",
            "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path", "user_dir",
-           "user_path", "tables", "lookup", "forced", "clear_cache"]
+           "user_path", "tables", "lookup", "forced", "context", "clear_cache"]
 
 FORMAT = "pallas_norm.tuning"
 VERSION = 1
@@ -297,6 +297,14 @@ def lookup(key: Key, kind: str, *, backend: str | None = None, mode: str | None 
     if e is not None:
       return e, t
   return None
+
+
+def context() -> tuple:
+  """A hashable token of what lookups answer now (the policy and the forced entries):
+  the ops put it in their jit's static arguments, so that a change is traced again."""
+  forced_table = getattr(_FORCED, "table", None)
+  entries = () if forced_table is None else tuple(forced_table.entries())
+  return (_policy(), entries)
 
 
 def clear_cache() -> None:
