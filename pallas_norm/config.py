@@ -282,7 +282,8 @@ class BackwardConfig:
 # ======================================================================= Tables
 # Tuned configs are data (pallas_norm/tuning/, made by ``python -m pallas_norm.tune``): an
 # entry stores a config's fields with ``num_programs`` as ``programs_per_sm`` (programs,
-# times the splits of a row for ``split_rows``, over the SM count of the table's device)
+# times the splits of a row for ``split_rows``, over the SM count of the table's device;
+# at least 1)
 # and pieces as ``pieces_round`` (pieces of N rounded up to it; 0: none); the stage-2
 # knobs are ``reduce_config``'s. ``from_entry`` rebuilds a config for the actual shape
 # and device, and returns None where it does not fit (the caller then takes the default).
@@ -313,7 +314,9 @@ def entry_fields(cfg, n: int, num_sms: int) -> dict:
   for k in ("reduce_block_n", "reduce_block_g", "reduce_num_warps"):
     f.pop(k, None)
   splits = cdiv(n, cfg.block_n) if cfg.split_rows else 1
-  f["programs_per_sm"] = round(cfg.num_programs * splits / num_sms, 6)
+  # at least one program a SM: a grid clamped to few rows (M = 1 gives one program)
+  # says nothing of the grid for more rows
+  f["programs_per_sm"] = max(1.0, round(cfg.num_programs * splits / num_sms, 6))
   del f["num_programs"]
   if "pieces" in f:
     pieces = f.pop("pieces")
@@ -326,7 +329,7 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
   padded row where the entry's was; block_m at most next_power_of_2(m); programs_per_sm
   times this device's SMs), or None where it does not fit."""
   f = entry.fields
-  pps = float(f.pop("programs_per_sm", 0))
+  pps = max(1.0, float(f.pop("programs_per_sm", 0)))  # as entry_fields stores it
   bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
   bn = int(f.get("block_n", bn_full))
   f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)

@@ -25,7 +25,7 @@ the entries of the same pass, family and dtypes (and backend and mode where the 
 fixed them) with N_e within a factor of 2 of N (``MAX_N_RATIO``: a table measured at
 other widths says nothing of this one); of those the nearest point: the smallest
 |log2 N - log2 N_e|, then the smallest distance of M buckets, then N_e >= N before
-N_e < N; at that point the smallest ``us``. ``config.py`` re-validates the entry for the actual shape and takes its
+N_e < N, then the larger M_e; at that point (N_e, M_e) the smallest ``us``. ``config.py`` re-validates the entry for the actual shape and takes its
 analytic default where it does not fit. Deterministic; each table is read once a
 process (``clear_cache`` forgets them). A missing shipped table for a GPU, or a corrupt
 or older-version table, gives one warning, then the default.
@@ -200,7 +200,8 @@ class Table:
       return None
     b, ln = m_bucket(key.m), math.log2(key.n)
     def dist(e):
-      return (abs(math.log2(e.key.n) - ln), abs(m_bucket(e.key.m) - b), e.key.n < key.n)
+      return (abs(math.log2(e.key.n) - ln), abs(m_bucket(e.key.m) - b), e.key.n < key.n,
+              -e.key.m)
     best = min(dist(e) for e in cands)
     point = [e for e in cands if dist(e) == best]
     inf = float("inf")
