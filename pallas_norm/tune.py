@@ -1,29 +1,33 @@
 """The autotuner: ``python -m pallas_norm.tune`` measures launch configs on this GPU and
-writes a tuning table (``pallas_norm.tuning``'s format).
+writes a tuning table (``pallas_norm.tuning``'s format; docs/tuning.md).
 
-For each key (pass, op family, dtypes, N, M) and each backend that serves it (and, for
-the forward, each mode), it starts from the default config (``config.forward_config`` /
-``backward_config`` with ``tuned=False``) and runs a coordinate search over
-``config.search_space``: one field at a time, every value of that field's domain with
-the others held, the fastest kept if it beats the best by more than ``--min-gain``;
-rounds until one changes nothing (at most ``--rounds``). Candidates that do not fit the
-shape (``config.fits``, the dataclasses' checks) are pruned before anything is traced;
-those whose trace raises (the launchers' own checks) before they compile. The candidates
-of one field compile together on a thread pool; then each is timed.
+For each key (pass, op family, dtypes, N, M):
+  1. each backend that serves it (and, for the forward, each mode) is timed at its
+     default config (``config.forward_config`` / ``backward_config``, ``tuned=False``);
+  2. from the ``--search-top`` fastest of those defaults, a coordinate search over
+     ``config.search_space``: one field at a time, every value of its domain with the
+     others held, a value kept if it beats the best by more than ``--min-gain``; rounds
+     until one changes nothing (at most ``--rounds``). Candidates that do not fit the
+     shape (``config.from_entry``'s re-validation) are pruned before anything is
+     traced, those whose trace raises (the launchers' own checks) before they compile;
+     the candidates of one field compile together on a thread pool, then each is timed;
+  3. the ``--confirm`` fastest that pass the check against ``backend="xla"`` (relative
+     L2 error within the dtype's tolerance), and the start, are timed
+     ``--confirm-rounds`` more times in turns: the entry is the least median, the
+     start unless another beats it by more than ``--min-gain`` (the search's best is
+     the least of many noisy times, so biased low).
 
 Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kernels),
-inputs rotated over >= 4x L2, the median of ``--iters`` calls. The forward ("fwd") is
-the op's primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and
-rstd); "bwd" the pull-back alone (a jitted call of the vjp function on dy, the
-residuals made beforehand). Each winner is checked against ``backend="xla"`` (the
-reference) before it is written; a winner that fails is dropped for the next best.
+inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the op's
+primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
+"bwd" the forward and the backward, the forward's kernels left out. Each candidate is
+traced afresh under ``tuning.forced`` (the ops' jit statics carry ``tuning.context()``).
 
-The table: one entry per (key, backend[, mode]) with its median us and the default's
-(``default_us``: the default config of the default backend and mode, the
-"analytic default" figure). ``--out`` (default: the user's table,
-``tuning.user_path(device_kind)``) is merged into: with ``--resume`` (default) keys
-already there are skipped. ``--budget-s`` stops starting keys after that many seconds
-and writes what it has.
+The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
+(the default config of the Pallas backend and the default mode: what the op runs with no
+table). ``--out`` (default: the user's table, ``tuning.user_path(device_kind)``) is
+merged into; keys already there are skipped (run the same command again to resume).
+``--budget-s`` stops starting keys after that many seconds and writes what it has.
 
 Example: ``python -m pallas_norm.tune --shapes 4096x5120,1x4096 --families rms,layer``.
 """
@@ -278,8 +282,25 @@ class _Measurer:
       self.times[c.config] = us
       self.exes[c.config] = exe
       self.cands[c.config] = c
-      self.log(f"    {'%9.2f us' % us if us is not None else '   pruned'}  {c.label}"
+      self.log(f"    {'%9.3f us' % us if us is not None else '   pruned'}  {c.label}"
                + (f"  ({err})" if err and us is None else ""))
+
+  def confirm(self, cands: list[Candidate], rounds: int) -> dict:
+    """Each candidate (measured before) timed ``rounds`` more times, in turns; {config:
+    median of those and the first time}."""
+    times = {c.config: [self.times[c.config]] for c in cands}
+    for _ in range(rounds):
+      for c in cands:
+        us = self.timer(c, self.exes[c.config], self.args, self.iters, self.skip)
+        if us is not None:
+          times[c.config].append(us)
+    out = {cfg: _median(v) for cfg, v in times.items()}
+    self.log("    confirmed: " + ", ".join(f"{out[c.config]:.3f}" for c in cands))
+    return out
+
+
+def _median(v):
+  return float(np.median(np.asarray(v, np.float64)))
 
 
 def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Measurer,
@@ -332,6 +353,11 @@ def _check(key, out, ref) -> str | None:
   return None
 
 
+def _check_candidate(key, meas: _Measurer, cand: Candidate, ref) -> str | None:
+  """``_check`` of the candidate's outputs on the first argument set."""
+  return _check(key, meas.exes[cand.config](*meas.args[0]), ref)
+
+
 def _modes(key: tuning.Key, backend: str) -> tuple:
   if key.pass_ == "bwd":
     return (None,)
@@ -339,8 +365,9 @@ def _modes(key: tuning.Key, backend: str) -> tuple:
 
 
 def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=None,
-             iters: int = 30, workers: int = 1, rounds: int = 2, min_gain: float = 0.003,
-             search_top: int = 2, log=print) -> list[tuning.Entry]:
+             iters: int = 30, workers: int = 1, rounds: int = 2, min_gain: float = 0.01,
+             search_top: int = 2, confirm: int = 3, confirm_rounds: int = 3,
+             log=print) -> list[tuning.Entry]:
   """The entries of one key: per backend (and forward mode) the fastest config found
   that passes the check, each with ``default_us`` (the default config of the Pallas
   backend and the default mode: what the op runs with no table)."""
@@ -389,12 +416,31 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
       _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain)
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),
                     key=lambda c: meas.times[c.config])
-    for c in ranked[:3]:
-      why = _check(key, meas.exes[c.config](*meas.args[0]), ref)
-      if why is None:
-        results.append(dataclasses.replace(c.entry, us=round(meas.times[c.config], 3)))
+    checked = []
+    for c in ranked:
+      if len(checked) == confirm:
         break
-      log(f"    check failed: {c.label}: {why}")
+      why = _check_candidate(key, meas, c, ref)
+      if why is None:
+        checked.append(c)
+      else:
+        log(f"    check failed: {c.label}: {why}")
+    if not checked:
+      continue
+    # the search's best is biased low (the least of many noisy times): the finalists
+    # and the start are timed again, in turns, and the start stays unless a finalist's
+    # median beats it by more than min_gain
+    if start.config in meas.times and meas.times[start.config] is not None and (
+        start.config not in {c.config for c in checked}):
+      checked.append(start)
+    medians = meas.confirm(checked, confirm_rounds)
+    best = min(checked, key=lambda c: medians[c.config])
+    if start.config in medians and medians[best.config] > medians[start.config] * (
+        1.0 - min_gain):
+      best = start
+    if default is not None and default.config in medians:
+      default_us = medians[default.config]
+    results.append(dataclasses.replace(best.entry, us=round(medians[best.config], 3)))
   return [dataclasses.replace(e, default_us=None if default_us is None
                               else round(default_us, 3)) for e in results]
 
@@ -436,7 +482,8 @@ def _write(path: pathlib.Path, entries, meta: dict) -> None:
 
 def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS,
         timer=None, iters: int = 30, workers: int | None = None, rounds: int = 2,
-        min_gain: float = 0.003, search_top: int = 2, budget_s: float | None = None,
+        min_gain: float = 0.01, search_top: int = 2, confirm: int = 3,
+        confirm_rounds: int = 3, budget_s: float | None = None,
         resume: bool = True, progress: bool = True, argv=None, log=None) -> pathlib.Path:
   """Tune ``keys`` (``keys_for``) on this device and merge the entries into the table
   at ``out`` (default: the user's table for this device kind); returns its path.
@@ -455,6 +502,9 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
       bring.
     search_top: how many of the (backend, mode) defaults, fastest first, are searched
       from (the others' entries are their defaults).
+    confirm, confirm_rounds: the fastest ``confirm`` candidates that pass the check, and
+      the start, are timed ``confirm_rounds`` more times in turns; the entry is the
+      least median, the start unless another beats it by more than ``min_gain``.
     budget_s: stop starting keys after this many seconds (the table keeps what is done).
     resume: skip keys whose entries are already in ``out``.
     progress: a tqdm progress bar over the keys.
@@ -487,7 +537,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     tk = time.perf_counter()
     new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
                    workers=workers, rounds=rounds, min_gain=min_gain,
-                   search_top=search_top, log=log)
+                   search_top=search_top, confirm=confirm,
+                   confirm_rounds=confirm_rounds, log=log)
     entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
                (key.group, key.n, key.m)] + new
     _write(path, entries, meta)
@@ -527,7 +578,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--iters", type=int, default=30)
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--rounds", type=int, default=2)
-  p.add_argument("--min-gain", type=float, default=0.003)
+  p.add_argument("--min-gain", type=float, default=0.01,
+                 help="relative gain a change must bring (default 0.01)")
+  p.add_argument("--confirm", type=int, default=3,
+                 help="finalists a (backend, mode) timed again (default 3)")
+  p.add_argument("--confirm-rounds", type=int, default=3)
   p.add_argument("--search-top", type=int, default=2,
                  help="search from the N fastest (backend, mode) defaults (default 2)")
   p.add_argument("--budget-s", type=float, default=None)
@@ -571,7 +626,9 @@ def main(argv=None) -> int:
     return 2
   path = run(keys, out=args.out, device=device, backends=backends, iters=args.iters,
              workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
-             search_top=args.search_top, budget_s=args.budget_s, resume=args.resume, progress=args.progress,
+             search_top=args.search_top, confirm=args.confirm,
+             confirm_rounds=args.confirm_rounds, budget_s=args.budget_s,
+             resume=args.resume, progress=args.progress,
              argv=argv)
   print(f"table: {path}")
   return 0

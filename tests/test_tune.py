@@ -1,0 +1,174 @@
+"""The tuner end to end on CPU (issue #57): interpret mode, a tiny grid and an injected,
+deterministic timer. The kernels run (every candidate is traced, compiled and checked);
+only the time is made up, as a function of the candidate's config."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import config, reference, tune, tuning
+from pallas_norm.kernels import backward, forward
+
+CPU = config.DeviceInfo("cpu", "cpu", 4)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tables(monkeypatch, tmp_path):
+  monkeypatch.setenv("PALLAS_NORM_TUNING_DIR", str(tmp_path / "user"))
+  monkeypatch.delenv("PALLAS_NORM_TUNING", raising=False)
+  tuning.clear_cache()
+  yield
+  tuning.clear_cache()
+
+
+def _timer(calls):
+  """us = 10 + |num_warps - 2| / 2, + 3 outside multi_wave_reload (so the search must
+  move num_warps, and the forward's best mode is reload); counts its calls."""
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    calls.append(cand.config)
+    f = cand.entry.fields
+    return 10.0 + abs(f["num_warps"] - 2) * 0.5 + (
+        0.0 if cand.entry.mode in ("multi_wave_reload", "") else 3.0)
+  return timer
+
+
+def _run(tmp_path, keys, calls, **kw):
+  return tune.run(keys, out=tmp_path / "cpu.json", device=CPU, backends=("pallas",),
+                  timer=_timer(calls), progress=False, rounds=1, log=lambda *a: None, **kw)
+
+
+def _spy(monkeypatch):
+  """The configs the launchers were called with."""
+  seen = {"fwd": [], "bwd": []}
+  f, b = forward.norm_forward, backward.norm_backward
+  monkeypatch.setattr(forward, "norm_forward",
+                      lambda *a, **k: seen["fwd"].append(k["config"]) or f(*a, **k))
+  monkeypatch.setattr(backward, "norm_backward",
+                      lambda *a, **k: seen["bwd"].append(k["config"]) or b(*a, **k))
+  return seen
+
+
+def test_tune_end_to_end(tmp_path, monkeypatch):
+  seen = _spy(monkeypatch)
+  calls = []
+  keys = tune.keys_for([(16, 256)], ("rms",), ("fwd", "bwd"))
+  path = _run(tmp_path, keys, calls, search_top=3)
+  doc = json.loads(path.read_text())
+  assert doc["format"] == tuning.FORMAT and doc["version"] == tuning.VERSION
+  assert doc["device_kind"] == "cpu" and doc["timing"] == "injected timer"
+  table = tuning.Table.load(path)
+  fwd = {e.mode: e for e in table.groups["fwd", "rms", "bfloat16", "bfloat16"]}
+  assert set(fwd) == set(config.MODES)  # one entry a mode
+  # the injected optimum: num_warps 2 in every mode; reload the fastest mode
+  assert all(e.fields["num_warps"] == 2 for e in fwd.values())
+  assert fwd["multi_wave_reload"].us == 10.0
+  assert fwd["multi_wave_cached"].us == 13.0
+  (bwd,) = table.groups["bwd", "rms", "bfloat16", "bfloat16"]
+  assert bwd.fields["num_warps"] == 2 and bwd.us == 10.0
+  assert bwd.default_us == 10.0 + abs(config.backward_config(
+      16, 256, jnp.bfloat16, CPU, tuned=False).num_warps - 2) * 0.5
+  # every candidate ran as its own trace: the launchers saw many distinct configs
+  assert len({c.num_warps for c in seen["fwd"]}) >= 4
+  assert len({c.num_warps for c in seen["bwd"]}) >= 4
+  # as the user's table (the default place), the op now runs the tuned configs
+  (tmp_path / "user").mkdir()
+  path.rename(tmp_path / "user" / "cpu.json")
+  tuning.clear_cache()
+  seen["fwd"].clear()
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 256)), jnp.bfloat16)
+  s = jnp.ones((256,), jnp.bfloat16)
+  y = pallas_norm.rms_norm(x, s)
+  want = config.from_entry(fwd["multi_wave_reload"], 16, 256, CPU, "pallas")
+  assert seen["fwd"] == [want]
+  ref = reference.norm(x, s, None, eps=float(jnp.finfo(jnp.float32).eps),
+                       subtract_mean=False)[0]
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  # an explicit mode still wins over the table's pick
+  seen["fwd"].clear()
+  pallas_norm.rms_norm(x, s, mode="multi_wave_cached")
+  assert seen["fwd"][0].mode == "multi_wave_cached"
+
+
+def test_tune_is_deterministic_and_resumes(tmp_path):
+  keys = tune.keys_for([(8, 128)], ("layer",), ("fwd",))
+  calls = []
+  first = json.loads(_run(tmp_path, keys, calls).read_text())["entries"]
+  assert calls
+  calls.clear()
+  again = json.loads(_run(tmp_path, keys, calls).read_text())["entries"]
+  assert calls == [] and again == first  # resumed: nothing timed again
+  other = tmp_path / "b"
+  other.mkdir()
+  second = json.loads(_run(other, keys, []).read_text())["entries"]
+  assert second == first
+
+
+def test_tune_searches_from_the_fastest_defaults_only(tmp_path):
+  """search_top=1: only the fastest default's (backend, mode) is searched; the other
+  modes' entries are their defaults."""
+  path = _run(tmp_path, tune.keys_for([(8, 128)], ("rms",), ("fwd",)), [], search_top=1)
+  fwd = {e.mode: e for e in tuning.Table.load(path).groups["fwd", "rms", "bfloat16",
+                                                            "bfloat16"]}
+  default = config.forward_config(8, 128, jnp.bfloat16, "multi_wave_cached", CPU,
+                                  tuned=False)
+  assert fwd["multi_wave_reload"].fields["num_warps"] == 2
+  assert fwd["multi_wave_cached"].fields["num_warps"] == default.num_warps != 2
+
+
+def test_tune_budget_stops_before_a_key(tmp_path):
+  calls = []
+  path = _run(tmp_path, tune.keys_for([(8, 128)], ("rms",), ("fwd",)), calls, budget_s=0)
+  assert calls == [] and json.loads(path.read_text())["entries"] == []
+
+
+def test_tune_drops_a_winner_that_fails_the_check(tmp_path, monkeypatch):
+  """A candidate whose output fails the check is never written: the next best is."""
+  real = tune._check_candidate
+  checked = []
+
+  def check(key, meas, cand, ref):
+    checked.append(cand.entry.fields["num_warps"])
+    return "made wrong" if cand.entry.fields["num_warps"] == 2 else real(key, meas, cand,
+                                                                         ref)
+  monkeypatch.setattr(tune, "_check_candidate", check)
+  path = _run(tmp_path, tune.keys_for([(8, 128)], ("rms",), ("fwd",)), [])
+  entries = tuning.Table.load(path).groups["fwd", "rms", "bfloat16", "bfloat16"]
+  assert 2 in checked  # the injected optimum was checked, and refused
+  assert len(entries) == 3 and all(e.fields["num_warps"] in (1, 4) for e in entries)
+
+
+def test_cli(capsys, tmp_path):
+  assert tune.main(["--dry-run", "--shapes", "1x4096,64x1000", "--families", "rms,layer_res",
+                    "--passes", "fwd,bwd"]) == 0
+  out = capsys.readouterr().out
+  assert "8 keys" in out and "bwd layer_res bfloat16 bfloat16 64x1000" in out
+  assert tune.main(["--families", "rmsnorm", "--dry-run"]) == 2
+  assert "rmsnorm" in capsys.readouterr().err
+  # timing needs a GPU: exit 2 with the reason, nothing written
+  assert tune.main(["--shapes", "8x128", "--out", str(tmp_path / "t.json")]) == 2
+  assert "GPU" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
+
+
+def test_search_space_candidates_fit():
+  """Every value of every field the search tries either rebuilds to a config that
+  fits, or is pruned by from_entry (never an exception)."""
+  gpu = config.DeviceInfo("gpu", "some GPU", 100)
+  for n in (128, 1000, 4096, 20000, 70000):
+    for pass_ in ("fwd", "bwd"):
+      for mode in (config.MODES if pass_ == "fwd" else (None,)):
+        key = tuning.Key(pass_, "layer", "bfloat16", "bfloat16", n, 512)
+        start = tune._default(key, "pallas", mode, gpu)
+        if start is None:
+          continue
+        space = config.search_space(pass_, 512, n, gpu, backend="pallas", mode=mode,
+                                    subtract_mean=True)
+        for field, values in space.items():
+          for v in values:
+            fields = dict(start.entry.fields, **{field: v})
+            e = tuning.Entry(key, "pallas", mode or "", tuple(sorted(fields.items())))
+            cfg = config.from_entry(e, 512, n, gpu, "pallas")
+            assert cfg is None or config.fits(cfg, n, gpu, "pallas")
