@@ -162,7 +162,7 @@ class LaunchError(RuntimeError):
 
 
 def launch(command: list[str], num_processes: int, *, cpu_devices: int | None,
-           timeout: float, env: dict | None = None, passthrough: int | None = None,
+           timeout: float | None, env: dict | None = None, passthrough: int | None = None,
            cwd: str | None = None) -> list[ProcessResult]:
   """Runs ``command`` as ``num_processes`` processes of one jax.distributed job.
 
@@ -171,7 +171,8 @@ def launch(command: list[str], num_processes: int, *, cpu_devices: int | None,
       --process-id I`` appended.
     num_processes: K >= 1.
     cpu_devices: fake CPU devices per process; None: one GPU per process.
-    timeout: seconds for the whole job; past it every process is stopped.
+    timeout: seconds for the whole job; past it every process is stopped (None: no
+      limit).
     env: the base environment (default os.environ), then ``child_env``'s changes.
     passthrough: a process whose stdout/stderr go to this process's (live), or None.
     cwd: the processes' working directory.
@@ -201,7 +202,7 @@ def launch(command: list[str], num_processes: int, *, cpu_devices: int | None,
       files.append((out, err))
       procs.append(subprocess.Popen(command + flags(i), stdout=out, stderr=err, cwd=cwd,
                                     env=child_env(i, cpu_devices=cpu_devices, base=env)))
-    deadline = time.monotonic() + timeout
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
     try:
       while True:
         codes = [p.poll() for p in procs]
