@@ -19,7 +19,7 @@ import pytest
 
 from pallas_norm import distributed
 
-pytestmark = [pytest.mark.cpu_only, pytest.mark.xdist_group("multihost_demo")]
+pytestmark = [pytest.mark.cpu_only, pytest.mark.xdist_group("multihost")]
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 _ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -34,24 +34,18 @@ def runs(tmp_path_factory):
   """{"multi" | "single": (stdout, stderr, losses.json)}."""
   tmp = tmp_path_factory.mktemp("demo_multiprocess")
   demo = [sys.executable, "-m", "pallas_norm.demo"] + _TINY
-  procs = {
-      "multi": subprocess.Popen(demo + ["--processes", "2", "--devices", "2", "--out",
-                                        str(tmp / "multi")], env=_ENV, cwd=tmp,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-      "single": subprocess.Popen(demo + ["--devices", "4", "--out", str(tmp / "single")],
-                                 env=distributed.child_env(0, cpu_devices=4, base=_ENV),
-                                 cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)}
+  runs = {  # in turn: side by side, the pair's gloo collectives wait spinning
+      "multi": (demo + ["--processes", "2", "--devices", "2", "--out", str(tmp / "multi")],
+                _ENV),
+      "single": (demo + ["--devices", "4", "--out", str(tmp / "single")],
+                 distributed.child_env(0, cpu_devices=4, base=_ENV))}
   results = {}
-  try:
-    for name, p in procs.items():
-      out, err = p.communicate(timeout=_TIMEOUT)
-      assert p.returncode == 0, f"the {name} run failed:\n{err[-4000:]}"
-      with open(tmp / name / "losses.json") as f:
-        results[name] = (out, err, json.load(f))
-  finally:
-    for p in procs.values():
-      p.kill()
+  for name, (argv, env) in runs.items():
+    p = subprocess.run(argv, env=env, cwd=tmp, capture_output=True, text=True,
+                       timeout=_TIMEOUT)
+    assert p.returncode == 0, f"the {name} run failed:\n{p.stderr[-4000:]}"
+    with open(tmp / name / "losses.json") as f:
+      results[name] = (p.stdout, p.stderr, json.load(f))
   return results
 
 
