@@ -38,8 +38,11 @@ TEST_ENV = TRITON_INTERPRET=1 XLA_FLAGS="$$XLA_FLAGS $(CPU_TEST_FLAGS)"
 SHARDED_ENV = PALLAS_NORM_SHARDED=1 TRITON_INTERPRET=1 \
   XLA_FLAGS="$$XLA_FLAGS $(CPU_TEST_FLAGS) --xla_force_host_platform_device_count=8"
 TEST_WORKERS ?= 2
+# tests/multihost (jax.distributed: 2 processes x 4 CPU devices, in subprocesses of their
+# own) runs in the first line; --dist loadgroup keeps it on one worker, so that its
+# process pairs start once, one pair at a time.
 test: $(VENV)/.stamp-test
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) tests
 	$(SHARDED_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests/sharded
 	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --nbmake --nbmake-timeout=600 notebooks
 

@@ -17,6 +17,16 @@ parallel: standard ``jax.jit`` SPMD over a 1-D ``("data",)`` mesh with Auto axis
 the model and optimizer state replicated and each batch split over its rows, so that
 pallas_norm's kernels run on every device's own rows and only gradients are all-reduced.
 
+Across processes (issue #59; docs/multi_gpu.md, "Many hosts") the same step runs on one
+global mesh under ``jax.distributed``: ``--coordinator HOST:PORT --num-processes K
+--process-id I`` (what SLURM, Kubernetes or mpirun start each process with), or
+``--distributed auto`` (``jax.distributed.initialize()``'s cluster detection). The mesh
+holds ``--devices`` local devices of every process; every process draws the same global
+batches and feeds its own rows (``jax.make_array_from_process_local_data``), and only
+process 0 prints and writes files. ``--processes K`` launches K such processes on this
+machine (``pallas_norm.distributed.launch``): one GPU each where there are K GPUs, else
+``--devices`` (default 1) fake CPU devices each.
+
 ``--fp8`` adds a third model (issue #27): the same one with each block's norm -> dense
 pairs (the attention norm -> qkv, the MLP norm -> gate/up projection) replaced by
 ``flax_layers.RMSNormDenseFP8`` (FP8 activations and weights, e5m2 gradients, delayed
@@ -38,8 +48,10 @@ Model (pre-norm blocks)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -56,6 +68,7 @@ from tqdm import tqdm
 import pallas_norm
 from flax_layers import fp8 as _fp8_layers
 from pallas_norm import config as _config
+from pallas_norm import distributed as _distributed
 from pallas_norm import ops as _ops
 
 __all__ = ["DemoConfig", "RunResult", "DemoResults", "CharTransformer", "load_text",
@@ -103,7 +116,8 @@ class DemoConfig:
   eval_batches: int = 4
   sample_chars: int = 120
   progress: bool = True
-  devices: int | None = None  # local devices for data parallel; None: all; 1: one device
+  # local devices (of each process) for data parallel; None: all; 1: one device
+  devices: int | None = None
   fp8: bool = False  # also train the FP8 model (norm -> dense pairs fused, FP8 GEMMs); bf16
   fp8_scaling: str = "delayed"  # the FP8 layers' scaling: "delayed" or "current"
 
@@ -133,7 +147,7 @@ class DemoResults:
   num_params: int
   vocab_size: int
   text_chars: int
-  num_devices: int = 1  # devices each train step ran on
+  num_devices: int = 1  # devices each train step ran on (in all processes)
   mesh: jax.sharding.Mesh | None = None  # the data-parallel mesh; None: one device
   fp8: RunResult | None = None  # --fp8: the FP8 model's run (the others then run in bf16)
 
@@ -181,8 +195,15 @@ def load_text(path: str | None) -> str:
   return text
 
 
-def check_config(cfg: DemoConfig, text_chars: int) -> None:
-  """Raises ValueError, with the flag's name, for a config the demo cannot run."""
+def check_config(cfg: DemoConfig, text_chars: int, *, local_devices: int | None = None,
+                 processes: int | None = None) -> None:
+  """Raises ValueError, with the flag's name, for a config the demo cannot run.
+
+  ``local_devices`` / ``processes``: the devices each process will have and the process
+  count (default: this process's, ``jax.local_device_count()`` and
+  ``jax.process_count()``; the launcher passes its children's without starting jax).
+  """
+  processes = jax.process_count() if processes is None else processes
   for flag, v in (("steps", cfg.steps), ("batch", cfg.batch), ("seq", cfg.seq),
                   ("d-model", cfg.d_model), ("layers", cfg.layers), ("heads", cfg.heads),
                   ("eval-batches", cfg.eval_batches)):
@@ -206,19 +227,24 @@ def check_config(cfg: DemoConfig, text_chars: int) -> None:
   if cfg.devices is not None:
     if cfg.devices < 1:
       raise ValueError(f"--devices={cfg.devices} must be a positive integer")
-    local = jax.local_device_count()
+    local = jax.local_device_count() if local_devices is None else local_devices
     if cfg.devices > local:
       raise ValueError(f"--devices={cfg.devices}, but this process has {local} local "
                        f"device(s)")
-    if cfg.batch % cfg.devices:
+    total = cfg.devices * processes
+    if cfg.batch % total:
+      across = f" x {processes} processes" if processes > 1 else ""
       raise ValueError(f"--batch={cfg.batch} must be a multiple of --devices="
-                       f"{cfg.devices}: data parallel gives every device batch/devices "
-                       f"sequences")
+                       f"{cfg.devices}{across}: data parallel gives every device "
+                       f"batch/{total} sequences")
+  elif cfg.batch % processes:
+    raise ValueError(f"--batch={cfg.batch} must be a multiple of the {processes} "
+                     f"processes: each feeds batch/{processes} sequences")
   need = int(np.ceil((cfg.seq + 2) / _HELDOUT_FRACTION))
   if text_chars < need:
     raise ValueError(f"the text has {text_chars} characters; --seq={cfg.seq} needs at "
                      f"least {need} (a {_HELDOUT_FRACTION:.0%} held-out split of seq+2)")
-  if cfg.backend == "mosaic":
+  if cfg.backend == "mosaic" and local_devices is None:  # (the launcher: its children do)
     _check_mosaic(cfg)
 
 
@@ -231,7 +257,7 @@ def _check_mosaic(cfg: DemoConfig) -> None:
   and turns their NotImplementedError into the flag error.
   """
   ndev, _ = data_parallel_devices(cfg)
-  rows = cfg.batch // ndev * cfg.seq
+  rows = cfg.batch // (ndev * jax.process_count()) * cfg.seq
   x = jax.ShapeDtypeStruct((rows, cfg.d_model), jnp.float32)
   scale = jax.ShapeDtypeStruct((cfg.d_model,), jnp.float32)
   loss = lambda x, scale: pallas_norm.rms_norm(x, scale, backend="mosaic").sum()
@@ -243,26 +269,40 @@ def _check_mosaic(cfg: DemoConfig) -> None:
 
 
 def data_parallel_devices(cfg: DemoConfig) -> tuple[int, str | None]:
-  """(how many local devices the run uses, why it uses one device where it could use more).
+  """(how many local devices the run uses in each process, why it uses one device where
+  it could use more).
 
   ``cfg.devices`` (checked by ``check_config``) is used as given. None means all local
-  devices, unless ``cfg.batch`` does not divide by their number: then the run falls back
-  to one device and the second item says so (None otherwise).
+  devices, unless ``cfg.batch`` does not divide by their number (times the process
+  count): then each process uses one device and the second item says so (None
+  otherwise).
   """
   if cfg.devices is not None:
     return cfg.devices, None
-  local = jax.local_device_count()
-  if local > 1 and cfg.batch % local:
-    return 1, (f"data parallel off: --batch={cfg.batch} is not a multiple of the {local} "
-               f"local devices, so the run uses one device (pass --devices N with N "
-               f"dividing the batch to split it)")
+  local, processes = jax.local_device_count(), jax.process_count()
+  if local > 1 and cfg.batch % (local * processes):
+    return 1, (f"data parallel off: --batch={cfg.batch} is not a multiple of the "
+               f"{local * processes} devices, so the run uses one device per process "
+               f"(pass --devices N with N dividing the batch to split it)")
   return local, None
 
 
 def data_mesh(n: int) -> jax.sharding.Mesh:
-  """The 1-D ``("data",)`` mesh, Auto axis type, over the first ``n`` local devices."""
-  return jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.local_devices()[:n])
+  """The 1-D ``("data",)`` mesh, Auto axis type, over the first ``n`` local devices of
+  every process (process 0's first): [n * jax.process_count()] devices."""
+  devices = [d for p in range(jax.process_count())
+             for d in [d for d in jax.devices() if d.process_index == p][:n]]
+  return jax.make_mesh((len(devices),), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+
+
+def _feed(sharding: NamedSharding, a: np.ndarray, axis: int) -> jax.Array:
+  """The global array of ``a`` (the same host array in every process), sharded along
+  ``axis``: each process hands over only the rows its own devices hold."""
+  rows = [i[axis] for i in sharding.addressable_devices_indices_map(a.shape).values()]
+  lo, hi = min(r.start or 0 for r in rows), max(r.stop or a.shape[axis] for r in rows)
+  local = a[(slice(None),) * axis + (slice(lo, hi),)]
+  return jax.make_array_from_process_local_data(sharding, local, a.shape)
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, seq: int):
@@ -390,7 +430,7 @@ def _loss(model, x, y):
 def _make_steps(graphdef, mesh=None):
   """jit-compiled (train_step, eval_losses) over the flat (model, optimizer) state.
 
-  With a ``mesh`` the train step returns the state and the loss replicated over it.
+  With a ``mesh`` both return their results (state, losses) replicated over it.
   """
   jit_kw = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
 
@@ -406,7 +446,7 @@ def _make_steps(graphdef, mesh=None):
     opt.update(model, _fp8_layers.update_fp8_meta(model, grads))
     return nnx.state((model, opt)), loss
 
-  @jax.jit
+  @functools.partial(jax.jit, **jit_kw)
   def eval_losses(state, xs, ys):  # xs, ys: [S, K, B, T] -> [S] mean loss of each set
     model, _ = nnx.merge(graphdef, state)
     losses = jax.lax.map(lambda xy: _loss(model, *xy), (xs.reshape(-1, *xs.shape[2:]),
@@ -433,7 +473,7 @@ def _run(name: str, model, cfg: DemoConfig, batches, evals, mesh=None):
   if mesh is not None:
     state = jax.device_put(state, NamedSharding(mesh, P()))
     batch_sharding = NamedSharding(mesh, P("data"))  # [B, T]: rows over "data"
-    batches = (jax.device_put(xy, batch_sharding) for xy in batches)
+    batches = (tuple(_feed(batch_sharding, a, 0) for a in xy) for xy in batches)
   losses = []
   bar = tqdm(total=cfg.steps, desc=f"{name:>20}", disable=not cfg.progress,
              dynamic_ncols=True, file=sys.stderr)
@@ -460,7 +500,7 @@ def _run(name: str, model, cfg: DemoConfig, batches, evals, mesh=None):
   rest = cfg.steps - 1
   steps_per_s = rest / (t_end - t_first) if rest else float("nan")
   if mesh is not None:  # the evaluation batches [2, K, B, T] are split along B too
-    evals = jax.device_put(evals, NamedSharding(mesh, P(None, None, "data")))
+    evals = tuple(_feed(NamedSharding(mesh, P(None, None, "data")), a, 2) for a in evals)
   train_loss, heldout_loss = (float(v) for v in eval_losses(state, *evals))
   return RunResult(name, losses, train_loss, heldout_loss, steps_per_s, t_first - t0,
                    batch_sharding), (graphdef, state)
@@ -491,8 +531,9 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
     cfg: the run's config (``check_config`` must accept it).
     text: the training text; None loads ``cfg.text`` with ``load_text``.
 
-  Both models train on the devices ``data_parallel_devices(cfg)`` picks: data parallel
-  over ``data_mesh(n)`` when n > 1, as before on the default device when n == 1.
+  Both models train on the devices ``data_parallel_devices(cfg)`` picks in each process:
+  data parallel over ``data_mesh(n)`` when there are several in all (n per process),
+  as before on the default device when there is one.
 
   Returns:
     DemoResults with both RunResults (same init, same batches), generated samples, and
@@ -539,8 +580,9 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
       _fp8_layers.RMSNormDenseFP8, scaling=cfg.fp8_scaling,
       backend=cfg.backend)) if cfg.fp8 else None
 
-  num_devices, _ = data_parallel_devices(cfg)
-  mesh = data_mesh(num_devices) if num_devices > 1 else None
+  local_devices, _ = data_parallel_devices(cfg)
+  num_devices = local_devices * jax.process_count()
+  mesh = data_mesh(local_devices) if num_devices > 1 else None
   pallas_run, (graphdef, state) = _run("pallas_norm.RMSNorm", ours, cfg, batches, evals,
                                        mesh)
   flax_run, _ = _run("flax.nnx.RMSNorm", theirs, cfg, batches, evals, mesh)
@@ -555,6 +597,8 @@ def train(cfg: DemoConfig, text: str | None = None) -> DemoResults:
     ends = np.arange(cfg.seq, len(heldout_data) + 1)
   prompt_ends = rng.choice(ends, size=_SAMPLE_PROMPTS, replace=False)
   prompts = heldout_data[prompt_ends[:, None] - cfg.seq + np.arange(cfg.seq)]  # [P, T]
+  if jax.process_count() > 1:  # each process samples on its own device, from host params
+    state = jax.device_get(state)
   generated = _sample(graphdef, state, prompts, cfg.sample_chars, cfg.seed)
   samples = ["".join(chars[i] for i in row) for row in generated]
   return DemoResults(pallas_run, flax_run, samples, int(num_params), len(chars), len(text),
@@ -624,21 +668,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--fp8-scaling", choices=_fp8_layers.SCALINGS, default=d.fp8_scaling,
                  help="the FP8 layers' scaling (default %(default)s)")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  _distributed.add_arguments(p)
   return p
 
 
-def main(argv: list[str] | None = None) -> int:
-  """The CLI. Bad input exits with code 2 and a one-line message (argparse's)."""
-  parser = _parser()
-  args = parser.parse_args(argv)
-  cfg = DemoConfig(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model,
-                   layers=args.layers, heads=args.heads, learning_rate=args.lr,
-                   mode=args.mode, backend=args.backend, text=args.text, out=args.out,
-                   seed=args.seed, progress=not args.no_progress, devices=args.devices,
-                   fp8=args.fp8, fp8_scaling=args.fp8_scaling)
+def _checked_text(parser, cfg: DemoConfig, **devices) -> str:
+  """The training text, once ``check_config(cfg, ..., **devices)`` accepts the config
+  and --out can be made; else argparse's exit 2."""
   try:
     text = load_text(cfg.text)
-    check_config(cfg, len(text))
+    check_config(cfg, len(text), **devices)
   except OSError as e:
     parser.error(f"--text {cfg.text}: {e.strerror or e}")
   except ValueError as e:
@@ -647,17 +686,94 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(cfg.out, exist_ok=True)
   except OSError as e:
     parser.error(f"--out {cfg.out}: {e.strerror or e}")
+  return text
+
+
+def _launch(parser, argv: list[str], cfg: DemoConfig, k: int) -> int:
+  """--processes K: K processes of this command on this machine, one jax.distributed job.
+
+  One GPU each where this machine has >= K GPUs (``--devices`` must then be 1 or left
+  out), else ``--devices`` (default 1) fake CPU devices each. Process 0's output is this
+  one's. Returns 0, or the exit code of the first process that failed (its stderr tail
+  printed). The config is checked here first, without starting jax.
+  """
+  on_gpu = _distributed.local_gpu_count() >= k
+  if on_gpu and cfg.devices not in (None, 1):
+    parser.error(f"--processes {k} on this machine's GPUs gives each process one GPU: "
+                 f"--devices={cfg.devices} must be 1 or left out")
+  cpu_devices = None if on_gpu else cfg.devices or 1
+  _checked_text(parser, cfg, local_devices=cpu_devices or 1, processes=k)
+  rest, skip = [], False
+  for a in argv:  # the command line less --processes K
+    if skip or a.startswith("--processes="):
+      skip = False
+    elif a == "--processes":
+      skip = True
+    else:
+      rest.append(a)
+  where = "one GPU" if on_gpu else f"{cpu_devices} CPU device(s)"
+  print(f"--processes {k}: {k} processes of jax.distributed on this machine, {where} each "
+        f"(coordinator on localhost); process 0's output follows", file=sys.stderr)
+  try:
+    _distributed.launch([sys.executable, "-m", "pallas_norm.demo"] + rest, k,
+                        cpu_devices=cpu_devices, timeout=None, passthrough=0)
+  except _distributed.LaunchError as e:
+    print(f"python -m pallas_norm.demo --processes {k}: {e}", file=sys.stderr)
+    return next((r.returncode for r in e.results if r.returncode), 1)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The CLI. Bad input exits with code 2 and a one-line message (argparse's), before
+  anything runs. ``--processes K`` returns the first failed process's exit code."""
+  parser = _parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parser.parse_args(argv)
+  if (msg := _distributed.check_arguments(args)) is not None:
+    parser.error(msg)
+  cfg = DemoConfig(steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model,
+                   layers=args.layers, heads=args.heads, learning_rate=args.lr,
+                   mode=args.mode, backend=args.backend, text=args.text, out=args.out,
+                   seed=args.seed, progress=not args.no_progress, devices=args.devices,
+                   fp8=args.fp8, fp8_scaling=args.fp8_scaling)
+  if args.processes is not None:
+    return _launch(parser, argv, cfg, args.processes)
+  if _distributed.is_distributed(args):
+    try:
+      _distributed.initialize(args)
+    except (RuntimeError, ValueError) as e:
+      parser.error(f"jax.distributed.initialize: {e}")
+  text = _checked_text(parser, cfg)
   platform = _config.device_info().platform
   if cfg.backend == "triton" and platform != "gpu":
     parser.error("--backend triton needs a GPU (jax-triton cannot run on CPU); "
                  "use --backend pallas, which runs in interpret mode here")
-  interpret = cfg.backend != "xla" and platform != "gpu"
+  if jax.process_index() == 0:
+    return _report(cfg, text, platform)
+  # the other processes train their part of each step, silently
+  with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+    train(dataclasses.replace(cfg, progress=False), text)
+  return 0
 
+
+def _report(cfg: DemoConfig, text: str, platform: str) -> int:
+  """Process 0's part of ``main``: trains, prints the table, writes the PNG and
+  losses.json into ``cfg.out``."""
+  interpret = cfg.backend != "xla" and platform != "gpu"
   dev = jax.devices()[0]
+  procs = jax.process_count()
   print(f"jax {jax.__version__}: backend {jax.default_backend()}, device {dev.device_kind} "
-        f"({len(jax.devices())} device(s))")
+        f"({len(jax.devices())} device(s)" + (f" in {procs} processes)" if procs > 1 else ")"))
   ndev, why = data_parallel_devices(cfg)
-  if jax.local_device_count() > 1:  # one device: the output is as it always was
+  if procs > 1:
+    total = ndev * procs
+    print(f"data parallel over {total} devices in {procs} processes (jax.distributed), "
+          f"{ndev} of each one's {jax.local_device_count()} local devices: "
+          f"{data_mesh(ndev)}, batch {cfg.batch} split {cfg.batch // total} per device, "
+          f"each process feeding its {cfg.batch // procs} rows; model and optimizer "
+          f"state replicated")
+    ndev = total
+  elif jax.local_device_count() > 1:  # one device: the output is as it always was
     if ndev > 1:
       print(f"data parallel over {ndev} of {jax.local_device_count()} local devices: "
             f"{data_mesh(ndev)}, batch {cfg.batch} split {cfg.batch // ndev} per device, "
@@ -686,6 +802,11 @@ def main(argv: list[str] | None = None) -> int:
   wall = time.perf_counter() - t0
 
   png = os.path.join(cfg.out, "loss_curve.png")
+  with open(os.path.join(cfg.out, "losses.json"), "w") as f:
+    json.dump({"num_devices": r.num_devices, "num_processes": jax.process_count(),
+               **{run.norm: {"losses": run.losses.tolist(), "train_loss": run.train_loss,
+                             "heldout_loss": run.heldout_loss}
+                  for run in (r.pallas, r.flax) + ((r.fp8,) if r.fp8 else ())}}, f)
   _plot(r, f"char-level Llama-style transformer on {os.path.basename(cfg.text or 'pydoc_data.topics')}", png)
 
   print(f"\nparams: {r.num_params:,}  vocab: {r.vocab_size} chars")
@@ -714,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
   for s in r.samples:
     lines = [ln.rstrip() for ln in s.splitlines() if ln.strip()][:2]
     print("\n".join(f"  | {ln}" for ln in lines))
-  print(f"\nloss curve: {png}   total wall time: {wall:.1f} s")
+  print(f"\nloss curve: {png} (the losses: losses.json)   total wall time: {wall:.1f} s")
   return 0
 
 

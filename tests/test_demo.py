@@ -101,6 +101,20 @@ def test_cli_fp8_tracks_bf16(tmp_path, capsys, monkeypatch):
     (["--devices", "0"], "--devices=0 must be a positive integer"),
     (["--devices", "100000"], "--devices=100000, but this process has"),
     (["--backend", "mosaic"], "N=64 must be a multiple of 128"),
+    # the multi-process flags (pallas_norm.distributed), checked before jax starts
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id=2 must be in [0, --num-processes=2)"),
+    (["--coordinator", "localhost:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes=0 must be a positive integer"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator='localhost' must be HOST:PORT"),
+    (["--num-processes", "2"], "--num-processes also needs --coordinator, --process-id"),
+    (["--distributed", "auto", "--process-id", "1"], "--distributed auto reads the"),
+    (["--processes", "2", "--process-id", "0"], "--processes launches the processes"),
+    (["--processes", "0"], "--processes=0 must be a positive integer"),
+    (["--processes", "2", "--batch", "3"], "--batch=3 must be a multiple of the 2 processes"),
+    (["--processes", "2", "--devices", "1", "--batch", "3"],
+     "--batch=3 must be a multiple of --devices=1 x 2 processes"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
