@@ -10,7 +10,7 @@ default config's (max |diff|).
 
 Usage (GPU machine): python benchmarks/fp8_input_bwd_sweep.py OUT.json [--stage1-flags]
 [--vector] [--wide] [--wide-tile] [--bf16-params] (``--stage1-flags``: the default config with
-BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning.md#stage1-flags,
+BackwardConfig.prefetch_stats and joint_row_sums on and off, docs/tuning_rules.md#stage1-flags,
 instead of the launch configs; ``--vector``: the launch configs with FP8 x loaded in
 runs of 8 elements a thread (``_fp8_sweep.forced_fp8_vector``) and the default config
 with 16-value runs beside them, docs/fp8_tuning.md#fp8-x-vector; ``--wide``: rows of 16384
@@ -53,7 +53,7 @@ VECTOR_VARIANTS = [(None, 8), (None, 0), ((2, 16, 1), 8), ((1, 16, 1), 8), ((2, 
 
 
 # --wide: (name, fields of BackwardConfig set on the default, from (default, sms, n)), the
-# default being the split-row kernel of W = 512 at 1 warp (docs/tuning.md#bwd-split):
+# default being the split-row kernel of W = 512 at 1 warp (docs/tuning_rules.md#bwd-split):
 # W and its warps doubled keep the default's programs (as its rule would), ``occupancy``
 # scales them; the pair's grid is occupancy x SMs / chunks, as _BWD_CHUNK_OCCUPANCY's.
 def _split(w, occupancy=1.0, lag=2, early=False):

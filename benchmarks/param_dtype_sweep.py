@@ -1,6 +1,6 @@
 """Forward launch configs with float32 scale/bias and bf16 x (the functional API called
 with float32 parameters), Pallas backend: what the default loses against bf16
-parameters, and which config wins back the difference (docs/tuning.md#f32-params).
+parameters, and which config wins back the difference (docs/tuning_rules.md#f32-params).
 
 Per shape, in one process (a fault loses that shape only): the default config with bf16
 scale/bias, the default with float32 scale/bias, then float32 scale/bias with each

@@ -4,10 +4,10 @@ What lives where:
   this module       the configs (``ForwardConfig``, ``BackwardConfig``), the device
                     summary (``DeviceInfo``, ``device_info``), the rules (the constants
                     under "Rules": one line each, with a one-line reason and
-                    ``[T#anchor]``, the section of docs/tuning.md that holds its
+                    ``[T#anchor]``, the section of docs/tuning_rules.md that holds its
                     measurement) and the selectors that apply them (``choose_mode``,
                     ``forward_config``, ``backward_config``, ``reduce_config``).
-  docs/tuning.md    every rule's evidence (device, date, figures, results file under
+  docs/tuning_rules.md    every rule's evidence (device, date, figures, results file under
                     benchmarks/results/) and how to run the sweep again.
   docs/design.md    what the kernels these configs launch do.
   tests/test_config_pinned.py
@@ -435,7 +435,7 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
 
 # ======================================================================== Rules
 # One rule a line (or a small table): the value, a one-line reason, and [T#anchor]: the
-# section of docs/tuning.md with the measurement (device, date, figures, results file).
+# section of docs/tuning_rules.md with the measurement (device, date, figures, results file).
 # Times are H200 bf16 kernel times in us unless a line says otherwise; "a/b" is the
 # rule's pick (a) against the alternative (b); N' is next_power_of_2(N).
 
@@ -910,7 +910,7 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
       static_persistent (chunked)      N > 32768
       multi_wave_reload                N' > 8192
       multi_wave_cached                otherwise (narrow rows included)
-    Evidence: docs/tuning.md, sections fwd-modes, long-rows, persistent-tile, rms-split
+    Evidence: docs/tuning_rules.md, sections fwd-modes, long-rows, persistent-tile, rms-split
     and ln-persistent-split.
   """
   del m
@@ -1196,7 +1196,7 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
     and all of ``backend="triton"``'s wide rows, the row-statistics + column-tiled pair.
     Never ``reload_rows``. On the H100 the one-tile stage 1 takes ``prefetch_stats``
     and ``joint_row_sums`` where they measured faster ([T#stage1-flags]). Evidence:
-    docs/tuning.md, the "Backward" sections.
+    docs/tuning_rules.md, the "Backward" sections.
   """
   device = device or device_info()
   cfg = tuned and _tuned("bwd", m, n, dtype, device, backend=backend, mode=None,

@@ -767,7 +767,7 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       or "static_persistent"; no FP8 x or sharded hidden dim yet; docs/mosaic.md), or
       None: per kernel (forward, backward), the backend that measured faster on this
       GPU and serves the call, with scale/bias in x's dtype;
-      else "pallas" (``config.choose_backend``, docs/tuning.md#backend; on CPU too).
+      else "pallas" (``config.choose_backend``, docs/tuning_rules.md#backend; on CPU too).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
     axis_name: inside ``jax.shard_map`` only: a mesh axis name (or a tuple of them) over
       which x's last axis is split, as flax's ``axis_name``: the statistics are those

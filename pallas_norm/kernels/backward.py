@@ -88,7 +88,7 @@ def _dx_out(dx_ref, dres_ref, dh_ref):
 
 # LayerNorm's backward stage 1 with the fused residual add prefetches the next row
 # block's dh with its x and dy when block_n <= this; wider tiles, and RMSNorm, load dh at
-# the store. H200, bf16 (docs/tuning.md#residual): prefetched, LayerNorm 8192x4096
+# the store. H200, bf16 (docs/tuning_rules.md#residual): prefetched, LayerNorm 8192x4096
 # 98.4 -> 91.8 us ([1, 4096] x 16 warps) and 88.5 -> 82.6 ([2, 4096] x 8), 16384x4096
 # 187.9 -> 177.1; but [1, 8192] tiles lose (LayerNorm 8192x8192 171.6 -> 199.6, RMSNorm
 # 141.8 -> 156.3), and so does RMSNorm's [1, 4096] x 16 at 2 programs a SM (the kernel
@@ -436,11 +436,11 @@ def _bwd_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias
   ``lag`` row blocks of lead mean the slots are complete by the time they are read
   (H200 4096 x 65536 RMSNorm at [1, 2048], 4 warps: 527 us at lag 2 against 560 with
   the split held in registers; with the reload issued after the wait, 696;
-  docs/tuning.md#bwd-split gives the sweeps).
+  docs/tuning_rules.md#bwd-split gives the sweeps).
   With ``early`` (``BackwardConfig.split_early_publish``) step 1's loads are issued
   before step 2 of the row block ``lag`` behind and reduced after it
   (_split_rows_loop): the HBM loads are in flight across the wait, at the price of
-  holding them in registers (LayerNorm's rule, docs/tuning.md#bwd-split-ln-early).
+  holding them in registers (LayerNorm's rule, docs/tuning_rules.md#bwd-split-ln-early).
   The split is reduced and written as block_n / chunk_n separate column chunks (and
   scale and the partials as as many vectors).
   Programs take (r, k) from a ticket counter in the order they start, so a waiting

@@ -631,7 +631,7 @@ def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, 
   holds them as block_n / chunk_n separate [block_m, chunk_n] tiles, and normalises
   and stores them one after another: smaller live ranges, fewer registers, more
   programs a SM (H200, LayerNorm [1, 4096] splits at 1 warp: 253 registers a thread
-  as one tile, 167 as four; docs/tuning.md#ln-split gives the times).
+  as one tile, 167 as four; docs/tuning_rules.md#ln-split gives the times).
     1. it stores the split's partial statistics in slot [row, k];
     2. it adds 1 to the row block's arrival counter (acquire-release, GPU scope) and
        reads the counter again, at most ``max_polls`` times, until it reads
