@@ -281,7 +281,8 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
   rules do not cover). ``residual``: the fused residual add, whose rules were measured
   with x, the residual and h in one dtype (others: "pallas"). Also "pallas" for
   scale/bias in another dtype than x's: the rules were measured with them in x's (the
-  Pallas backend has its own float32-parameter tiles)."""
+  Pallas backend has its own float32-parameter tiles). A table's "xla" (the jnp math,
+  which XLA fuses) is taken wherever nothing is fused and no ``axis_name`` is given."""
   if st.backend is not None:
     return st.backend
   m, n = x2.shape
@@ -290,7 +291,9 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
                                    residual=residual, m=m,
                                    param_dtype=params[0] if params else None,
                                    llama=st.llama is not None)
-  if backend == "pallas" or st.interpret or fused or st.llama is not None:
+  if backend == "xla" and not fused and st.axis_name is None:
+    return "xla"  # a table's pick: XLA's fusion of the jnp math is the faster there
+  if backend in ("pallas", "xla") or st.interpret or fused or st.llama is not None:
     return "pallas"
   if residual and len({st.x_dtype, st.residual_dtype, st.residual_in_dtype}) != 1:
     return "pallas"  # an fp32 residual stream, say: not measured
@@ -344,6 +347,10 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   backend = _auto_backend("fwd", x2, scale, bias, st,
                           fused=combine_stats is not None or x_scale is not None,
                           residual=residual is not None)
+  if backend == "xla":  # the jnp math on these rows (no collectives: not fused)
+    y, mean, rstd, h = _xla_of(st, x2, residual, scale, bias)
+    mean = mean if st.subtract_mean else None
+    return (y, mean, rstd, h) if return_residuals else (y, None, None, h)
   params = [p.dtype for p in (scale, bias) if p is not None]
   cfg = _config.forward_config(
       m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean, backend=backend,
@@ -394,6 +401,13 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
   backend = _auto_backend("bwd", x2, scale, bias, st,
                           fused=combine_row_sums is not None or x_scale is not None,
                           residual=st.residual_dtype is not None)
+  if backend == "xla":  # the jnp math's vjp on these rows (no collectives: not fused)
+    dx, dres, dscale, dbias = _bwd_reference(st, dy, x2, None, scale, bias, mean, rstd,
+                                             dh)
+    if param_grad_dtype is not None:
+      dscale, dbias = (None if g is None else g.astype(param_grad_dtype)
+                       for g in (dscale, dbias))
+    return dx, dres, dscale, dbias
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=backend, residual=st.residual_dtype is not None,
                                param_dtype=None if scale is None else scale.dtype,
@@ -679,9 +693,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias)
                              if a is not None))
   interpret = _resolve_interpret(interpret, op)
-  if backend is None and interpret:  # backend=None: the Pallas backend on CPU
-    backend = "pallas"
-  if axes and interpret and backend == "pallas":
+  # backend=None in interpret mode (CPU): the Pallas backend, or a table's "xla"
+  if axes and interpret and backend in ("pallas", None):
     raise ValueError(
         f"{op} in Pallas interpret mode cannot run inside a jax.shard_map with "
         f"check_vma=True: JAX's interpret-mode lowering rejects operands typed as varying "

@@ -63,7 +63,7 @@ DEFAULT_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768
                   (512, 4096), (1, 2048), (64, 8192))
 FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama")
 TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
-BACKENDS = ("pallas", "triton", "mosaic")
+BACKENDS = ("pallas", "triton", "mosaic", "xla")
 _TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 _L2_BYTES = 64 << 20
 _MAX_ROTATIONS = 16
@@ -245,6 +245,8 @@ def _default(key, backend, mode, device) -> Candidate | None:
                              llama=p["llama"], tuned=False)
   except (ValueError, NotImplementedError):
     return None
+  if backend == "xla":  # no launch config: one candidate, an empty entry
+    return Candidate(tuning.Entry(key, "xla", "", ()), cfg)
   mode = getattr(cfg, "mode", None)
   return Candidate(_entry(key, backend, mode, cfg, device), cfg)
 
@@ -361,6 +363,8 @@ def _check_candidate(key, meas: _Measurer, cand: Candidate, ref) -> str | None:
 def _modes(key: tuning.Key, backend: str) -> tuple:
   if key.pass_ == "bwd":
     return (None,)
+  if backend == "xla":
+    return (None,)
   return ("static_persistent",) if backend == "mosaic" else C.MODES
 
 
@@ -412,7 +416,8 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
   results = []
   for rank, (_, backend, mode, start) in enumerate(starts):
     meas = measurer(backend, mode)
-    if rank < search_top and backend != "mosaic":  # mosaic picks its own configs
+    # mosaic's launchers pick their own configs; xla has none
+    if rank < search_top and backend not in ("mosaic", "xla"):
       _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain)
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),
                     key=lambda c: meas.times[c.config])

@@ -4,6 +4,7 @@ only the time is made up, as a function of the candidate's config."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -139,6 +140,38 @@ def test_tune_drops_a_winner_that_fails_the_check(tmp_path, monkeypatch):
   entries = tuning.Table.load(path).groups["fwd", "rms", "bfloat16", "bfloat16"]
   assert 2 in checked  # the injected optimum was checked, and refused
   assert len(entries) == 3 and all(e.fields["num_warps"] in (1, 4) for e in entries)
+
+
+def test_a_table_can_pick_xla(tmp_path, monkeypatch):
+  """Where the table's fastest is "xla", backend=None runs the jnp math for that pass
+  (no kernel), with the same values and gradients; backend="pallas" keeps the kernels."""
+  seen = _spy(monkeypatch)
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    return 1.0 if cand.entry.backend == "xla" else 5.0
+  path = tune.run(tune.keys_for([(8, 128)], ("layer",), ("fwd_stats", "bwd"), ("float32",)),
+                  out=tmp_path / "user" / "cpu.json", device=CPU, backends=("pallas", "xla"),
+                  timer=timer, progress=False, rounds=1, log=lambda *a: None)
+  table = tuning.Table.load(path)
+  assert {e.backend for e in table.entries()} == {"pallas", "xla"}
+  tuning.clear_cache()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+  s, b = (jnp.asarray(rng.standard_normal(128), jnp.float32) for _ in range(2))
+  dy = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+
+  def grads(backend):
+    f = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=backend, interpret=True)
+    y, pull = jax.vjp(f, x, s, b)
+    return (y, *pull(dy))
+  seen["fwd"].clear(), seen["bwd"].clear()
+  got = grads(None)
+  assert seen["fwd"] == [] and seen["bwd"] == []  # the table's xla for both passes
+  want = grads("xla")
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  grads("pallas")
+  assert seen["fwd"] and seen["bwd"]
 
 
 def test_cli(capsys, tmp_path):
