@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench bench-e2e gpu-check clean venv
+.PHONY: test demo bench bench-e2e gpu-check clean venv tune
 
 $(VENV)/.stamp-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ gpu-check:
 
 bench:
 	$(gpu_env) XLA_FLAGS="$$XLA_FLAGS --xla_gpu_enable_command_buffer=" $(PYTHON) -m pallas_norm.bench $(BENCH_ARGS)
+
+# The shipped tuning table of this GPU (docs/tuning.md): the tuner over the table's grid,
+# resumed where the last run stopped; run it until it says no key is left.
+tune:
+	$(gpu_env) $(PYTHON) -m pallas_norm.tune --preset table --shipped --no-progress $(TUNE_ARGS)
 
 # The end-to-end train-step benchmark (docs/e2e.md); XLA's default flags, as training runs.
 bench-e2e:

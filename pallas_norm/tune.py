@@ -54,13 +54,19 @@ import numpy as np
 from pallas_norm import config as C
 from pallas_norm import tuning
 
-__all__ = ["Candidate", "run", "main", "keys_for", "DEFAULT_SHAPES"]
+__all__ = ["Candidate", "run", "main", "keys_for", "DEFAULT_SHAPES", "TABLE_SHAPES"]
 
 # The kernel bench's shapes and the few-row buckets (decode, sampling).
 DEFAULT_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 128),
                   (16384, 16384), (4096, 65536), (1024, 262144), (8192, 2048),
                   (8192, 4096), (8192, 8192), (1, 4096), (8, 4096), (64, 4096),
                   (512, 4096), (1, 2048), (64, 8192))
+# The shipped tables' grid: every M bucket at these widths (M x N at most 2**26
+# elements), the larger M first (a partial table then serves training first).
+TABLE_NS = (1024, 2048, 4096, 8192, 16384, 65536)
+TABLE_MS = (32768, 4096, 512, 64, 8, 1)
+TABLE_SHAPES = tuple((m, n) for m in TABLE_MS for n in TABLE_NS if m * n <= 1 << 26)
+PRESETS = {"bench": DEFAULT_SHAPES, "table": TABLE_SHAPES}
 FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama")
 TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
 BACKENDS = ("pallas", "triton", "mosaic", "xla")
@@ -552,6 +558,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     log(f"  ({time.perf_counter() - tk:.1f} s)")
     if bar is not None:
       bar.update(1)
+  else:
+    log(f"no key left: {len(todo)} tuned, {len(keys) - len(todo)} already in {path}")
   if bar is not None:
     bar.close()
   if not path.exists():
@@ -569,10 +577,14 @@ def parser() -> argparse.ArgumentParser:
       prog="python -m pallas_norm.tune",
       description="Measure launch configs on this GPU and write a tuning table "
                   "(docs/tuning.md).")
-  p.add_argument("--shapes", type=_shapes, default=DEFAULT_SHAPES,
-                 help="MxN,MxN,... (default: the kernel bench's shapes and few-row ones)")
-  p.add_argument("--families", default="rms,layer",
-                 help=f"comma-separated, of {', '.join(FAMILIES)} (default rms,layer)")
+  p.add_argument("--shapes", type=_shapes, default=None,
+                 help="MxN,MxN,... (default: --preset's)")
+  p.add_argument("--preset", choices=tuple(PRESETS), default="bench",
+                 help="bench: the kernel bench's shapes and few-row ones (default); "
+                      "table: the shipped tables' grid (every M bucket at N 1024-65536)")
+  p.add_argument("--families", default="rms,layer,rms_res,layer_res",
+                 help=f"comma-separated, of {', '.join(FAMILIES)} (default: the first "
+                      f"four)")
   p.add_argument("--passes", default=",".join(TUNED_PASSES),
                  help=f"comma-separated, of {', '.join(TUNED_PASSES)}")
   p.add_argument("--dtypes", default="bfloat16", help="x's dtypes (default bfloat16)")
@@ -580,6 +592,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--backends", default=",".join(BACKENDS))
   p.add_argument("--out", default=None, help="the table (default: the user's table, "
                  "~/.cache/pallas_norm/<device_kind>.json or $PALLAS_NORM_TUNING_DIR)")
+  p.add_argument("--shipped", action="store_true",
+                 help="write the package's own table for this GPU "
+                      "(pallas_norm/tuning/<device_kind>.json) instead of the user's")
   p.add_argument("--iters", type=int, default=30)
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--rounds", type=int, default=2)
@@ -618,7 +633,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"pallas_norm.tune: {e}", file=sys.stderr)
     return 2
-  keys = keys_for(args.shapes, families, passes, dtypes, params)
+  keys = keys_for(args.shapes or PRESETS[args.preset], families, passes, dtypes, params)
   if args.dry_run:
     for k in keys:
       print(k.pass_, k.family, k.x, k.params, f"{k.m}x{k.n}")
@@ -629,7 +644,8 @@ def main(argv=None) -> int:
     print("pallas_norm.tune times kernels on a GPU (jax.default_backend() is "
           f"{jax.default_backend()!r}); --dry-run lists the keys", file=sys.stderr)
     return 2
-  path = run(keys, out=args.out, device=device, backends=backends, iters=args.iters,
+  out = tuning.shipped_path(device.name) if args.shipped else args.out
+  path = run(keys, out=out, device=device, backends=backends, iters=args.iters,
              workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
              search_top=args.search_top, confirm=args.confirm,
              confirm_rounds=args.confirm_rounds, budget_s=args.budget_s,
