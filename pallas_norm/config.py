@@ -307,16 +307,18 @@ def table_key(pass_: str, m: int, n: int, dtype, *, subtract_mean: bool,
                      dtype_name(dtype), dtype_name(param_dtype), int(n), int(max(m, 1)))
 
 
-def entry_fields(cfg, n: int, num_sms: int) -> dict:
-  """A ForwardConfig's or BackwardConfig's fields as a table stores them (above)."""
+def entry_fields(cfg, n: int, num_sms: int, m: int | None = None) -> dict:
+  """A ForwardConfig's or BackwardConfig's fields as a table stores them (above); with
+  ``m``, a grid clamped to the row blocks of m rows is stored as at least one program a
+  SM (one program for M = 1 says nothing of the grid for more rows)."""
   f = dataclasses.asdict(cfg)
   f.pop("mode", None)
   for k in ("reduce_block_n", "reduce_block_g", "reduce_num_warps"):
     f.pop(k, None)
   splits = cdiv(n, cfg.block_n) if cfg.split_rows else 1
-  # at least one program a SM: a grid clamped to few rows (M = 1 gives one program)
-  # says nothing of the grid for more rows
-  f["programs_per_sm"] = max(1.0, round(cfg.num_programs * splits / num_sms, 6))
+  pps = round(cfg.num_programs * splits / num_sms, 6)
+  clamped = m is not None and cfg.num_programs == cdiv(m, cfg.block_m)
+  f["programs_per_sm"] = max(1.0, pps) if clamped else pps
   del f["num_programs"]
   if "pieces" in f:
     pieces = f.pop("pieces")
@@ -329,18 +331,18 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
   padded row where the entry's was; block_m at most next_power_of_2(m); programs_per_sm
   times this device's SMs), or None where it does not fit."""
   f = entry.fields
-  pps = max(1.0, float(f.pop("programs_per_sm", 0)))  # as entry_fields stores it
-  bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
-  bn = int(f.get("block_n", bn_full))
-  f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
-  block_m = min(int(f.get("block_m", 1)), next_power_of_2(m))
-  f["block_m"] = _cpu_block_m(block_m, m) if device.platform == "cpu" else block_m
-  if f.get("chunk_n"):
-    f["chunk_n"] = min(int(f["chunk_n"]), f["block_n"])
-  splits = cdiv(n, f["block_n"]) if f.get("split_rows") else 1
-  programs = max(1, min(int(round(pps * device.num_sms)) // splits,
-                        cdiv(m, f["block_m"])))
   try:
+    pps = float(f.pop("programs_per_sm", 0))
+    bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
+    bn = int(f.get("block_n", bn_full))
+    f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
+    block_m = min(int(f.get("block_m", 1)), next_power_of_2(m))
+    f["block_m"] = _cpu_block_m(block_m, m) if device.platform == "cpu" else block_m
+    if f.get("chunk_n"):
+      f["chunk_n"] = min(int(f["chunk_n"]), f["block_n"])
+    splits = cdiv(n, f["block_n"]) if f.get("split_rows") else 1
+    programs = max(1, min(int(round(pps * device.num_sms)) // splits,
+                          cdiv(m, f["block_m"])))
     if entry.key.pass_ == "bwd":
       r = int(f.pop("pieces_round", 0))
       pieces = (_binary_pieces(cdiv(n, r) * r) if r and f["block_n"] >= n
@@ -362,7 +364,8 @@ def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
   bn_full = next_power_of_2(n)
   gpu = device.platform == "gpu"
   splits = cdiv(n, cfg.block_n)
-  if cfg.block_m * cfg.block_n > 65536 or cfg.block_n > max(bn_full, 1):
+  # a tile's registers (interpret mode raises block_m for speed: no such limit)
+  if (gpu and cfg.block_m * cfg.block_n > 65536) or cfg.block_n > max(bn_full, 1):
     return False
   if cfg.split_rows and (backend != "pallas" or cfg.block_n >= n or (
       gpu and splits > device.num_sms * split_resident_programs(cfg.num_warps))):

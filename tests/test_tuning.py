@@ -14,9 +14,6 @@ glue (config.table_key, entry_fields, from_entry, fits), on CPU.
   the op       rms_norm in interpret mode runs the user table's config, matches the
                reference, and an explicit mode= wins;
   packaging    a built wheel carries pallas_norm/tuning/*.json.
-
-Tests marked ``xfail(strict=True)`` with a reason starting "BUG" pin a defect of the code
-under test: each fails today and must pass once fixed (then drop the marker).
 """
 
 import contextlib
@@ -342,10 +339,6 @@ def test_two_corrupt_tables_warn_once_each():
   assert len(got) == 2
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, TypeError), reason=(
-    "BUG (config.from_entry): an entry whose config holds a non-numeric value passes "
-    "Table.from_doc, then int()/float() outside from_entry's try raise ValueError / "
-    "TypeError out of forward_config (and the op) instead of one warning and the default"))
 @pytest.mark.parametrize("cfg", [
     dict(TUNED, block_m="eight"), dict(TUNED, block_m=None), dict(TUNED, block_n=[128]),
     dict(TUNED, programs_per_sm="many"), dict(TUNED, chunk_n="x")],
@@ -513,11 +506,6 @@ def test_round_trip_backward(device, m, n, subtract_mean, backend):
   assert config.from_entry(e, m, n, device, backend) == cfg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (config.fits / from_entry on CPU): from_entry raises block_m to interpret "
-    "mode's 64 rows (_cpu_block_m), then fits() rejects block_m x block_n > 65536, a "
-    "GPU limit the CPU default itself exceeds: every CPU entry with N' >= 2048 at "
-    "M >= 64 is dropped (here the default [64, 2048] comes back None)"))
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 def test_round_trip_cpu_wide_rows(pass_):
   m, n = 128, 1536
@@ -529,11 +517,6 @@ def test_round_trip_cpu_wide_rows(pass_):
   assert config.from_entry(e, m, n, CPU, "pallas") == cfg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (config.entry_fields): programs_per_sm is floored at 1 even where the grid was "
-    "not clamped by the rows: the backward's row-statistics + column-tiled pair runs "
-    "fewer programs than SMs (triton 4096x8193 on 132 SMs: 88; Pallas 4096x1048577: 1), "
-    "stored as 1 a SM and rebuilt as 132: the table runs a grid that was never measured"))
 @pytest.mark.parametrize("device,m,n,backend", [
     (H200, 4096, 8193, "triton"), (H100, 4096, 1048577, "pallas")])
 def test_round_trip_backward_below_one_program_a_sm(device, m, n, backend):
@@ -588,11 +571,6 @@ def test_op_runs_the_user_table(monkeypatch):
   assert seen == [_default(mode="static_persistent")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (ops / tuning.context): the ops' jit key holds only the policy and the forced "
-    "entries, so a table installed after a shape was traced (a new user table plus "
-    "tuning.clear_cache(), or another PALLAS_NORM_TUNING_DIR) is not used at that shape: "
-    "the cached trace runs the old config while config.forward_config answers the new"))
 def test_op_follows_a_table_installed_after_a_trace(monkeypatch):
   seen = _spy(monkeypatch)
   x = _x(8, 128)

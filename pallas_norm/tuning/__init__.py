@@ -136,8 +136,10 @@ class Entry:
       cfg = d["config"]
       if not isinstance(cfg, dict):
         raise TypeError(f"config must be an object, got {type(cfg).__name__}")
-      cfg = tuple(sorted((str(a), tuple(b) if isinstance(b, list) else b)
-                         for a, b in cfg.items()))
+      for a, b in cfg.items():
+        if not isinstance(b, (bool, int, float)):
+          raise TypeError(f"config value {a}={b!r} must be a number or a bool")
+      cfg = tuple(sorted((str(a), b) for a, b in cfg.items()))
       us = None if d.get("us") is None else float(d["us"])
       dus = None if d.get("default_us") is None else float(d["default_us"])
       return cls(key, str(d["backend"]), str(d.get("mode") or ""), cfg, us, dus)
@@ -166,7 +168,10 @@ class Table:
       raise TableError(f"{path}: 'entries' must be a list")
     groups: dict = {}
     for d in entries:
-      e = Entry.from_json(d)
+      try:
+        e = Entry.from_json(d)
+      except TableError as err:
+        raise TableError(f"{path}: {err}") from None
       groups.setdefault(e.key.group, []).append(e)
     meta = {k: v for k, v in doc.items() if k != "entries"}
     return cls(path, meta, {g: tuple(v) for g, v in groups.items()})
@@ -266,7 +271,8 @@ def tables(kind: str, gpu: bool = True) -> tuple[Table, ...]:
   out = []
   if policy == "all":
     out.append(_load(str(user_path(kind)), False))
-  out.append(_load(str(shipped_path(kind)), gpu))
+  # a GPU with neither table: one warning (the user's own table is enough)
+  out.append(_load(str(shipped_path(kind)), gpu and out[:1] in ([], [None])))
   return tuple(t for t in out if t is not None)
 
 
@@ -300,14 +306,21 @@ def lookup(key: Key, kind: str, *, backend: str | None = None, mode: str | None 
   return None
 
 
+_GENERATION = [0]  # counts clear_cache() calls
+
+
 def context() -> tuple:
-  """A hashable token of what lookups answer now (the policy and the forced entries):
-  the ops put it in their jit's static arguments, so that a change is traced again."""
+  """A hashable token of what lookups answer now (the policy, the user's folder, the
+  tables read since the last ``clear_cache``, the forced entries): the ops put it in
+  their jit's static arguments, so that a change is traced again rather than served
+  from a cached trace."""
   forced_table = getattr(_FORCED, "table", None)
   entries = () if forced_table is None else tuple(forced_table.entries())
-  return (_policy(), entries)
+  return (_policy(), str(user_dir()), _GENERATION[0], entries)
 
 
 def clear_cache() -> None:
-  """Forget the tables read so far (and their warnings): the next lookup reads again."""
+  """Forget the tables read so far (and their warnings): the next lookup reads again,
+  and the ops trace again."""
   _load.cache_clear()
+  _GENERATION[0] += 1
