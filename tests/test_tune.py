@@ -174,6 +174,18 @@ def test_a_table_can_pick_xla(tmp_path, monkeypatch):
   assert seen["fwd"] and seen["bwd"]
 
 
+def test_tune_fp8_input_and_refused_keys(tmp_path):
+  """FP8 x (x_scale= a group of 16): its keys are tuned and checked like the others;
+  a key the op refuses (FP8 x with a residual) is skipped, not an error."""
+  keys = tune.keys_for([(8, 256)], ("rms", "rms_res"), ("fwd", "bwd"), ("float8_e4m3fn",),
+                       ("bfloat16",))
+  path = _run(tmp_path, keys, [])
+  table = tuning.Table.load(path)
+  assert set(table.groups) == {("fwd", "rms", "float8_e4m3fn", "bfloat16"),
+                               ("bwd", "rms", "float8_e4m3fn", "bfloat16")}
+  assert all(e.us is not None for e in table.entries())
+
+
 def test_cli(capsys, tmp_path):
   assert tune.main(["--dry-run", "--shapes", "1x4096,64x1000", "--families", "rms,layer_res",
                     "--passes", "fwd,bwd"]) == 0
