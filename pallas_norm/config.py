@@ -408,6 +408,17 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
   chunks = tuple(c for c in (1024, 2048, 4096, 8192, 16384) if c < bn_full)
   pallas = backend == "pallas"
   space: dict[str, tuple] = {}
+  if pass_.startswith("fp8_"):  # kernels/fp8.py's Fp8Config, and its kernel's flag
+    if pass_.startswith("fp8_quantise"):
+      return dict(block_n=(128, 256, 512, 1024), block_m=rows, num_warps=warps,
+                  bottom_up=(False, True))
+    space.update(block_m=rows, num_warps=warps, programs_per_sm=(0,) + per_sm,
+                 tile_params=(False, True), hoist_params=(False, True),
+                 row_amax=(False, True), packed=(False, True), stream_x=(False, True),
+                 packed_params=(False, True))
+    if pass_ == "fp8_delayed_t":
+      space["separate"] = (False, True)
+    return space
   if pass_ == "bwd":
     if bn_full > _BWD_SINGLE_TILE_MAX:
       space["block_n"] = tuple(c for c in (512,) + chunks if c < bn_full)

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_norm import config as _config
-from pallas_norm import ops, reference, spmd
+from pallas_norm import ops, reference, spmd, tuning
 
 __all__ = ["Fp8Norm", "rms_norm_fp8", "layer_norm_fp8", "norm_backward", "FP8_DTYPES",
            "MIN_Y_SCALE", "fp8_max", "current_scale", "quantise"]
@@ -125,6 +125,7 @@ class _Fp8Static:
   backend: str
   interpret: bool
   yt_lead: bool = False  # y_t as [N, *x.shape[:-1]] (the FP8 dense layer's), not [N, M]
+  tables: tuple = ()  # tuning.context(): a change of the tables' answers traces again
 
 
 def _check_backend(op: str, mode, backend: str) -> None:
@@ -251,7 +252,10 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8N
     y, y_t = _kernels.fp8_quantise(x2, scale, bias, mean, rstd, _F32(1.0) / y_scale,
                                    **kw, **q)
   else:  # one pass; y_t from it, or XLA's transpose of y where that is faster
-    sep = st.transpose and _kernels.transpose_separately(st.interpret)
+    sep = st.transpose and _kernels.transpose_separately(
+        st.interpret, x2.shape, x2.dtype, st.subtract_mean,
+        None if scale is None and bias is None else (scale if scale is not None
+                                                     else bias).dtype)
     y, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
         x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw,
         fp8_dtype=dt, transpose=st.transpose and not sep)
@@ -429,7 +433,7 @@ def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_o
                        transpose=transpose, mode=mode, backend=backend)
   st = _Fp8Static(float(eps), float(scale_offset), subtract_mean, dt.name, bool(transpose),
                   y_scale is not None, backend, ops._resolve_interpret(interpret),
-                  bool(yt_lead))
+                  bool(yt_lead), tuning.context())
   return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale, st)
 
 

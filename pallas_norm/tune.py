@@ -69,6 +69,11 @@ TABLE_SHAPES = tuple((m, n) for m in TABLE_MS for n in TABLE_NS if m * n <= 1 <<
 PRESETS = {"bench": DEFAULT_SHAPES, "table": TABLE_SHAPES}
 FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama")
 TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
+# The FP8-output kernels (rms_norm_fp8 / layer_norm_fp8; families rms and layer): delayed
+# scaling's one pass with and without y_t; current scaling's statistics pass and its
+# quantise pass with and without y_t (each timed in the op, the other kernel as it is).
+FP8_PASSES = ("fp8_delayed", "fp8_delayed_t", "fp8_stats", "fp8_quantise", "fp8_quantise_t")
+_FP8_TOL = 0.07  # an FP8 value that rounds the other way moves by up to 1/8
 BACKENDS = ("pallas", "triton", "mosaic", "xla")
 _TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 _L2_BYTES = 64 << 20
@@ -85,7 +90,10 @@ class Candidate:
 
   @property
   def label(self) -> str:
-    cls = C.BackwardConfig if self.entry.key.pass_ == "bwd" else C.ForwardConfig
+    from pallas_norm.kernels import fp8 as kfp8
+    cls = {"bwd": C.BackwardConfig}.get(self.entry.key.pass_, C.ForwardConfig)
+    if _fp8_out(self.entry.key):
+      cls = kfp8.Fp8Config
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     short = " ".join(f"{k}={v}" for k, v in sorted(self.entry.fields.items())
                      if k in ("block_m", "block_n", "num_warps") or defaults.get(k, 0) != v)
@@ -122,9 +130,20 @@ def _fp8(key: tuning.Key) -> bool:
 
 def _op(key: tuning.Key, backend: str, mode: str | None):
   """f(x, scale, bias, residual, x_scale) -> the op's output (y, or (y, h)); FP8 x
-  (x_scale not None) gives y in the params' dtype."""
+  (x_scale not None) gives y in the params' dtype; an FP8-output key: the Fp8Norm of
+  rms_norm_fp8 / layer_norm_fp8 (delayed scaling with y_scale 8/448)."""
   import pallas_norm
   p = _parts(key)
+  if _fp8_out(key):
+    kernel, transpose = _fp8_kernel(key)
+    ys = jnp.float32(8.0 / 448.0) if kernel == "delayed" else None
+    op = pallas_norm.layer_norm_fp8 if p["subtract_mean"] else pallas_norm.rms_norm_fp8
+    extra = (lambda b: (b,)) if p["subtract_mean"] else (lambda b: ())
+
+    def f8(x, s, b, r, xs):
+      del r, xs
+      return op(x, s, *extra(b), y_scale=ys, transpose=transpose, backend=backend)
+    return f8
   kw = dict(mode=mode, backend=backend, cast="llama" if p["llama"] else "torch")
   if _fp8(key):
     kw.update(group_size=FP8_GROUP, out_dtype=jnp.dtype(key.params))
@@ -168,7 +187,7 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
   leaves out the forward's kernels (``_Measurer.skip``). FP8 x's scales are constants
   (no cotangent)."""
   f = _op(key, backend, mode)
-  if key.pass_ == "fwd":
+  if key.pass_ == "fwd" or _fp8_out(key):
     return (lambda a: a[:4] + a[5:]), f
   if key.pass_ == "fwd_stats":
     def fwd_stats(x, s, b, r, xs):
@@ -225,15 +244,45 @@ def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> int:
 # --------------------------------------------------------------------------- search
 
 
+def _fp8_out(key: tuning.Key) -> bool:
+  return key.pass_ in FP8_PASSES
+
+
+def _fp8_kernel(key: tuning.Key) -> tuple[str, bool]:
+  """(kernels/fp8.py's kernel name, transpose) of an FP8-output key."""
+  name = key.pass_[len("fp8_"):]
+  return name.removesuffix("_t"), name.endswith("_t")
+
+
 def _entry(key, backend, mode, cfg, device) -> tuning.Entry:
-  fields = C.entry_fields(cfg, key.n, device.num_sms, key.m)
+  if _fp8_out(key):
+    from pallas_norm.kernels import fp8 as kfp8
+    cfg, flags = cfg
+    fields = kfp8.fp8_entry_fields(cfg, device.num_sms, key.m, **dict(flags))
+  else:
+    fields = C.entry_fields(cfg, key.n, device.num_sms, key.m)
   return tuning.Entry(key, backend, mode or "", tuple(sorted(fields.items())))
+
+
+def _fp8_rebuild(e: tuning.Entry, device):
+  """(Fp8Config, flags) of an FP8-output entry for its key's shape, or None."""
+  from pallas_norm.kernels import fp8 as kfp8
+  kernel, transpose = _fp8_kernel(e.key)
+  cfg = kfp8.fp8_from_entry(e, e.key.m, e.key.n, jnp.dtype(e.key.x), transpose,
+                            device.platform != "gpu")
+  flags = tuple(sorted((k, bool(v)) for k, v in e.fields.items() if k in kfp8.FP8_FLAGS))
+  return None if cfg is None else (cfg, flags)
 
 
 def _candidate(key, backend, mode, fields: dict, device) -> Candidate | None:
   """The candidate of ``fields`` rebuilt for the key's shape, or None if it does not
   fit (pruned before any trace)."""
   e = tuning.Entry(key, backend, mode or "", tuple(sorted(fields.items())))
+  if _fp8_out(key):
+    cfg = _fp8_rebuild(e, device)
+    if cfg is None or not _plausible(cfg[0], key.n):
+      return None
+    return Candidate(_entry(key, backend, mode, cfg, device), cfg)
   cfg = C.from_entry(e, key.m, key.n, device, backend)
   if cfg is None or not _plausible(cfg, key.n):
     return None
@@ -252,6 +301,21 @@ def _plausible(cfg, n: int) -> bool:
 def _default(key, backend, mode, device) -> Candidate | None:
   p = _parts(key)
   params = None if key.params == key.x else jnp.dtype(key.params)
+  if _fp8_out(key):
+    from pallas_norm.kernels import fp8 as kfp8
+    kernel, transpose = _fp8_kernel(key)
+    interpret = device.platform != "gpu"
+    cfg = kfp8.fp8_config(key.m, key.n, jnp.dtype(key.x), kernel=kernel,
+                          subtract_mean=p["subtract_mean"], transpose=transpose,
+                          interpret=interpret, param_dtype=jnp.dtype(key.params),
+                          tuned=False)
+    flags = ()
+    if kernel == "delayed" and transpose:
+      flags = (("separate", kfp8.transpose_separately(interpret)),)
+    if kernel == "quantise":
+      flags = (("bottom_up", kfp8.quantise_bottom_up(interpret)),)
+    cfg = (cfg, flags)
+    return Candidate(_entry(key, backend, None, cfg, device), cfg)
   try:
     if key.pass_ == "bwd":
       cfg = C.backward_config(key.m, key.n, jnp.dtype(key.x), device,
@@ -367,7 +431,7 @@ def _check(key, out, ref) -> str | None:
   out, ref = _primal(key, out), _primal(key, ref)
   if [a.shape for a in out] != [a.shape for a in ref]:
     return f"outputs {[a.shape for a in out]} against {[a.shape for a in ref]}"
-  tol = _TOL.get(key.x, 2e-2)
+  tol = _FP8_TOL if _fp8_out(key) else _TOL.get(key.x, 2e-2)
   for o, r in zip(out, ref):
     o32, r32 = np.asarray(o, np.float32), np.asarray(r, np.float32)
     err = float(np.linalg.norm(o32 - r32) / max(float(np.linalg.norm(r32)), 1e-30))
@@ -382,7 +446,7 @@ def _check_candidate(key, meas: _Measurer, cand: Candidate, ref) -> str | None:
 
 
 def _modes(key: tuning.Key, backend: str) -> tuple:
-  if key.pass_ == "bwd":
+  if key.pass_ == "bwd" or _fp8_out(key):
     return (None,)
   if backend == "xla":
     return (None,)
@@ -425,6 +489,8 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
   # ``search_top`` fastest of them only (the others keep their default's entry).
   starts = []
   for backend in backends:
+    if _fp8_out(key) and backend != "pallas":  # the FP8-output ops' tables: Pallas only
+      continue
     for mode in _modes(key, backend):
       start = _default(key, backend, mode, device)
       if start is None:
@@ -605,7 +671,9 @@ def parser() -> argparse.ArgumentParser:
                  help=f"comma-separated, of {', '.join(FAMILIES)} (default: the first "
                       f"four)")
   p.add_argument("--passes", default=",".join(TUNED_PASSES),
-                 help=f"comma-separated, of {', '.join(TUNED_PASSES)}")
+                 help=f"comma-separated, of {', '.join(TUNED_PASSES + FP8_PASSES)} "
+                      f"(default: the first three; the FP8-output passes with the "
+                      f"families rms, layer)")
   p.add_argument("--dtypes", default="bfloat16",
                  help="x's dtypes (default bfloat16; an FP8 dtype: FP8 input, x_scale= "
                       "a group of 16, y in the params' dtype)")
@@ -646,7 +714,7 @@ def main(argv=None) -> int:
   args = parser().parse_args(argv)
   try:
     families = _names(args.families, FAMILIES, "--families")
-    passes = _names(args.passes, TUNED_PASSES, "--passes")
+    passes = _names(args.passes, TUNED_PASSES + FP8_PASSES, "--passes")
     backends = _names(args.backends, BACKENDS, "--backends")
     dtypes = _names(args.dtypes, ("float32", "bfloat16", "float16", "float8_e4m3fn",
                                   "float8_e5m2"), "--dtypes")

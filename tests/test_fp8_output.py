@@ -161,7 +161,7 @@ def test_delayed_transpose_separately(op, monkeypatch):
   layer = op == "layer"
   x, s, b = _data((2, 9, 200), layer=layer)
   plain = OPS[op](*_args(op, x, s, b), y_scale=0.01)
-  monkeypatch.setattr(kfp8, "transpose_separately", lambda interpret=False: True)
+  monkeypatch.setattr(kfp8, "transpose_separately", lambda *a, **k: True)
   r, ref = _run(op, x, s, b, y_scale=0.01, transpose=True)
   _check_ref(r, ref, fp8_dtype=E4M3, transpose=True, layer=layer)
   np.testing.assert_array_equal(_bits(r.y), _bits(plain.y))
@@ -181,7 +181,7 @@ def test_quantise_bottom_up(op, transpose, monkeypatch):
   # order's values in a reused buffer; jax.clear_caches() around it, since the ops'
   # jits keep their first trace
   jax.clear_caches()
-  monkeypatch.setattr(kfp8, "quantise_bottom_up", lambda interpret=False: True)
+  monkeypatch.setattr(kfp8, "quantise_bottom_up", lambda *a, **k: True)
   r = OPS[op](*_args(op, x, s, b), transpose=transpose)
   monkeypatch.undo()
   jax.clear_caches()
@@ -202,7 +202,7 @@ def test_quantise_bottom_up_amax_passes(monkeypatch):
   kw = dict(scale_offset=0.0, subtract_mean=True, interpret=True)
   outs = {}
   for bottom_up in (True, False):  # the order under test first (see above)
-    monkeypatch.setattr(kfp8, "quantise_bottom_up", lambda interpret=False, v=bottom_up: v)
+    monkeypatch.setattr(kfp8, "quantise_bottom_up", lambda *a, v=bottom_up, **k: v)
     tile = kfp8.fp8_tile_amax(x, s, b, mean, rstd, **kw)
     y, _, bits = kfp8.fp8_quantise(x, s, b, mean, rstd, jnp.float32(0.01), **kw,
                                    fp8_dtype=E4M3, transpose=False, return_amax=True)

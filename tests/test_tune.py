@@ -186,6 +186,34 @@ def test_tune_fp8_input_and_refused_keys(tmp_path):
   assert all(e.us is not None for e in table.entries())
 
 
+def test_tune_fp8_output_passes(tmp_path):
+  """The FP8-output kernels' keys: Fp8Config fields and their kernel's flag
+  (``separate`` for delayed scaling's y_t) are searched, checked, written, and read back
+  by kernels/fp8.py from the user's table."""
+  from pallas_norm.kernels import fp8 as kfp8
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    f = cand.entry.fields
+    return 10.0 + abs(f["num_warps"] - 2) + (0.0 if f.get("separate") else 1.0)
+  keys = tune.keys_for([(16, 256)], ("rms",), ("fp8_delayed", "fp8_delayed_t"))
+  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
+                  backends=("pallas",), timer=timer, progress=False, rounds=1,
+                  log=lambda *a: None)
+  table = tuning.Table.load(path)
+  (t,) = table.groups["fp8_delayed_t", "rms", "bfloat16", "bfloat16"]
+  assert t.fields["separate"] is True and t.fields["num_warps"] == 2
+  tuning.clear_cache()
+  assert kfp8.transpose_separately(True, (16, 256), jnp.bfloat16, False, jnp.bfloat16)
+  assert not kfp8.transpose_separately(True)  # no call given: the default
+  cfg = kfp8.fp8_config(16, 256, jnp.bfloat16, kernel="delayed", interpret=True,
+                        param_dtype=jnp.bfloat16)
+  assert cfg.num_warps == 2
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((16, 256)), jnp.bfloat16)
+  s = jnp.ones((256,), jnp.bfloat16)
+  r = pallas_norm.rms_norm_fp8(x, s, y_scale=jnp.float32(8 / 448), transpose=True)
+  np.testing.assert_array_equal(np.asarray(r.y_t, np.float32), np.asarray(r.y, np.float32).T)
+
+
 def test_cli(capsys, tmp_path):
   assert tune.main(["--dry-run", "--shapes", "1x4096,64x1000", "--families", "rms,layer_res",
                     "--passes", "fwd,bwd"]) == 0

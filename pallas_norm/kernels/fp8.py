@@ -64,7 +64,7 @@ from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
                                          _load_tile, _tile_index, _where0)
 
-__all__ = ["Fp8Config", "fp8_config", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
+__all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
@@ -260,21 +260,108 @@ _Q_TILE = (8, 512)  # quantise without y_t: 512-byte y rows, 1 KiB x rows
 _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer of them
 
 
-def quantise_bottom_up(interpret: bool = False) -> bool:
+# ------------------------------------------------------------------------ tables
+# The FP8-output kernels' tuned configs (pallas_norm.tuning; the tuner's keys
+# "fp8_stats", "fp8_delayed", "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t"): an
+# entry holds Fp8Config's fields (num_programs as programs_per_sm, 0: a row block a
+# program), and for "fp8_delayed_t" ``separate`` (transpose_separately's choice), for
+# the quantise keys ``bottom_up`` (quantise_bottom_up's).
+FP8_FLAGS = ("separate", "bottom_up")
+
+
+def table_pass(kernel: str, transpose: bool) -> str:
+  """The tables' pass of an FP8 kernel ("stats" has no y_t)."""
+  return f"fp8_{kernel}" + ("_t" if transpose and kernel != "stats" else "")
+
+
+def _tuned_entry(kernel: str, m: int, n: int, dtype, subtract_mean: bool,
+                 transpose: bool, param_dtype, interpret: bool):
+  """The tables' entry for this FP8 kernel call, or None (interpret mode: the CPU's
+  tables only)."""
+  from pallas_norm import config as _config
+  from pallas_norm import tuning
+  device = device_info()
+  if interpret != (device.platform != "gpu"):
+    return None  # compiled from a CPU or interpreted on a GPU: no table of that device
+  key = _config.table_key(table_pass(kernel, transpose), m, n, dtype,
+                          subtract_mean=subtract_mean, param_dtype=param_dtype)
+  found = tuning.lookup(key, device.name, backend="pallas", gpu=device.platform == "gpu")
+  return None if found is None else found[0]
+
+
+def fp8_entry_fields(cfg: Fp8Config, num_sms: int, m: int | None = None,
+                     **flags) -> dict:
+  """An Fp8Config's fields as a table stores them (``programs_per_sm``; at least 1
+  where the rows clamped a persistent grid), with ``flags`` (FP8_FLAGS) beside."""
+  f = dataclasses.asdict(cfg)
+  g = f.pop("num_programs")
+  pps = round(g / num_sms, 6)
+  if g and m is not None and g == cdiv(m, cfg.block_m):
+    pps = max(1.0, pps)
+  return dict(f, programs_per_sm=pps, **flags)
+
+
+def fp8_from_entry(entry, m: int, n: int, dtype, transpose: bool,
+                   interpret: bool) -> Fp8Config | None:
+  """``entry``'s Fp8Config rebuilt for x [m, n] (block_n the whole padded row where the
+  entry's was, block_m at most the rows, programs_per_sm times the SMs), or None where
+  it does not fit (``_packed_x``'s conditions, a tile past 65536 elements)."""
+  f = {k: v for k, v in entry.fields.items() if k not in FP8_FLAGS}
+  try:
+    pps = float(f.pop("programs_per_sm", 0))
+    bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
+    bn = int(f.get("block_n", bn_full))
+    f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
+    bm = min(int(f.get("block_m", 1)), next_power_of_2(m))
+    f["block_m"] = max(bm, min(_CPU_MIN_BLOCK_M, next_power_of_2(m))) if interpret else bm
+    f["num_programs"] = (0 if not pps else max(1, min(int(round(pps * device_info().num_sms)),
+                                                     cdiv(m, f["block_m"]))))
+    cfg = Fp8Config(**f)
+  except (TypeError, ValueError):
+    return None
+  if not interpret and cfg.block_m * cfg.block_n > 65536:
+    return None
+  if cfg.packed and (jnp.dtype(dtype) != jnp.bfloat16 or n % 2 or n > cfg.block_n
+                     or transpose or not cfg.num_programs):
+    return None
+  return cfg
+
+
+def _tuned_flag(flag: str, kernel: str, shape, dtype, subtract_mean: bool,
+                transpose: bool, param_dtype, interpret: bool) -> bool | None:
+  """A table entry's FP8_FLAGS value for this call, or None (no entry, or no such
+  field)."""
+  if shape is None:
+    return None
+  e = _tuned_entry(kernel, *shape, dtype, subtract_mean, transpose, param_dtype, interpret)
+  v = None if e is None else e.fields.get(flag)
+  return None if v is None else bool(v)
+
+
+def quantise_bottom_up(interpret: bool = False, shape=None, dtype=None,
+                       subtract_mean: bool = False, transpose: bool = False,
+                       param_dtype=None) -> bool:
   """Whether current scaling's quantise pass walks its tiles a row block at a time from
-  the last row block up (``_Q_BOTTOM_UP_DEVICES``, measured): the statistics pass read x
-  top to bottom just before, so the last rows it read may still be in L2. Otherwise the
-  launch grid's order (row blocks fastest, a column of tiles top to bottom, then the
-  next). The same values either way; interpret mode keeps the launch order (the tests
-  force each)."""
-  return _on_devices(_Q_BOTTOM_UP_DEVICES, interpret)
+  the last row block up: the statistics pass read x top to bottom just before, so the
+  last rows it read may still be in L2. Otherwise the launch grid's order (row blocks
+  fastest, a column of tiles top to bottom, then the next). The same values either way.
+  Given the call (``shape`` [M, N] and the rest), a table entry's ``bottom_up`` first;
+  else ``_Q_BOTTOM_UP_DEVICES`` (measured); interpret mode keeps the launch order (the
+  tests force each)."""
+  v = _tuned_flag("bottom_up", "quantise", shape, dtype, subtract_mean, transpose,
+                  param_dtype, interpret)
+  return _on_devices(_Q_BOTTOM_UP_DEVICES, interpret) if v is None else v
 
 
-def transpose_separately(interpret: bool = False) -> bool:
+def transpose_separately(interpret: bool = False, shape=None, dtype=None,
+                         subtract_mean: bool = False, param_dtype=None) -> bool:
   """Whether delayed scaling's y_t is best written as XLA's transpose of the one-pass
-  kernel's y (``_T_SEPARATE_DEVICES``, measured) rather than by the fused kernel
-  (``fp8_norm_delayed(transpose=True)``). Interpret mode keeps the fused kernel."""
-  return _on_devices(_T_SEPARATE_DEVICES, interpret)
+  kernel's y rather than by the fused kernel (``fp8_norm_delayed(transpose=True)``).
+  Given the call (``shape`` [M, N] and the rest), a table entry's ``separate`` first;
+  else ``_T_SEPARATE_DEVICES`` (measured). Interpret mode keeps the fused kernel."""
+  v = _tuned_flag("separate", "delayed", shape, dtype, subtract_mean, True, param_dtype,
+                  interpret)
+  return _on_devices(_T_SEPARATE_DEVICES, interpret) if v is None else v
 
 
 def _on_devices(devices: tuple[str, ...], interpret: bool) -> bool:
@@ -292,8 +379,10 @@ def _warps(tile_elems: int) -> int:
 
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
-               interpret: bool = False, param_dtype=None) -> Fp8Config:
-  """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N].
+               interpret: bool = False, param_dtype=None, tuned: bool = True) -> Fp8Config:
+  """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N]:
+  the tuning tables' entry for the call (``tuned``; ``fp8_from_entry``), else the
+  default below.
 
   "stats" and "delayed" without y_t are the forward's kernel plus an epilogue (amax,
   quantise, a 1-byte store), so they take the forward's measured tile of the same
@@ -314,6 +403,11 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   """
   if kernel not in KERNELS:
     raise ValueError(f"{kernel=} is not an FP8 kernel; valid: {KERNELS}")
+  if tuned:
+    e = _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype, interpret)
+    cfg = None if e is None else fp8_from_entry(e, m, n, dtype, transpose, interpret)
+    if cfg is not None:
+      return cfg
   if kernel == "quantise":
     bm, bn = _Q_TILE_T if transpose else _Q_TILE
     bn = min(bn, next_power_of_2(n))
@@ -931,12 +1025,14 @@ def _quantise_call(x, scale, bias, mean, rstd, inv, *, scale_offset, subtract_me
                    fp8_dtype, transpose, with_amax, interpret, config, name):
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="quantise", transpose=transpose,
-                             interpret=interpret)
+                             interpret=interpret, subtract_mean=subtract_mean,
+                             param_dtype=_param_dtype(scale, bias))
   grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))
   outs = [] if fp8_dtype is None else _y_outs(x, fp8_dtype, transpose)
   if with_amax:
     outs.append(out_struct((grid[0] * grid[1],), jnp.int32, x))
-  bottom_up = quantise_bottom_up(interpret)
+  bottom_up = quantise_bottom_up(interpret, (m, n), x.dtype, subtract_mean, transpose,
+                                 _param_dtype(scale, bias))
   # bottom_up: one grid axis (axis 1 of a CUDA grid stops at 65535 row blocks)
   launch = (grid[0] * grid[1],) if bottom_up else grid
   outs = _call(_quantise_kernel,
