@@ -68,7 +68,11 @@ def test_default_plan():
   shapes = list(dict.fromkeys((c.m, c.n) for c in plan))
   assert shapes[:8] == list(bench.BENCH_SHAPES)
   assert {(8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192)} <= set(shapes)
-  assert len(shapes) == len(set(shapes)) == 11
+  # the decode shapes (issue #58): M = 1, 8, 64, 512 at N = 2048, 4096, 8192, none of
+  # them in the two tables above: 8 + 3 new LLM shapes + 12
+  assert set(bench_plan.DECODE_SHAPES) <= set(shapes)
+  assert {m for m, _ in bench_plan.DECODE_SHAPES} == {1, 8, 64, 512}
+  assert len(shapes) == len(set(shapes)) == 23
   impls = {c.impl for c in plan}
   assert {"pallas", "triton", "mosaic", "xla", "flax", "tokamax", "torch", "liger"} <= impls
   assert {f"{b}:{m}" for b in ("pallas", "triton")

@@ -23,10 +23,13 @@ import math
 import jax.numpy as jnp
 
 # The project's benchmarking brief's shape table (docs/performance.md gives the method),
-# then Llama/Qwen hidden sizes with M = 8192 tokens.
+# then Llama/Qwen hidden sizes with M = 8192 tokens, then the decode shapes below.
 BENCH_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768, 128),
                 (16384, 16384), (4096, 65536), (1024, 262144))
 LLM_SHAPES = ((8192, 2048), (8192, 4096), (8192, 5120), (8192, 8192))
+# Decode (issue #58): a step's few rows (M = batch tokens) at the hidden sizes, where
+# launch latency, not bandwidth, decides; `--decode` times the whole step.
+DECODE_SHAPES = tuple((m, n) for n in (2048, 4096, 8192) for m in (1, 8, 64, 512))
 QUICK_SHAPES = ((4096, 1024), (8192, 4096), (32768, 128), (4096, 65536))
 
 # "*_res": the fused residual add, (y, h) = (norm(x + r), x + r), residual in x's dtype.
@@ -246,7 +249,7 @@ def build_plan(args: argparse.Namespace) -> list[Case]:
   elif args.quick:
     shapes = QUICK_SHAPES
   else:
-    shapes = tuple(dict.fromkeys(BENCH_SHAPES + LLM_SHAPES))
+    shapes = tuple(dict.fromkeys(BENCH_SHAPES + LLM_SHAPES + DECODE_SHAPES))
   alias = {"fp8": ",".join(FP8_OPS), "fp8in": ",".join(FP8_INPUT_OPS)}
   ops = parse_list(",".join(alias.get(t.strip(), t) for t in args.ops.split(",")),
                    KERNEL_OPS, "--ops")
