@@ -5,6 +5,7 @@
                    one process on the same inputs (``run``, ``report``);
   --sharded        the sharded bench over every local GPU (``sharded``; --sharded --help);
   --e2e            the train-step bench (``e2e``; --e2e --help);
+  --decode         the decode-step bench (``decode``; --decode --help);
   sweep            launch-config sweeps of the Pallas kernels (``sweep``; sweep --help);
   ab               interleaved A/Bs: launch configs, backends, tokamax's aliases, an ncu
                    target (``ab``; ab --help).
@@ -25,8 +26,8 @@ from pallas_norm.bench import report, run, timing
 from pallas_norm.bench.plan import DTYPES, IMPLS, build_plan, print_plan
 
 def parser() -> argparse.ArgumentParser:
-  """The kernel bench's options (``--sharded``, ``--e2e``, ``sweep`` and ``ab`` have
-  parsers of their own)."""
+  """The kernel bench's options (``--sharded``, ``--e2e``, ``--decode``, ``sweep`` and
+  ``ab`` have parsers of their own)."""
   p = argparse.ArgumentParser(
       prog="python -m pallas_norm.bench",
       description="Side-by-side GPU benchmark of pallas_norm against XLA, flax, tokamax, "
@@ -37,12 +38,15 @@ def parser() -> argparse.ArgumentParser:
       epilog="--sharded: the sharded benchmark over every local GPU instead "
              "(pallas_norm/bench/sharded.py; its options: --sharded --help). "
              "--e2e: the train-step benchmark (pallas_norm/bench/e2e.py; --e2e --help). "
+             "--decode: the decode-step benchmark (pallas_norm/bench/decode.py; "
+             "--decode --help). "
              "Subcommands: 'sweep' (launch-config sweeps; sweep --help) and 'ab' "
              "(interleaved A/Bs; ab --help). The results and the command behind each: "
              "benchmarks/README.md.")
   p.add_argument("--shapes", help="MxN list, e.g. 4096x1024,8192x4096 (default: the "
                                   "kernel table of pallas_norm/bench/plan.py: BENCH_SHAPES plus Llama/Qwen "
-                                  "hidden sizes at M=8192, LLM_SHAPES)")
+                                  "hidden sizes at M=8192, LLM_SHAPES, plus M=1,8,64,512 at "
+                                  "N=2048,4096,8192, DECODE_SHAPES)")
   p.add_argument("--ops", default="rms,layer",
                  help="rms,layer (default both); rms_res,layer_res: the fused residual add "
                       "(pallas, xla and flax only); FP8 output, forward only, pallas "
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
   if "--e2e" in argv:  # the train-step benchmark, with options of its own
     from pallas_norm.bench import e2e
     return e2e.main([a for a in argv if a != "--e2e"])
+  if "--decode" in argv:  # the decode-step benchmark, with options of its own
+    from pallas_norm.bench import decode
+    return decode.main([a for a in argv if a != "--decode"])
   p = parser()
   args = p.parse_args(argv)
   if args.iters < 1:

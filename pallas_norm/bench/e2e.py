@@ -60,7 +60,7 @@ import sys
 import time
 
 __all__ = ["CONFIGS", "FP8_DENSE_CONFIGS", "Config", "VARIANTS", "FP8_DENSE_VARIANTS",
-           "build", "classify", "main"]
+           "build", "classify", "norm_fusions", "run_meta", "write_results", "main"]
 
 VARIANTS = ("flax", "pallas", "fused")
 FP8_DENSE_VARIANTS = ("flax", "pallas", "fp8", "fp8_current")
@@ -104,8 +104,9 @@ FP8_DENSE_CONFIGS = {
 
 
 def parse_config(text: str, configs: dict = CONFIGS) -> Config:
-  """A name of ``configs``, or ``base=NAME,d=1024,layers=2,...`` (fields of Config; the
-  base defaults to the first of ``configs``)."""
+  """A name of ``configs``, or ``base=NAME,d=1024,layers=2,...`` (fields of the base's
+  dataclass: Config here, decode.Config for ``--decode``; the base defaults to the first
+  of ``configs``)."""
   if "=" not in text:
     if text not in configs:
       raise ValueError(f"--config {text!r}: not one of {sorted(configs)} (or key=value,...)")
@@ -119,7 +120,7 @@ def parse_config(text: str, configs: dict = CONFIGS) -> Config:
   if base_name not in configs:
     raise ValueError(f"--config {text!r}: base={base_name!r} is not one of {sorted(configs)}")
   base = configs[base_name]
-  fields = {f.name: f.type for f in dataclasses.fields(Config)}
+  fields = {f.name: f.type for f in dataclasses.fields(base)}
   unknown = set(kv) - set(fields)
   if unknown:
     raise ValueError(f"--config: unknown keys {sorted(unknown)}; fields: {sorted(fields)}")
@@ -563,6 +564,35 @@ def plot(doc: dict, png) -> None:
   plt.close(fig)
 
 
+def run_meta(argv, method: str) -> dict:
+  """A run's metadata: the device, the date, the commit, the versions, the command line
+  (``argv``, default sys.argv[1:]), XLA_FLAGS and ``method`` (also for ``--decode``)."""
+  import jax
+
+  from pallas_norm.bench import timing
+  dev = jax.devices()[0]
+  return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "git_commit": timing.git_commit(), "jax": jax.__version__,
+          "flax": timing.version("flax"), "optax": timing.version("optax"),
+          "argv": list(argv if argv is not None else sys.argv[1:]),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "method": method}
+
+
+def write_results(doc: dict, out, plot_fn, table: str) -> None:
+  """Write ``doc`` as JSON at ``out`` and ``plot_fn(doc, png)`` beside it (a failing
+  plot is reported, not raised), then print ``table`` and the path."""
+  out = pathlib.Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(doc, indent=1))
+  try:
+    plot_fn(doc, out.with_suffix(".png"))
+  except Exception as e:  # noqa: BLE001
+    print(f"plot failed: {e}", file=sys.stderr)
+  print(table)
+  print(f"wrote {out}")
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m pallas_norm.bench --e2e",
                               description=__doc__.split("\n\n")[0])
@@ -611,24 +641,16 @@ def main(argv=None) -> int:
     if getattr(args, name) < 1:
       parser.error(f"--{name}={getattr(args, name)} must be >= 1")
   import jax
-  from pallas_norm.bench import timing
   if jax.default_backend() != "gpu" and not args.allow_cpu:
     print(f"pallas_norm.bench --e2e needs a GPU (jax.default_backend()="
           f"{jax.default_backend()!r}); --allow-cpu for a smoke run", file=sys.stderr)
     return 2
   _ATTENTION["impl"] = None if args.attention == "xla" else "cudnn"
-  dev = jax.devices()[0]
-  meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "git_commit": timing.git_commit(), "jax": jax.__version__,
-          "flax": timing.version("flax"), "optax": timing.version("optax"),
-          "argv": list(argv if argv is not None else sys.argv[1:]),
-          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "method": ("per sample: --chain steps dispatched back to back, wall clock up to "
-                     "block_until_ready, divided by --chain; median of rounds x steps "
-                     "samples, variants alternated round by round in one process; CUPTI "
-                     "breakdown of one non-donating step (median of 3); norm = "
-                     "pallas_norm kernels + XLA kernels of the pn_norm name scope")}
+  meta = run_meta(argv, "per sample: --chain steps dispatched back to back, wall clock "
+                  "up to block_until_ready, divided by --chain; median of rounds x steps "
+                  "samples, variants alternated round by round in one process; CUPTI "
+                  "breakdown of one non-donating step (median of 3); norm = pallas_norm "
+                  "kernels + XLA kernels of the pn_norm name scope")
   rows, notes = [], []
   for cfg in configs:
     try:
@@ -645,17 +667,10 @@ def main(argv=None) -> int:
         raise
   meta["notes"] = notes
   meta["attention"] = args.attention
-  doc = {"meta": meta, "rows": rows}
   kind = "e2e_fp8_dense" if args.fp8_dense else "e2e"
-  out = pathlib.Path(args.out or f"benchmarks/results/{kind}_{meta['git_commit']}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(doc, indent=1))
-  try:
-    plot(doc, out.with_suffix(".png"))
-  except Exception as e:  # noqa: BLE001
-    print(f"plot failed: {e}", file=sys.stderr)
-  print(format_table(rows, meta))
-  print(f"wrote {out}")
+  write_results({"meta": meta, "rows": rows},
+                args.out or f"benchmarks/results/{kind}_{meta['git_commit']}.json",
+                plot, format_table(rows, meta))
   return 0
 
 
