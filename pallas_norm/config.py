@@ -54,6 +54,12 @@ __all__ = [
     "cached_max_block_n",
     "reduce_config",
     "split_resident_programs",
+    "search_space",
+    "table_key",
+    "entry_fields",
+    "entry_tile",
+    "from_entry",
+    "fits",
 ]
 
 MODES = ("multi_wave_reload", "multi_wave_cached", "static_persistent")
@@ -326,18 +332,28 @@ def entry_fields(cfg, n: int, num_sms: int, m: int | None = None) -> dict:
   return f
 
 
+def entry_tile(fields: dict, entry_n: int, m: int, n: int, interpret: bool):
+  """(fields, programs_per_sm) of a table entry made at N = ``entry_n``, its tile rebuilt
+  for x [m, n]: block_n the whole padded row where the entry's was, else at most it;
+  block_m at most next_power_of_2(m) (interpret mode: at least min(64, that)).
+
+  Raises:
+    ValueError, TypeError: a field that is not a number."""
+  f = dict(fields)
+  pps = float(f.pop("programs_per_sm", 0))
+  bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry_n)
+  bn = int(f.get("block_n", bn_full))
+  f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
+  block_m = min(int(f.get("block_m", 1)), next_power_of_2(m))
+  f["block_m"] = _cpu_block_m(block_m, m) if interpret else block_m
+  return f, pps
+
+
 def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend: str):
-  """``entry``'s config rebuilt for x viewed as [m, n] on ``device`` (block_n: the whole
-  padded row where the entry's was; block_m at most next_power_of_2(m); programs_per_sm
-  times this device's SMs), or None where it does not fit."""
-  f = entry.fields
+  """``entry``'s config rebuilt for x viewed as [m, n] on ``device`` (``entry_tile``;
+  programs_per_sm times this device's SMs), or None where it does not fit."""
   try:
-    pps = float(f.pop("programs_per_sm", 0))
-    bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
-    bn = int(f.get("block_n", bn_full))
-    f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
-    block_m = min(int(f.get("block_m", 1)), next_power_of_2(m))
-    f["block_m"] = _cpu_block_m(block_m, m) if device.platform == "cpu" else block_m
+    f, pps = entry_tile(entry.fields, entry.key.n, m, n, device.platform == "cpu")
     if f.get("chunk_n"):
       f["chunk_n"] = min(int(f["chunk_n"]), f["block_n"])
     splits = cdiv(n, f["block_n"]) if f.get("split_rows") else 1

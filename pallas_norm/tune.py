@@ -657,6 +657,11 @@ def _shapes(text: str):
   return parse_shapes(text)
 
 
+def _names(text: str, valid, what: str) -> tuple[str, ...]:
+  from pallas_norm.bench.plan import parse_list
+  return parse_list(text, valid, what)
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m pallas_norm.tune",
@@ -699,14 +704,6 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", dest="progress", action="store_false")
   p.add_argument("--dry-run", action="store_true", help="list the keys and exit")
   return p
-
-
-def _names(text: str, valid, what: str) -> tuple[str, ...]:
-  names = tuple(t.strip() for t in text.split(",") if t.strip())
-  bad = [t for t in names if t not in valid]
-  if bad or not names:
-    raise ValueError(f"{what}: {bad or text!r} not in {tuple(valid)}")
-  return names
 
 
 def main(argv=None) -> int:

@@ -306,14 +306,10 @@ def fp8_from_entry(entry, m: int, n: int, dtype, transpose: bool,
   """``entry``'s Fp8Config rebuilt for x [m, n] (block_n the whole padded row where the
   entry's was, block_m at most the rows, programs_per_sm times the SMs), or None where
   it does not fit (``_packed_x``'s conditions, a tile past 65536 elements)."""
-  f = {k: v for k, v in entry.fields.items() if k not in FP8_FLAGS}
+  from pallas_norm import config as _config
   try:
-    pps = float(f.pop("programs_per_sm", 0))
-    bn_full, bn_entry = next_power_of_2(n), next_power_of_2(entry.key.n)
-    bn = int(f.get("block_n", bn_full))
-    f["block_n"] = bn_full if bn >= bn_entry else min(bn, bn_full)
-    bm = min(int(f.get("block_m", 1)), next_power_of_2(m))
-    f["block_m"] = max(bm, min(_CPU_MIN_BLOCK_M, next_power_of_2(m))) if interpret else bm
+    f, pps = _config.entry_tile({k: v for k, v in entry.fields.items()
+                                 if k not in FP8_FLAGS}, entry.key.n, m, n, interpret)
     f["num_programs"] = (0 if not pps else max(1, min(int(round(pps * device_info().num_sms)),
                                                      cdiv(m, f["block_m"]))))
     cfg = Fp8Config(**f)
