@@ -584,7 +584,8 @@ def test_bench_fp8in_plan_and_bytes():
   plan = bench.build_plan(args)
   assert {c.op for c in plan} == {"rms_fp8in", "layer_fp8in"}
   assert {c.pass_ for c in plan} == {"fwd", "fwdbwd"}
-  assert {c.impl for c in plan} == {"pallas", "triton", "xla", "pallas:reload",
+  assert {c.impl for c in plan} == {"pallas", "pallas-untuned", "triton", "xla",
+                                    "pallas:reload",
                                     "pallas:cached", "pallas:persistent", "triton:reload",
                                     "triton:cached", "triton:persistent"}
   m, n = 8, 32
