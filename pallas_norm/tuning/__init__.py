@@ -18,20 +18,21 @@ for the forward, one mode):
           n         the row length N
           m         the rows M it was measured at; looked up by ``m_bucket``
   value   backend, mode (forward), config (``config.entry_fields``' normalised
-          fields), us (median kernel time), default_us (the analytic default's)
+          fields), us (median kernel time), default_us (the default config's)
 
 Lookup (``lookup``), with no timing: the user's table, then the shipped one. In a table,
 the entries of the same pass, family and dtypes (and backend and mode where the caller
 fixed them) with N_e within a factor of 2 of N (``MAX_N_RATIO``: a table measured at
 other widths says nothing of this one); of those the nearest point: the smallest
 |log2 N - log2 N_e|, then the smallest distance of M buckets, then N_e >= N before
-N_e < N, then the larger M_e; at that point (N_e, M_e) the smallest ``us``. ``config.py`` re-validates the entry for the actual shape and takes its
-analytic default where it does not fit. Deterministic; each table is read once a
+N_e < N, then the larger M_e; at that point (N_e, M_e) the smallest ``us``.
+``config.py`` re-validates the entry for the actual shape and takes its default where
+it does not fit. Deterministic; each table is read once a
 process (``clear_cache`` forgets them). A missing shipped table for a GPU, or a corrupt
 or older-version table, gives one warning, then the default.
 
 ``PALLAS_NORM_TUNING``: "all" (default), "shipped" (ignore the user's tables) or "none"
-(ignore every table: the analytic default alone).
+(ignore every table: the default alone).
 """
 
 from __future__ import annotations
@@ -250,14 +251,14 @@ def _load(path: str, warn_missing: bool) -> Table | None:
   if not p.exists():
     if warn_missing:
       warnings.warn(f"pallas_norm: no tuned table for this GPU ({p.name} is not shipped); "
-                    f"launch configs come from the analytic default. "
+                    f"launch configs come from the default (config.py). "
                     f"`python -m pallas_norm.tune` makes one.", stacklevel=4)
     return None
   try:
     return Table.load(p)
   except TableError as e:
     warnings.warn(f"pallas_norm: ignoring a tuning table: {e}; launch configs come from "
-                  f"the analytic default.", stacklevel=4)
+                  f"the default (config.py).", stacklevel=4)
     return None
 
 
