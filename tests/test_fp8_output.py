@@ -165,7 +165,11 @@ def test_delayed_transpose_separately(op, monkeypatch):
   r, ref = _run(op, x, s, b, y_scale=0.01, transpose=True)
   _check_ref(r, ref, fp8_dtype=E4M3, transpose=True, layer=layer)
   np.testing.assert_array_equal(_bits(r.y), _bits(plain.y))
-  np.testing.assert_array_equal(_f32(r.amax), _f32(plain.amax))
+  if jax.default_backend() == "gpu":  # the same kernel: bitwise
+    np.testing.assert_array_equal(_f32(r.amax), _f32(plain.amax))
+  else:  # two interpret-mode programs, which XLA's CPU backend may reassociate: the
+    # LayerNorm amax moved by one float32 ulp (make test on a clean clone, 2026-11-28)
+    np.testing.assert_allclose(_f32(r.amax), _f32(plain.amax), rtol=2.0 ** -22, atol=0)
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["y", "y-yt"])
