@@ -391,7 +391,9 @@ def _median(v):
 
 
 def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Measurer,
-                       rounds: int, min_gain: float) -> Candidate | None:
+                       rounds: int, min_gain: float) -> None:
+  """Times ``start`` and its coordinate neighbours into ``meas`` (its ``times`` and
+  ``cands`` then hold every candidate the search measured)."""
   space = C.search_space(key.pass_, key.m, key.n, device, backend=backend, mode=mode,
                          subtract_mean=_parts(key)["subtract_mean"])
   meas.measure([start])
@@ -414,7 +416,6 @@ def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Meas
           best, changed = c, True
     if not changed:
       break
-  return best
 
 
 def _primal(key: tuning.Key, out):

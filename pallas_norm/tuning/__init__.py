@@ -185,11 +185,6 @@ class Table:
       raise TableError(f"{path}: {e}") from None
     return cls.from_doc(doc, str(path))
 
-  @property
-  def num_sms(self) -> int | None:
-    v = self.meta.get("num_sms")
-    return int(v) if isinstance(v, (int, float)) and v > 0 else None
-
   def entries(self):
     for es in self.groups.values():
       yield from es
