@@ -137,6 +137,12 @@ class ForwardConfig:
       the loads of the row block it publishes before it normalises the one ``split_lag``
       behind, and reduces them after: those HBM loads are in flight across the wait
       on the other splits, held in registers.
+    hoist_params: ``multi_wave_cached`` with the row in one tile loads scale/bias with
+      x, before the row reductions, instead of after them: their load's latency is not
+      added to the program's, at the price of registers held across the reductions
+      (which matters only when programs wait for an SM: the default hoists while the
+      grid fits one wave, ``cdiv(M, block_m) <= SMs``). Ignored by the other modes
+      (static_persistent always hoists).
 
   Raises:
     ValueError: an unknown mode, a block size that is not a power of 2, num_warps not
@@ -154,6 +160,7 @@ class ForwardConfig:
   split_rows: bool = False
   split_lag: int = 2
   split_early_publish: bool = False
+  hoist_params: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -181,7 +188,7 @@ def _check_split_lag(cfg):
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-  """Launch config of the two-stage backward.
+  """Launch config of the backward (two stages, or one kernel: ``fused_reduce``).
 
   Attributes:
     block_m: rows per row block in stage 1 (power of 2).
@@ -236,10 +243,21 @@ class BackwardConfig:
       barriers instead of two. Bitwise the same sums; no effect on RMSNorm (one sum).
       These three flags (prefetch_stats, reload_scale, joint_row_sums): the Pallas
       backend's persistent stage 1 only (the Triton backend's kernel ignores them).
+    fused_reduce: for a row in one tile (``block_n >= N``), Pallas backend: one kernel
+      instead of two. Its first ``num_programs`` programs are stage 1 without partials
+      (dx only); cdiv(N, column_block_n) more programs each sum dscale (and dbias) of
+      one column strip over all M rows, in row order, from x, dy and the forward's
+      rstd (and mean), and store it in the parameter's dtype. x and dy are read twice
+      (the second time mostly from L2), so it pays where a launch costs more than the
+      reads: few rows. Deterministic (no atomics). (With ``num_programs`` = 1 the two
+      stages are one kernel anyway: stage 1's one partial row is the sum.)
+    column_block_m, column_block_n: with ``fused_reduce``, the column programs' tile:
+      rows summed a step, columns a program (powers of 2).
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
-      summing to at most block_n), split_rows with reload_rows, num_programs < 1, a
+      summing to at most block_n), split_rows with reload_rows (or either with
+      fused_reduce), num_programs < 1, a
       negative split_lag, or split_early_publish without split_rows and split_lag >= 1.
   """
 
@@ -262,6 +280,9 @@ class BackwardConfig:
   prefetch_stats: bool = False
   joint_row_sums: bool = False
   reload_scale: bool = False
+  fused_reduce: bool = False
+  column_block_m: int = 16
+  column_block_n: int = 128
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))
@@ -274,7 +295,10 @@ class BackwardConfig:
       raise ValueError(f"{self.pieces=} must fit block_n={self.block_n}")
     if self.split_rows and self.reload_rows:
       raise ValueError("split_rows and reload_rows are exclusive: pick one long-row kernel")
-    for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g"):
+    if self.fused_reduce and (self.split_rows or self.reload_rows):
+      raise ValueError("fused_reduce is for rows in one tile, not split_rows/reload_rows")
+    for f in ("block_m", "block_n", "reduce_block_n", "reduce_block_g", "column_block_m",
+              "column_block_n"):
       v = getattr(self, f)
       if v < 1 or v & (v - 1):
         raise ValueError(f"{f}={v} must be a positive power of 2")
@@ -363,10 +387,19 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
       r = int(f.pop("pieces_round", 0))
       pieces = (_binary_pieces(cdiv(n, r) * r) if r and f["block_n"] >= n
                 and cdiv(n, r) * r <= f["block_n"] else ())
+      if programs == 1 or not f.get("fused_reduce"):  # one program: stage 1 is the sum
+        f["fused_reduce"] = False
+        f.pop("column_block_m", None)
+        f.pop("column_block_n", None)
+      else:
+        f["column_block_m"] = min(int(f.get("column_block_m", 16)), next_power_of_2(m))
+        f["column_block_n"] = min(int(f.get("column_block_n", 128)), next_power_of_2(n))
       cfg = BackwardConfig(**f, num_programs=programs, pieces=pieces,
                            **reduce_config(n, programs, backend))
     else:
       mode = entry.mode
+      if mode != "multi_wave_cached" or f["block_n"] < n:
+        f.pop("hoist_params", None)
       cfg = ForwardConfig(mode=mode, **f,
                           num_programs=programs if mode == "static_persistent" else 0)
   except (TypeError, ValueError):
@@ -392,9 +425,9 @@ def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
     if cfg.mode == "multi_wave_cached" and bn_full > _CACHED_MAX_BLOCK_N:
       return False
     return True
-  if backend != "pallas" and (cfg.pieces or cfg.reload_rows):
+  if backend != "pallas" and (cfg.pieces or cfg.reload_rows or cfg.fused_reduce):
     return False
-  return cfg.block_n >= n or not cfg.pieces
+  return cfg.block_n >= n or not (cfg.pieces or cfg.fused_reduce)
 
 
 def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: str,
@@ -442,7 +475,11 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
         space.update(split_rows=(False, True), reload_rows=(False, True),
                      split_lag=(1, 2, 3), split_early_publish=(False, True),
                      chunk_n=(0, 1024, 2048))
+    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX and m > 1:
+      space["fused_reduce"] = (False, True)
     space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)
+    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX and m > 1:
+      space.update(column_block_n=(32, 64, 128, 256, 512), column_block_m=rows)
     if pallas and bn_full <= _BWD_SINGLE_TILE_MAX:
       if subtract_mean:
         space.update(pieces_round=(0, 512, 1024), joint_row_sums=(False, True))
@@ -451,6 +488,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     return space
   if mode == "multi_wave_cached" and pallas and n > _SPLIT_MIN_N:
     space.update(block_n=(2048, 4096, 8192, 16384), chunk_n=(0, 1024, 2048, 4096))
+  elif mode == "multi_wave_cached":
+    space["hoist_params"] = (False, True)
   elif mode == "multi_wave_reload":
     space.update(block_n=chunks or (bn_full,), num_stages=(1, 2))
   elif mode == "static_persistent":
@@ -549,6 +588,10 @@ _LN_SPLIT_BLOCK_N, _LN_SPLIT_WARPS, _LN_SPLIT_CHUNK_N = 4096, 1, 1024  # [T#ln-s
 _LN_PSPLIT_MIN_N, _LN_PSPLIT_WIDE_N = 16384, 65536
 _LN_PSPLIT_W, _LN_PSPLIT_WIDE_W, _LN_PSPLIT_COLS_PER_SM = 1024, 2048, 16384
 _LN_PSPLIT_LAG = 2  # a lead of 3: 362.4/348.9 against 2's 363/347. [T#ln-persistent-split]
+
+# ---- Backward: few rows. One kernel (fused_reduce) up to 64 rows (a column program then
+# sums at most 4 row steps); the column programs' tile. [T#few-rows]
+_FUSED_MAX_M, _FUSED_COLUMN_BLOCK_M, _FUSED_COLUMN_BLOCK_N = 64, 16, 128
 
 # ---- Backward (stage 1): single tiles.
 # One register tile up to N' 8192 (16384^2 as one tile: 812 us/686 the pair). [T#bwd-single-tile]
@@ -1104,7 +1147,10 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   num_programs = 0
   if mode == "static_persistent":
     num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
-  return ForwardConfig(mode, block_m, block_n, num_warps, num_programs)
+  # scale/bias loaded with x while the grid is one wave (hoist_params)
+  hoist = (mode == "multi_wave_cached" and not chunked and device.platform == "gpu"
+           and cdiv(m, block_m) <= device.num_sms)
+  return ForwardConfig(mode, block_m, block_n, num_warps, num_programs, hoist_params=hoist)
 
 
 def _fp8_rms_tile(persistent: bool, block_n: int, dtype, subtract_mean: bool,
@@ -1265,6 +1311,12 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   if device.platform == "cpu":
     block_m = _cpu_block_m(block_m, m)
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
+  # One kernel (stage 2 summed by column programs) for few rows.
+  if (bn_full <= _BWD_SINGLE_TILE_MAX and backend == "pallas" and device.platform == "gpu"
+      and 1 < num_programs and m <= _FUSED_MAX_M):
+    flags["fused_reduce"] = True
+    flags["column_block_m"] = min(_FUSED_COLUMN_BLOCK_M, next_power_of_2(m))
+    flags["column_block_n"] = min(_FUSED_COLUMN_BLOCK_N, bn_full)
   return BackwardConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                         num_programs=num_programs, split_rows=split is not None,
                         reload_rows=False, split_lag=lag, split_early_publish=early,

@@ -2,7 +2,7 @@
 glue (config.table_key, entry_fields, from_entry, fits), on CPU.
 
   lookup       the nearest point (N by log distance within a factor of 2, then the M
-               bucket, then N_e >= N, then the larger M_e), the smallest us there,
+               bucket only, then N_e >= N, then the larger M_e), the smallest us there,
                the backend= / mode= filters, the key's group;
   sources      the user's table before the shipped one; PALLAS_NORM_TUNING all /
                shipped / none and a bad value; forced() entries;
@@ -136,15 +136,16 @@ def test_n_beyond_a_factor_of_2_is_no_match():
   assert t.nearest(key(4097)) is None and t.nearest(key(1023)) is None
 
 
-def test_nearest_m_bucket_then_wider_n_then_larger_m():
-  one, small, big = _entry(m=1, us=3.0), _entry(m=16, us=2.0), _entry(m=4096, us=1.0)
+def test_own_m_bucket_then_wider_n_then_larger_m():
+  one, small, big = _entry(m=1, us=3.0), _entry(m=16, us=2.0), _entry(m=8192, us=1.0)
   t = _table(one, small, big)
   key = lambda n, m: tuning.Key("fwd", "rms", "bfloat16", "none", n, m)
   assert t.nearest(key(256, 1)) == one       # bucket 0 (M = 1)
-  assert t.nearest(key(256, 5)) == small     # bucket 1, a tie of buckets 0 and 2: larger M_e
-  assert t.nearest(key(256, 40)) == small    # bucket 2
-  assert t.nearest(key(256, 2000)) == big    # bucket 4
-  assert t.nearest(key(256, 10 ** 6)) == big
+  assert t.nearest(key(256, 40)) == small    # bucket 2 (9..64)
+  assert t.nearest(key(256, 5)) is None      # bucket 1: no entry there, the default
+  assert t.nearest(key(256, 2000)) is None   # bucket 4
+  # from 4097 rows up one bucket (STEADY_BUCKET)
+  assert t.nearest(key(256, 4097)) == big and t.nearest(key(256, 10 ** 6)) == big
   # the same log distance either side: N_e >= N first, wherever it sits in the table
   lo, hi = _entry(n=512, us=1.0), _entry(n=2048, us=5.0)
   for t in (_table(lo, hi), _table(hi, lo)):
@@ -153,9 +154,9 @@ def test_nearest_m_bucket_then_wider_n_then_larger_m():
   m16, m64 = _entry(m=16, us=1.0), _entry(m=64, us=5.0)
   for t in (_table(m16, m64), _table(m64, m16)):
     assert t.nearest(key(256, 32)) == m64
-  # N before M: a nearer N in another bucket beats the same bucket at a farther N
+  # another bucket is never taken, even at the same N
   t = _table(_entry(n=256, m=1, us=7.0), _entry(n=384, m=16, us=1.0))
-  assert t.nearest(key(256, 16)).key.n == 256
+  assert t.nearest(key(256, 16)).key.n == 384
 
 
 def test_smallest_us_at_the_point_and_the_filters():

@@ -27,8 +27,9 @@ the median of 30 and 20 calls.
 Configs of ``fwd`` (``--configs``, ';'-separated; "@nocg" or "@cgall" appended traces
 a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for all of
 them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k, "@rc" ("@rc0")
-its ``recompute_dx`` on (off), "@ps" / "@js" ("@ps0" / "@js0") its ``prefetch_stats`` /
-``joint_row_sums`` on (off) and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
+its ``recompute_dx`` on (off), "@ps" / "@js" / "@fr" ("@ps0" / "@js0" / "@fr0") its
+``prefetch_stats`` / ``joint_row_sums`` / ``fused_reduce`` on (off), a forward config's
+"@hp" ("@hp0") its ``hoist_params``, and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
 ``reduce_block_g`` and ``reduce_num_warps``, before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
@@ -71,8 +72,11 @@ from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
 # A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>, @ps, @js
-_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js)([01]?)(?=@|$)")
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js|fr|hp)([01]?)(?=@|$)")
+_FLAGS = {"ps": "prefetch_stats", "js": "joint_row_sums", "fr": "fused_reduce",
+          "hp": "hoist_params"}
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
+_AB_MAX_REPS = 256
 _TRITON_VARIANTS = ("pallas", "triton", "evict_first", "stream_cg", "stages2")
 
 
@@ -131,7 +135,9 @@ def _report(tag, fns, ins, rounds, nbytes_moved):
 
 
 def _reps(nbytes: int) -> int:
-  return max(2, -(-_AB_BYTES // nbytes))
+  """Copies to rotate: >= 256 MiB, at most _AB_MAX_REPS (few-row inputs then stay in L2,
+  as a decode step's norm input does: the op before it just wrote it)."""
+  return min(_AB_MAX_REPS, max(2, -(-_AB_BYTES // nbytes)))
 
 
 def _inputs(shape: str, dt, with_dy: bool):
@@ -241,8 +247,7 @@ def _configs(args, sms: int) -> dict:
                                       reduce_block_g=int(t.group(5)),
                                       reduce_num_warps=int(t.group(6)))
           elif t.group(7):
-            field = {"ps": "prefetch_stats", "js": "joint_row_sums"}[t.group(7)]
-            cfg = dataclasses.replace(cfg, **{field: t.group(8) != "0"})
+            cfg = dataclasses.replace(cfg, **{_FLAGS[t.group(7)]: t.group(8) != "0"})
           else:
             cfg = dataclasses.replace(cfg, recompute_dx=t.group(3) != "0")
         out[(shape, cs)] = cfg

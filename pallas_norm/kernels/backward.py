@@ -35,9 +35,15 @@ FP8 x (``x_scale=``): every stage-1 kernel loads x through forward.py's ``_load_
 which dequantises it again in registers; dx is written in ``dx_dtype``.
 Stage 2 (``pallas_norm_bwd_reduce``): sums [G, N] -> [N] in a fixed order and casts to
 the parameter's dtype, dscale's and dbias's partials in one launch, one program a
-(column strip, array). No atomic
-accumulates anything (the split kernel's one atomic hands out program numbers), so the
-gradients are bitwise deterministic.
+(column strip, array). With G = 1 there is no stage 2: stage 1's one partial row is the
+sum, stored in the parameter's dtype.
+Few rows (``config.fused_reduce``, single tile): one kernel, ``pallas_norm_bwd_fused``.
+Its first G programs are the persistent stage 1 without partials; the others sum
+dscale/dbias of one column strip each over all M rows, in row order, from x, dy and the
+forward's rstd/mean (``_column_sums``): no program waits for another, one launch instead
+of two, at the price of reading x and dy a second time (from L2, at these sizes). No
+atomic accumulates anything (the split kernel's one atomic hands out program numbers),
+so the gradients are bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import BackwardConfig, cdiv, split_resident_programs
+from pallas_norm.config import BackwardConfig, cdiv, next_power_of_2, split_resident_programs
 from pallas_norm.kernels._compat import out_struct
 from pallas_norm.kernels.forward import (_chunk_index, _load, _load_params, _load_stream,
                                          _load_x, _round, _slot_bits, _split_count,
@@ -168,10 +174,12 @@ def _x_hat_g(x, dy, mask, mean, rstd, w, cast=None):
 
 
 def _store_partials(dw_ref, db_ref, r, cols, col_mask, dw_acc, db_acc):
+  """Partial row r (float32; or, with one stage-1 program, the sums themselves in the
+  parameters' dtypes)."""
   if dw_ref is not None:
-    plgpu.store(dw_ref.at[r, cols], dw_acc, mask=col_mask)
+    plgpu.store(dw_ref.at[r, cols], dw_acc.astype(dw_ref.dtype), mask=col_mask)
   if db_ref is not None:
-    plgpu.store(db_ref.at[r, cols], db_acc, mask=col_mask)
+    plgpu.store(db_ref.at[r, cols], db_acc.astype(db_ref.dtype), mask=col_mask)
 
 
 def _piece_index(rb, offset, width, *, m, n, block_m, rows_in_bounds=False):
@@ -265,6 +273,8 @@ def _persistent_columns(refs, c_refs, r, k, *, n, scale_offset, block_m, block_n
              for (x, dy, _), t, w in zip(xdy, idx, ws)]
 
     def accumulate():
+      if dw_ref is None and db_ref is None:  # dx only (no partials)
+        return accs
       return tuple((dw_acc + jnp.sum(dy * x_hat_w, axis=0), db_acc + jnp.sum(dy, axis=0))
                    for (_, dy, _, x_hat_w), (dw_acc, db_acc) in zip(parts, accs))
 
@@ -318,6 +328,63 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       pieces=pieces, cast=cast, prefetch_depth=prefetch_depth,
                       recompute_dx=recompute_dx, prefetch_stats=prefetch_stats,
                       joint_row_sums=joint_row_sums, reload_scale=reload_scale)
+
+
+def _column_sums(dy_ref, x_ref, mean_ref, rstd_ref, dw_ref, db_ref, c, *, n, block_m,
+                 block_n, cast=None):
+  """dscale (and dbias) of column strip ``c`` summed over all M rows, block_m rows a
+  step in row order (the next step's tiles loaded before this one's sum), from x, dy
+  and the forward's rstd (and mean); stored in the parameters' dtypes."""
+  m = x_ref.shape[0]
+  tile = functools.partial(_tile_index, k=c, m=m, n=n, block_m=block_m, block_n=block_n)
+
+  def load(rb):  # past the last row block: fully masked
+    rows, cols, row_mask, _, mask = tile(rb)
+    return _load_xdy(x_ref, dy_ref, rows, cols, mask), _row_stats(mean_ref, rstd_ref, rows,
+                                                                   row_mask)
+
+  def body(rb, carry):
+    dw, db, ((x, dy), (mean, rstd)) = carry
+    nxt = load(rb + 1)
+    mask = tile(rb, rows_in_bounds=True)[4]
+    _, dy, _, x_hat_w = _x_hat_g(x, dy, mask, mean, rstd, None, cast)
+    return dw + jnp.sum(dy * x_hat_w, axis=0), db + jnp.sum(dy, axis=0), nxt
+
+  zeros = jnp.zeros((block_n,), _F32)
+  dw, db, _ = lax.fori_loop(0, cdiv(m, block_m), body, (zeros, zeros, load(0)))
+  _, cols, _, col_mask, _ = tile(0)
+  if dw_ref is not None:
+    plgpu.store(dw_ref.at[cols], dw.astype(dw_ref.dtype), mask=col_mask)
+  if db_ref is not None:
+    plgpu.store(db_ref.at[cols], db.astype(db_ref.dtype), mask=col_mask)
+
+
+def _bwd_fused_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias, has_dh,
+                      has_dres, block_m, block_n, num_programs, column_block_m,
+                      column_block_n, pieces=(), cast=None, group_size=0, prefetch_depth=1,
+                      recompute_dx=False, prefetch_stats=False, joint_row_sums=False,
+                      reload_scale=False):
+  """The one-kernel backward (``BackwardConfig.fused_reduce``): programs [0, G) are the
+  persistent stage 1 without partials (dx); program G + c sums dscale/dbias of column
+  strip c over all rows (``_column_sums``). Neither waits for the other."""
+  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
+                                         has_dh, has_dres, group_size)
+  pid = pl.program_id(0)  # read here: interpret mode cannot read it inside pl.when
+
+  @pl.when(pid < num_programs)
+  def _rows():
+    _persistent_columns((dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, dx_ref, None, None),
+                        None, pid, 0, n=n, scale_offset=scale_offset, block_m=block_m,
+                        block_n=block_n, num_programs=num_programs, pieces=pieces,
+                        cast=cast, prefetch_depth=prefetch_depth,
+                        recompute_dx=recompute_dx, prefetch_stats=prefetch_stats,
+                        joint_row_sums=joint_row_sums, reload_scale=reload_scale)
+
+  @pl.when(pid >= num_programs)
+  def _columns():
+    _column_sums(dy_ref, x_ref, mean_ref, rstd_ref, dw_ref, db_ref, pid - num_programs,
+                 n=n, block_m=column_block_m, block_n=column_block_n, cast=cast)
 
 
 def _bwd_row_stats_kernel(*refs, n, scale_offset, subtract_mean, has_scale, block_m,
@@ -585,7 +652,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
                   subtract_mean: bool, config: BackwardConfig, interpret: bool,
                   scale_dtype=None, bias_dtype=None, combine_row_sums=None, dh=None,
                   dx_dtype=None, residual_dtype=None, cast=None, x_scale=None):
-  """Two-stage backward.
+  """The backward: stage 1 then stage 2, or one kernel (``config.fused_reduce``, or
+  a stage 1 of one program, whose partial row is the sum).
 
   Args:
     dy, x: [M, N] (x's dtype; dy in y's for FP8 x).
@@ -594,8 +662,9 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     has_bias: whether to produce dbias.
     scale_offset, subtract_mean: as in the forward.
     config: BackwardConfig (block_m, block_n, num_warps, num_programs = G, stage 2 knobs).
-      ``block_n >= N`` selects the single-tile kernel, else the reload-row kernel
-      (``reload_rows``), the split-row kernel (``split_rows``) or the chunked pair.
+      ``block_n >= N`` selects the single-tile kernel (with ``fused_reduce`` and G > 1,
+      the one-kernel backward), else the reload-row kernel (``reload_rows``), the
+      split-row kernel (``split_rows``) or the chunked pair.
     interpret: run in Pallas interpret mode.
     scale_dtype, bias_dtype: dtypes of dscale and dbias.
     combine_row_sums: for x a shard of the hidden dim (tensor parallel): a function
@@ -620,7 +689,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     itself when the dtypes agree.
 
   Raises:
-    ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``; an
+    ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``;
+      ``config.fused_reduce`` with ``block_n < N``; an
       ``x_scale`` that does not fit x or ``config`` (``forward.fp8_group_size``).
     NotImplementedError: ``split_rows`` with more splits than can surely be resident
       (``cdiv(N, config.block_n) > SMs x config.split_resident_programs(num_warps)``).
@@ -642,7 +712,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   out_shape = [out_struct((m, n), dx_dtype, x)]
   if has_dres:
     out_shape.append(out_struct((m, n), residual_dtype, x))
-  out_shape += [out_struct((g, n), _F32, x)] * (int(has_scale) + int(has_bias))
+  param_dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
   fused = dict(has_dh=dh is not None, has_dres=has_dres)  # the stage-1 kernels' statics
   tail = [] if dh is None else [dh]  # the stage-1 kernels' last input
   chunked = cfg.block_n < n or combine_row_sums is not None
@@ -650,7 +720,33 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   if pieces and (chunked or sum(pieces) < n):
     raise ValueError(f"config.pieces={cfg.pieces} must cover the row (N={n}) inside one "
                      f"tile (block_n={cfg.block_n})")
-  if chunked and cfg.split_rows and combine_row_sums is None:
+  if cfg.fused_reduce and cfg.block_n < n:
+    raise ValueError(f"config.fused_reduce needs the row (N={n}) in one tile "
+                     f"(block_n={cfg.block_n})")
+  # (a shard's row sums, combine_row_sums, take the two-stage pair)
+  one_kernel = cfg.fused_reduce and not chunked and g > 1 and bool(param_dtypes)
+  if g == 1 or one_kernel:  # the sums themselves, in the parameters' dtypes: no stage 2
+    shape = (1, n) if g == 1 else (n,)
+    out_shape += [out_struct(shape, dt, x) for dt in param_dtypes]
+  else:
+    out_shape += [out_struct((g, n), _F32, x)] * len(param_dtypes)
+  if one_kernel:
+    columns = cdiv(n, max(cfg.column_block_n, statics["group_size"]))
+    dx, *parts = pl.pallas_call(
+        functools.partial(_bwd_fused_kernel, has_bias=has_bias, num_programs=g,
+                          column_block_m=min(cfg.column_block_m, next_power_of_2(m)),
+                          column_block_n=max(cfg.column_block_n, statics["group_size"]),
+                          pieces=pieces, **fused, **statics,
+                          prefetch_depth=cfg.prefetch_depth, recompute_dx=cfg.recompute_dx,
+                          prefetch_stats=cfg.prefetch_stats,
+                          joint_row_sums=cfg.joint_row_sums, reload_scale=cfg.reload_scale),
+        out_shape=out_shape,
+        grid=(g + columns,),
+        compiler_params=params,
+        interpret=interpret,
+        name="pallas_norm_bwd_fused",
+    )(*inputs, *tail)
+  elif chunked and cfg.split_rows and combine_row_sums is None:
     dx, *parts = _split_stage1(inputs + tail, out_shape, dict(statics, **fused), has_bias,
                                g, cfg, interpret)
   elif chunked and cfg.reload_rows and combine_row_sums is None:
@@ -692,8 +788,10 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
         name="pallas_norm_bwd_columns" if chunked else "pallas_norm_bwd_persistent",
     )(*inputs, *tail)
   dres = parts.pop(0) if has_dres else dx
-  dtypes = [dt for dt, has in ((scale_dtype, has_scale), (bias_dtype, has_bias)) if has]
-  sums = list(_reduce_partials(parts, dtypes, cfg, interpret)) if parts else []
+  if g == 1 or one_kernel:
+    sums = [p.reshape(n) for p in parts]
+  else:
+    sums = list(_reduce_partials(parts, param_dtypes, cfg, interpret)) if parts else []
   dscale = sums.pop(0) if has_scale else None
   dbias = sums.pop(0) if has_bias else None
   if residual_dtype is not None:

@@ -567,12 +567,15 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
-                   block_m, block_n):
+                   block_m, block_n, hoist_params=False):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
+  if hoist_params:  # loaded with x (ForwardConfig.hoist_params)
+    wb = params()
+    params = lambda: wb  # noqa: E731
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
                block_m=block_m, block_n=block_n)
 
@@ -1076,6 +1079,7 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
   """multi_wave_cached (a row a tile), multi_wave_reload, static_persistent."""
   if cfg.mode == "multi_wave_cached":
     kernel, grid, name = _cached_kernel, num_row_blocks, "pallas_norm_fwd_cached"
+    statics = dict(statics, hoist_params=cfg.hoist_params)
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
   else:

@@ -23,9 +23,11 @@ for the forward, one mode):
 Lookup (``lookup``), with no timing: the user's table, then the shipped one. In a table,
 the entries of the same pass, family and dtypes (and backend and mode where the caller
 fixed them) with N_e within a factor of 2 of N (``MAX_N_RATIO``: a table measured at
-other widths says nothing of this one); of those the nearest point: the smallest
-|log2 N - log2 N_e|, then the smallest distance of M buckets, then N_e >= N before
-N_e < N, then the larger M_e; at that point (N_e, M_e) the smallest ``us``.
+other widths says nothing of this one) and M_e in M's bucket (``m_bucket``; all M above
+4096 are one bucket, ``STEADY_BUCKET``: a config tuned for one wave of few rows says
+nothing of many waves, nor the reverse); of those the nearest point: the smallest
+|log2 N - log2 N_e|, then N_e >= N before N_e < N, then the larger M_e; at that point
+(N_e, M_e) the smallest ``us``.
 ``config.py`` re-validates the entry for the actual shape and takes its default where
 it does not fit. Deterministic; each table is read once a
 process (``clear_cache`` forgets them). A missing shipped table for a GPU, or a corrupt
@@ -47,7 +49,7 @@ import pathlib
 import threading
 import warnings
 
-__all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "Key", "Entry", "Table",
+__all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "STEADY_BUCKET", "Key", "Entry", "Table",
            "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path", "user_dir",
            "user_path", "tables", "lookup", "forced", "context", "clear_cache"]
 
@@ -59,6 +61,9 @@ PASSES = ("fwd", "fwd_stats", "bwd", "fp8_stats", "fp8_delayed", "fp8_delayed_t"
 # last is bucket len(M_BUCKETS).
 M_BUCKETS = (1, 8, 64, 512, 4096, 32768, 262144)
 MAX_N_RATIO = 2.0  # the farthest an entry's N may be from the looked-up N (either way)
+# An entry applies in its own M bucket only; from this bucket up (more than 4096 rows:
+# many waves, the steady state) the buckets are one.
+STEADY_BUCKET = 5
 _HERE = pathlib.Path(__file__).parent
 
 
@@ -72,6 +77,10 @@ def m_bucket(m: int) -> int:
     if m <= hi:
       return i
   return len(M_BUCKETS)
+
+
+def _bucket(m: int) -> int:
+  return min(m_bucket(m), STEADY_BUCKET)
 
 
 def device_slug(kind: str) -> str:
@@ -193,16 +202,16 @@ class Table:
               mode: str | None = None) -> Entry | None:
     """The entry for ``key`` by the module docstring's rule, or None."""
     lim = math.log2(MAX_N_RATIO) + 1e-9
+    b = _bucket(key.m)
     cands = [e for e in self.groups.get(key.group, ())
              if (backend is None or e.backend == backend)
              and (mode is None or e.mode == mode)
-             and abs(math.log2(e.key.n / key.n)) <= lim]
+             and abs(math.log2(e.key.n / key.n)) <= lim and _bucket(e.key.m) == b]
     if not cands:
       return None
-    b, ln = m_bucket(key.m), math.log2(key.n)
+    ln = math.log2(key.n)
     def dist(e):
-      return (abs(math.log2(e.key.n) - ln), abs(m_bucket(e.key.m) - b), e.key.n < key.n,
-              -e.key.m)
+      return (abs(math.log2(e.key.n) - ln), e.key.n < key.n, -e.key.m)
     best = min(dist(e) for e in cands)
     point = [e for e in cands if dist(e) == best]
     inf = float("inf")

@@ -1,0 +1,194 @@
+"""Few rows (decode, sampling, small batches): the one-kernel backward
+(``BackwardConfig.fused_reduce``, backward.py's ``_bwd_fused_kernel``), the backward of
+one stage-1 program (no stage 2), and the forward's ``hoist_params``.
+
+Oracle: the XLA reference's vjp (``pallas_norm.reference``) in float32, and the
+two-stage backward on the same tile (dx bit for bit: the same row programs; dscale and
+dbias summed in another fixed order, so within float32 round-off). M in {1, 2, 7, 64,
+511}. Interpret mode on CPU; ``make gpu-check`` runs them compiled.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_norm import config as pn_config
+from pallas_norm import reference
+from pallas_norm.kernels import backward, forward
+
+H200 = pn_config.DeviceInfo("gpu", "NVIDIA H200", 132)
+
+
+def _interpret():
+  return jax.default_backend() != "gpu"
+
+
+def _inputs(m, n, *, layer, seed=0):
+  rng = np.random.default_rng(seed + 7919 * m + n)
+  x = jnp.asarray(rng.standard_normal((m, n)) * 2.0 + (3.0 if layer else 0.0), jnp.float32)
+  scale = jnp.asarray(1.0 + 0.5 * rng.standard_normal(n), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.float32) if layer else None
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  return x, scale, bias, dy
+
+
+def _cfg(block_m, block_n, num_programs, *, fused=True, column_block_m=16,
+         column_block_n=128, num_warps=4):
+  return pn_config.BackwardConfig(
+      block_m, block_n, num_warps, num_programs, fused_reduce=fused,
+      column_block_m=column_block_m, column_block_n=column_block_n,
+      **pn_config.reduce_config(block_n, num_programs))
+
+
+def _run(cfg, x, scale, dy, mean, rstd, *, layer, **kw):
+  return backward.norm_backward(dy, x, scale, mean, rstd, has_bias=layer, scale_offset=0.5,
+                                subtract_mean=layer, config=cfg, interpret=_interpret(),
+                                scale_dtype=scale.dtype, bias_dtype=scale.dtype, **kw)
+
+
+def _stats(x, scale, bias, layer):
+  _, mean, rstd = reference.norm(x, scale, bias, eps=1e-5, scale_offset=0.5,
+                                 subtract_mean=layer)
+  return mean, rstd
+
+
+# (m, n, block_m, num_programs, column_block_m, column_block_n): M in {1, 2, 7, 64, 511}
+CASES = [
+    (1, 1000, 1, 1, 16, 128),   # one program: stage 1's partial row is the sum
+    (7, 300, 2, 1, 16, 128),    # one program over 4 row blocks, no stage 2
+    (2, 1000, 1, 2, 1, 128),    # fused: 2 row programs, a ragged last column strip
+    (7, 300, 2, 3, 4, 64),      # partial row blocks in both kinds of program
+    (64, 256, 1, 64, 16, 32),   # a row program a row, 8 column strips of 4 steps
+    (511, 96, 4, 40, 64, 32),   # persistent row programs; 8 column steps, the last ragged
+]
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,num_programs,cbm,cbn", CASES)
+def test_matches_reference(m, n, block_m, num_programs, cbm, cbn, layer):
+  """dx, dscale and dbias against the reference's vjp; dx bit for bit the two-stage
+  backward's; every output bit for bit the same on a second run."""
+  x, scale, bias, dy = _inputs(m, n, layer=layer)
+  mean, rstd = _stats(x, scale, bias, layer)
+  bn = pn_config.next_power_of_2(n)
+  cfg = _cfg(block_m, bn, num_programs, column_block_m=cbm, column_block_n=cbn)
+  got = _run(cfg, x, scale, dy, mean, rstd, layer=layer)
+  kw = dict(eps=1e-5, scale_offset=0.5, subtract_mean=layer)
+  _, pull = jax.vjp(lambda x, s, b: reference.norm(x, s, b, **kw)[0], x, scale, bias)
+  want = pull(dy)
+  assert (got[2] is None) == (not layer)
+  for g, w in zip(got, want):
+    if w is not None:
+      assert g.shape == w.shape and g.dtype == w.dtype
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(1.0, np.abs(w).max()))
+  two_stage = _run(dataclasses.replace(cfg, fused_reduce=False), x, scale, dy, mean, rstd,
+                   layer=layer)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(two_stage[0]))
+  again = _run(cfg, x, scale, dy, mean, rstd, layer=layer)
+  for a, b in zip(got, again):
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_fused_residual_and_llama_cast(layer):
+  """The fused residual add's dh and dresidual (another dtype), and ``cast="llama"``
+  (dscale against the rounded x_hat), bf16: fused against two-stage, dx and dresidual
+  bit for bit, dscale/dbias within bf16 rounding of float32 sums in another order."""
+  m, n = 7, 300
+  x, scale, bias, dy = _inputs(m, n, layer=layer, seed=1)
+  dh = dy[::-1] * 0.5
+  mean, rstd = _stats(x, scale, bias, layer)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  cfg = _cfg(1, 512, 7, column_block_m=4, column_block_n=64)
+  kw = dict(dh=bf(dh), residual_dtype=jnp.float32, cast=("bfloat16", "bfloat16"))
+  got = _run(cfg, bf(x), bf(scale), bf(dy), mean, rstd, layer=layer, **kw)
+  want = _run(dataclasses.replace(cfg, fused_reduce=False), bf(x), bf(scale), bf(dy), mean,
+              rstd, layer=layer, **kw)
+  assert len(got) == 4 and got[1].dtype == jnp.float32
+  for a, b in zip(got[:2], want[:2]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for a, b in zip(got[2:], want[2:]):
+    if b is not None:
+      assert a.dtype == jnp.bfloat16
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_fused_fp8_x(layer):
+  """FP8 x (x_scale, group 64 > column_block_n: the strip widens to a group): fused
+  against two-stage, dx bit for bit, dscale/dbias to float32 round-off."""
+  m, n, g = 9, 320, 64
+  rng = np.random.default_rng(5)
+  v = rng.standard_normal((m, n)).astype(np.float32)
+  s = jnp.asarray(np.abs(v).reshape(m, n // g, g).max(-1) / 448.0, jnp.float32)
+  x = (jnp.asarray(v) / jnp.repeat(s, g, axis=1)).astype(jnp.float8_e4m3fn)
+  xd = reference.dequantise(x, s)
+  scale = jnp.asarray(1.0 + 0.5 * rng.standard_normal(n), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  mean, rstd = _stats(xd, scale, None, layer)
+  cfg = _cfg(1, 512, 9, column_block_m=4, column_block_n=32)
+  kw = dict(x_scale=s, dx_dtype=jnp.bfloat16)
+  got = _run(cfg, x, scale, dy, mean, rstd, layer=layer, **kw)
+  want = _run(dataclasses.replace(cfg, fused_reduce=False), x, scale, dy, mean, rstd,
+              layer=layer, **kw)
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32),
+                                np.asarray(want[0], np.float32))
+  for a, b in zip(got[1:], want[1:]):
+    if b is not None:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="fused_reduce"):
+    pn_config.BackwardConfig(1, 256, 4, 2, split_rows=True, fused_reduce=True)
+  with pytest.raises(ValueError, match="column_block_n"):
+    pn_config.BackwardConfig(1, 256, 4, 2, fused_reduce=True, column_block_n=96)
+  x = jnp.zeros((4, 300), jnp.float32)
+  with pytest.raises(ValueError, match="fused_reduce needs the row"):
+    backward.norm_backward(x, x, x[0], None, x[:, 0], has_bias=False, scale_offset=0.0,
+                           subtract_mean=False, config=_cfg(1, 128, 2), interpret=True,
+                           scale_dtype=jnp.float32)
+
+
+def test_defaults_and_tables():
+  """The default takes the one kernel for up to 64 rows on a GPU (not on CPU, not for
+  more rows, not for rows wider than one tile, not for narrow rows that one program
+  holds); a table entry's fused_reduce is dropped where the rebuilt config has one
+  program."""
+  few = pn_config.backward_config(8, 4096, jnp.bfloat16, H200, tuned=False)
+  assert few.fused_reduce and few.num_programs > 1 and few.column_block_m == 8
+  for m, n in ((1, 4096), (65, 4096), (8192, 4096), (8, 16384), (8, 128)):
+    assert not pn_config.backward_config(m, n, jnp.bfloat16, H200, tuned=False).fused_reduce
+  cpu = pn_config.DeviceInfo("cpu", "cpu", 4)
+  assert not pn_config.backward_config(8, 4096, jnp.bfloat16, cpu, tuned=False).fused_reduce
+  fields = pn_config.entry_fields(few, 4096, H200.num_sms, 8)
+  from pallas_norm import tuning
+  e = tuning.Entry(pn_config.table_key("bwd", 8, 4096, jnp.bfloat16, subtract_mean=False),
+                   "pallas", "", tuple(sorted(fields.items())))
+  assert pn_config.from_entry(e, 8, 4096, H200, "pallas") == few
+  one = pn_config.from_entry(e, 1, 4096, H200, "pallas")
+  assert one.num_programs == 1 and not one.fused_reduce
+  assert not pn_config.fits(few, 4096, H200, "triton")
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_hoist_params_same_bits(layer):
+  """multi_wave_cached with scale/bias loaded with x (ForwardConfig.hoist_params): the
+  same y, mean and rstd bit for bit; the default hoists while the grid fits one wave."""
+  x, scale, bias, _ = _inputs(7, 300, layer=layer)
+  run = lambda hoist: forward.norm_forward(
+      x, scale, bias, eps=1e-5, scale_offset=0.0, subtract_mean=layer,
+      config=pn_config.ForwardConfig("multi_wave_cached", 2, 512, 4, hoist_params=hoist),
+      interpret=_interpret())
+  for a, b in zip(run(True), run(False)):
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  cfg = lambda m: pn_config.forward_config(m, 4096, jnp.bfloat16, "multi_wave_cached", H200,
+                                           tuned=False)
+  assert cfg(64).hoist_params and not cfg(65536).hoist_params
