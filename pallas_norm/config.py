@@ -589,9 +589,17 @@ _LN_PSPLIT_MIN_N, _LN_PSPLIT_WIDE_N = 16384, 65536
 _LN_PSPLIT_W, _LN_PSPLIT_WIDE_W, _LN_PSPLIT_COLS_PER_SM = 1024, 2048, 16384
 _LN_PSPLIT_LAG = 2  # a lead of 3: 362.4/348.9 against 2's 363/347. [T#ln-persistent-split]
 
-# ---- Backward: few rows. One kernel (fused_reduce) up to 64 rows (a column program then
-# sums at most 4 row steps); the column programs' tile. [T#few-rows]
-_FUSED_MAX_M, _FUSED_COLUMN_BLOCK_M, _FUSED_COLUMN_BLOCK_N = 64, 16, 128
+# ---- Few rows (decode, sampling). Up to 64 rows (wider than _NARROW_BLOCK_N, 2-byte and
+# wider dtypes): a row a program in both passes, and the forward at >= 4 warps, N'/1024
+# up to 16. The forward's multi_wave_cached loads scale/bias with x (hoist_params) up to
+# 4 waves of programs (H200 RMSNorm 1x4096 2.0/2.4 us, 64x4096 2.1/2.7, 512x4096 3.9/4.4;
+# LayerNorm 512x4096 5.0/5.3). [T#few-rows]
+_FEW_ROWS_M, _FEW_ROWS_MAX_WARPS, _HOIST_MAX_WAVES = 64, 16, 4
+
+# ---- Backward: few rows. One kernel (fused_reduce) up to _FEW_ROWS_M rows (a column
+# program then sums at most 4 row steps; at 512x4096 it lost, 19.2/8.2 us, H200); the
+# column programs' tile. [T#few-rows]
+_FUSED_COLUMN_BLOCK_M, _FUSED_COLUMN_BLOCK_N = 16, 128
 
 # ---- Backward (stage 1): single tiles.
 # One register tile up to N' 8192 (16384^2 as one tile: 812 us/686 the pair). [T#bwd-single-tile]
@@ -1142,6 +1150,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     block_m, num_warps = (_fp8_ln_h100_tile(block_n, dtype, subtract_mean, backend, device,
                                             residual, param_dtype, return_residuals)
                           or (block_m, num_warps))
+  if (not chunked and not cpu and m <= _FEW_ROWS_M and block_n > _NARROW_BLOCK_N
+      and np.dtype(dtype).itemsize > 1):  # few rows: a row a program, >= 4 warps
+    block_m = 1
+    num_warps = max(num_warps, min(_FEW_ROWS_MAX_WARPS,
+                                   max(_FWD_MIN_WARPS, block_n // _FWD_ELEMS_PER_WARP)))
   if cpu:
     block_m = _cpu_block_m(block_m, m)
   num_programs = 0
@@ -1149,7 +1162,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     num_programs = max(1, min(device.num_sms * _PERSISTENT_OCCUPANCY, cdiv(m, block_m)))
   # scale/bias loaded with x while the grid is one wave (hoist_params)
   hoist = (mode == "multi_wave_cached" and not chunked and device.platform == "gpu"
-           and cdiv(m, block_m) <= device.num_sms)
+           and cdiv(m, block_m) <= _HOIST_MAX_WAVES * device.num_sms)
   return ForwardConfig(mode, block_m, block_n, num_warps, num_programs, hoist_params=hoist)
 
 
@@ -1308,12 +1321,15 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, _BWD_CHUNK_WARPS
     num_programs = max(1, _BWD_CHUNK_OCCUPANCY * device.num_sms // cdiv(n, block_n))
+  if (bn_full <= _BWD_SINGLE_TILE_MAX and device.platform == "gpu" and m <= _FEW_ROWS_M
+      and bn_full > _NARROW_BLOCK_N and np.dtype(dtype).itemsize > 1):
+    block_m = 1  # few rows: a row a program
   if device.platform == "cpu":
     block_m = _cpu_block_m(block_m, m)
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))
   # One kernel (stage 2 summed by column programs) for few rows.
   if (bn_full <= _BWD_SINGLE_TILE_MAX and backend == "pallas" and device.platform == "gpu"
-      and 1 < num_programs and m <= _FUSED_MAX_M):
+      and 1 < num_programs and m <= _FEW_ROWS_M):
     flags["fused_reduce"] = True
     flags["column_block_m"] = min(_FUSED_COLUMN_BLOCK_M, next_power_of_2(m))
     flags["column_block_n"] = min(_FUSED_COLUMN_BLOCK_N, bn_full)

@@ -551,6 +551,7 @@ def _check(y, x):
                              rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.cpu_only  # a table for the "cpu" device kind and CPU tiles
 def test_op_runs_the_user_table(monkeypatch):
   fast = _entry(us=1.0)  # reload [8 -> 16 on CPU, 128] x 2 warps
   cached = _entry(mode="multi_wave_cached", us=2.0, block_m=8, block_n=256, num_warps=1)
@@ -572,6 +573,7 @@ def test_op_runs_the_user_table(monkeypatch):
   assert seen == [_default(mode="static_persistent")]
 
 
+@pytest.mark.cpu_only  # a table for the "cpu" device kind and CPU tiles
 def test_op_follows_a_table_installed_after_a_trace(monkeypatch):
   seen = _spy(monkeypatch)
   x = _x(8, 128)
