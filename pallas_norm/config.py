@@ -589,12 +589,14 @@ _LN_PSPLIT_MIN_N, _LN_PSPLIT_WIDE_N = 16384, 65536
 _LN_PSPLIT_W, _LN_PSPLIT_WIDE_W, _LN_PSPLIT_COLS_PER_SM = 1024, 2048, 16384
 _LN_PSPLIT_LAG = 2  # a lead of 3: 362.4/348.9 against 2's 363/347. [T#ln-persistent-split]
 
-# ---- Few rows (decode, sampling). Up to 64 rows (wider than _NARROW_BLOCK_N, 2-byte and
-# wider dtypes): a row a program in both passes, and the forward at >= 4 warps, N'/1024
-# up to 16. The forward's multi_wave_cached loads scale/bias with x (hoist_params) up to
-# 4 waves of programs (H200 RMSNorm 1x4096 2.0/2.4 us, 64x4096 2.1/2.7, 512x4096 3.9/4.4;
-# LayerNorm 512x4096 5.0/5.3). [T#few-rows]
-_FEW_ROWS_M, _FEW_ROWS_MAX_WARPS, _HOIST_MAX_WAVES = 64, 16, 4
+# ---- Few rows (decode, sampling), rows wider than _NARROW_BLOCK_N, 2-byte and wider
+# dtypes. The forward up to 64 rows: a row a program at >= 4 warps, N'/1024 up to 16
+# (flat: RMSNorm 8x4096 1.9-2.1 us over 2-16 warps and the modes). The backward up to 8
+# rows: a row a program (LayerNorm 8x4096 2.3/2.9 us at [2, 4096]; at 64 rows the
+# rows-a-tile rule wins: 5.1/5.4, RMSNorm 64x1024 2.9/3.2). multi_wave_cached loads
+# scale/bias with x (hoist_params) up to 4 waves of programs (RMSNorm 1x4096 2.0/2.4 us,
+# 64x4096 2.1/2.7, 512x4096 3.9/4.4; LayerNorm 512x4096 5.0/5.3). H200. [T#few-rows]
+_FEW_ROWS_M, _FEW_ROWS_BWD_ONE_ROW_M, _FEW_ROWS_MAX_WARPS, _HOIST_MAX_WAVES = 64, 8, 16, 4
 
 # ---- Backward: few rows. One kernel (fused_reduce) up to _FEW_ROWS_M rows (a column
 # program then sums at most 4 row steps; at 512x4096 it lost, 19.2/8.2 us, H200); the
@@ -1321,9 +1323,10 @@ def backward_config(m: int, n: int, dtype, device: DeviceInfo | None = None, *,
   else:  # row statistics kernel + column-tiled persistent kernel
     block_n, block_m, num_warps = _BWD_CHUNK_N, 1, _BWD_CHUNK_WARPS
     num_programs = max(1, _BWD_CHUNK_OCCUPANCY * device.num_sms // cdiv(n, block_n))
-  if (bn_full <= _BWD_SINGLE_TILE_MAX and device.platform == "gpu" and m <= _FEW_ROWS_M
-      and bn_full > _NARROW_BLOCK_N and np.dtype(dtype).itemsize > 1):
-    block_m = 1  # few rows: a row a program
+  if (bn_full <= _BWD_SINGLE_TILE_MAX and device.platform == "gpu"
+      and m <= _FEW_ROWS_BWD_ONE_ROW_M and bn_full > _NARROW_BLOCK_N
+      and np.dtype(dtype).itemsize > 1):
+    block_m = 1  # very few rows: a row a program
   if device.platform == "cpu":
     block_m = _cpu_block_m(block_m, m)
   num_programs = max(1, min(num_programs, cdiv(m, block_m)))

@@ -52,6 +52,7 @@ def _spy(monkeypatch):
   return seen
 
 
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_tune_end_to_end(tmp_path, monkeypatch):
   seen = _spy(monkeypatch)
   calls = []
@@ -142,6 +143,7 @@ def test_tune_drops_a_winner_that_fails_the_check(tmp_path, monkeypatch):
   assert len(entries) == 3 and all(e.fields["num_warps"] in (1, 4) for e in entries)
 
 
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_a_table_can_pick_xla(tmp_path, monkeypatch):
   """Where the table's fastest is "xla", backend=None runs the jnp math for that pass
   (no kernel), with the same values and gradients; backend="pallas" keeps the kernels."""
@@ -186,6 +188,7 @@ def test_tune_fp8_input_and_refused_keys(tmp_path):
   assert all(e.us is not None for e in table.entries())
 
 
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_tune_fp8_output_passes(tmp_path):
   """The FP8-output kernels' keys: Fp8Config fields and their kernel's flag
   (``separate`` for delayed scaling's y_t) are searched, checked, written, and read back
@@ -214,6 +217,7 @@ def test_tune_fp8_output_passes(tmp_path):
   np.testing.assert_array_equal(np.asarray(r.y_t, np.float32), np.asarray(r.y, np.float32).T)
 
 
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_cli(capsys, tmp_path):
   assert tune.main(["--dry-run", "--shapes", "1x4096,64x1000", "--families", "rms,layer_res",
                     "--passes", "fwd,bwd"]) == 0

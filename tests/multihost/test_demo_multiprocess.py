@@ -29,23 +29,32 @@ _TINY = ["--steps", "8", "--batch", "8", "--seq", "16", "--d-model", "16", "--la
 _TIMEOUT = 600
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="session")
+def runs(run_once):
   """{"multi" | "single": (stdout, stderr, losses.json)}."""
-  tmp = tmp_path_factory.mktemp("demo_multiprocess")
   demo = [sys.executable, "-m", "pallas_norm.demo"] + _TINY
-  runs = {  # in turn: side by side, the pair's gloo collectives wait spinning
-      "multi": (demo + ["--processes", "2", "--devices", "2", "--out", str(tmp / "multi")],
-                _ENV),
-      "single": (demo + ["--devices", "4", "--out", str(tmp / "single")],
-                 distributed.child_env(0, cpu_devices=4, base=_ENV))}
+  names = ("multi", "single")
+
+  def compute(tmp):
+    runs = {  # in turn: side by side, the pair's gloo collectives wait spinning
+        "multi": (demo + ["--processes", "2", "--devices", "2", "--out", str(tmp / "multi")],
+                  _ENV),
+        "single": (demo + ["--devices", "4", "--out", str(tmp / "single")],
+                   distributed.child_env(0, cpu_devices=4, base=_ENV))}
+    for name in names:
+      argv, env = runs[name]
+      p = subprocess.run(argv, env=env, cwd=tmp, capture_output=True, text=True,
+                         timeout=_TIMEOUT)
+      assert p.returncode == 0, f"the {name} run failed:\n{p.stderr[-4000:]}"
+      (tmp / f"{name}.stdout").write_text(p.stdout)
+      (tmp / f"{name}.stderr").write_text(p.stderr)
+
+  tmp = run_once("demo", compute)
   results = {}
-  for name, (argv, env) in runs.items():
-    p = subprocess.run(argv, env=env, cwd=tmp, capture_output=True, text=True,
-                       timeout=_TIMEOUT)
-    assert p.returncode == 0, f"the {name} run failed:\n{p.stderr[-4000:]}"
+  for name in names:
     with open(tmp / name / "losses.json") as f:
-      results[name] = (p.stdout, p.stderr, json.load(f))
+      results[name] = ((tmp / f"{name}.stdout").read_text(),
+                       (tmp / f"{name}.stderr").read_text(), json.load(f))
   return results
 
 

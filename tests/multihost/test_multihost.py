@@ -50,23 +50,28 @@ _PROCESSES = 2
 _TIMEOUT = 400  # s, for each process; the 2-process run took 35 s on 2 cores (2026-11-28)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="session")
+def runs(run_once):
   """(single, [process 0, process 1]): each process's npz, loaded."""
-  multi_dir, single_dir = (tmp_path_factory.mktemp(n) for n in ("multi", "single"))
   cmd = lambda out: [sys.executable, str(_WORKER), "--out", str(out)]
-  # One after the other, not side by side: beside a third busy process on CI's 2 cores,
-  # the pair's gloo collectives wait spinning (2026-11-28: both runs and the demo's side
-  # by side took 354 s of CPU against ~160 s in turn).
-  distributed.launch(cmd(multi_dir), _PROCESSES, cpu_devices=worker.NDEV // _PROCESSES,
-                     timeout=_TIMEOUT, env=_ENV)
-  single = subprocess.run(cmd(single_dir), capture_output=True, text=True, timeout=_TIMEOUT,
-                          env=distributed.child_env(0, cpu_devices=worker.NDEV, base=_ENV))
-  err = single.stderr
-  assert single.returncode == 0, f"the 1-process run failed:\n{err[-4000:]}"
+
+  def compute(folder):
+    for sub in ("multi", "single"):
+      (folder / sub).mkdir()
+    # One after the other, not side by side: beside a third busy process on CI's 2
+    # cores, the pair's gloo collectives wait spinning (2026-11-28: both runs and the
+    # demo's side by side took 354 s of CPU against ~160 s in turn).
+    distributed.launch(cmd(folder / "multi"), _PROCESSES,
+                       cpu_devices=worker.NDEV // _PROCESSES, timeout=_TIMEOUT, env=_ENV)
+    single = subprocess.run(cmd(folder / "single"), capture_output=True, text=True,
+                            timeout=_TIMEOUT,
+                            env=distributed.child_env(0, cpu_devices=worker.NDEV, base=_ENV))
+    assert single.returncode == 0, f"the 1-process run failed:\n{single.stderr[-4000:]}"
+
+  folder = run_once("worker", compute)
   load = lambda p: dict(np.load(p))
-  return (load(single_dir / "p0of1.npz"),
-          [load(multi_dir / f"p{i}of{_PROCESSES}.npz") for i in range(_PROCESSES)])
+  return (load(folder / "single" / "p0of1.npz"),
+          [load(folder / "multi" / f"p{i}of{_PROCESSES}.npz") for i in range(_PROCESSES)])
 
 
 def test_meshes_span_both_processes(runs):
