@@ -109,14 +109,21 @@ class _Norm(nnx.Module):
     self.cast = cast
 
   def _inputs(self, x, residual, mask, *params):
-    """Checks the call (flax's axes and mask), then x and the params for the op:
+    """Checks the call (flax's axes and mask), then (x, *params, param_cast) for the op:
     ``promote_dtype`` (flax's promotion to ``dtype`` by default); under cast="llama" x
-    keeps its dtype (HF rounds x_hat to it) and the params are cast to ``dtype``."""
+    keeps its dtype (HF rounds x_hat to it) and the params are cast to ``dtype``. With
+    flax's promote_dtype, a ``dtype`` and the Pallas backend, the params' cast to
+    ``dtype`` is the op's ``param_cast`` (done as the kernels load them: the same values
+    with no kernel of its own; else None)."""
     _flax_args.check_call(x, self.reduction_axes, self.feature_axes, mask, residual)
-    if self.cast != "llama":
-      return self.promote_dtype((x, *params), dtype=self.dtype)
-    return (x, *(p if p is None or self.dtype is None else p.astype(self.dtype)
-                 for p in params))
+    if self.cast == "llama":
+      return (x, *(p if p is None or self.dtype is None else p.astype(self.dtype)
+                   for p in params), None)
+    if (self.promote_dtype is _dtypes.promote_dtype and self.dtype is not None
+        and self.backend == "pallas"
+        and any(p is not None and p.dtype != jnp.dtype(self.dtype) for p in params)):
+      return (jnp.asarray(x, self.dtype), *params, jnp.dtype(self.dtype))
+    return (*self.promote_dtype((x, *params), dtype=self.dtype), None)
 
 
 class RMSNorm(_Norm):
@@ -195,8 +202,9 @@ class RMSNorm(_Norm):
     anything but None raises NotImplementedError.
     """
     scale = None if self.scale is None else self.scale[...]
-    x, scale = self._inputs(x, residual, mask, scale)
+    x, scale, param_cast = self._inputs(x, residual, mask, scale)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
+                         param_cast=param_cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, axis_name=self.axis_name,
                          axis_index_groups=self.axis_index_groups, **_residual(self, residual))
@@ -300,8 +308,9 @@ class LayerNorm(_Norm):
     with a ``residual`` (as ``RMSNorm``; ``mask``: NotImplementedError unless None)."""
     scale = None if self.scale is None else self.scale[...]
     bias = None if self.bias is None else self.bias[...]
-    x, scale, bias = self._inputs(x, residual, mask, scale, bias)
+    x, scale, bias, param_cast = self._inputs(x, residual, mask, scale, bias)
     return _ops.layer_norm(x, scale, bias, eps=float(self.epsilon), cast=self.cast,
+                           param_cast=param_cast,
                            scale_offset=float(self.scale_offset), mode=self.mode,
                            backend=self.backend, axis_name=self.axis_name,
                            axis_index_groups=self.axis_index_groups,

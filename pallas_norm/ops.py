@@ -65,6 +65,8 @@ class _Static:
   # the tuning tables' context (tuning.context()): the jitted bodies are traced again
   # when it changes, so that configs chosen at trace time follow it
   tables: tuple = ()
+  # param_cast: the dtype name the Pallas kernels round scale/bias to as they load them
+  param_cast: str | None = None
 
 
 # --------------------------------------------------------------------------- checks
@@ -352,6 +354,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
     mean = mean if st.subtract_mean else None
     return (y, mean, rstd, h) if return_residuals else (y, None, None, h)
   params = [p.dtype for p in (scale, bias) if p is not None]
+  if st.param_cast is not None:  # the kernels see the params in that dtype
+    params = [jnp.dtype(st.param_cast)] * len(params)
   cfg = _config.forward_config(
       m, n, x2.dtype, st.mode, subtract_mean=st.subtract_mean, backend=backend,
       residual=residual is not None,
@@ -368,6 +372,19 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
                                          residual_dtype=jnp.dtype(st.residual_dtype))
   fp8 = {} if x_scale is None else dict(x_scale=x_scale)
   y_dtype = {} if x_scale is None else dict(y_dtype=jnp.dtype(st.out_dtype))
+  with _params_cast_to(st):
+    return _forward_launch(fwd, x2, scale, bias, st, cfg, return_residuals, combine_stats,
+                           residual, res, fp8, y_dtype)
+
+
+def _params_cast_to(st: _Static):
+  """The Pallas kernels' rounding of scale/bias to ``st.param_cast`` while they trace."""
+  from pallas_norm.kernels import forward
+  return forward.params_cast_to(st.param_cast)
+
+
+def _forward_launch(fwd, x2, scale, bias, st, cfg, return_residuals, combine_stats,
+                    residual, res, fp8, y_dtype):
   if combine_stats is None:
     out = fwd.norm_forward(x2, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                            subtract_mean=st.subtract_mean, config=cfg,
@@ -408,24 +425,27 @@ def _backward(dy, x2, scale, bias, mean, rstd, st: _Static, combine_row_sums=Non
       dscale, dbias = (None if g is None else g.astype(param_grad_dtype)
                        for g in (dscale, dbias))
     return dx, dres, dscale, dbias
+  pc = st.param_cast
   cfg = _config.backward_config(m, n, x2.dtype, subtract_mean=st.subtract_mean,
                                backend=backend, residual=st.residual_dtype is not None,
-                               param_dtype=None if scale is None else scale.dtype,
+                               param_dtype=None if scale is None else (pc or scale.dtype),
                                llama=st.llama is not None)
   _, bwd = _backend_module(backend)
-  dtype = lambda p: None if p is None else (param_grad_dtype or p.dtype)
+  # with param_cast, dscale/dbias in that dtype (_bwd_kernels casts them back)
+  dtype = lambda p: None if p is None else (param_grad_dtype or pc or p.dtype)
   res = {}
   if st.residual_dtype is not None:
     res = dict(dh=dh, dx_dtype=jnp.dtype(st.x_dtype),
                residual_dtype=jnp.dtype(st.residual_in_dtype))
   fp8 = {} if x_scale is None else dict(x_scale=x_scale, dx_dtype=jnp.dtype(st.out_dtype))
-  out = bwd.norm_backward(dy, x2, scale, mean, rstd,
-                          has_bias=bias is not None,
-                          scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
-                          config=cfg, interpret=st.interpret,
-                          scale_dtype=dtype(scale), bias_dtype=dtype(bias),
-                          combine_row_sums=combine_row_sums, **res, **fp8,
-                          **({} if st.llama is None else {"cast": st.llama}))
+  with _params_cast_to(st):
+    out = bwd.norm_backward(dy, x2, scale, mean, rstd,
+                            has_bias=bias is not None,
+                            scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
+                            config=cfg, interpret=st.interpret,
+                            scale_dtype=dtype(scale), bias_dtype=dtype(bias),
+                            combine_row_sums=combine_row_sums, **res, **fp8,
+                            **({} if st.llama is None else {"cast": st.llama}))
   return out if res else (out[0], None, *out[1:])
 
 
@@ -461,8 +481,16 @@ def _xla_norm_of_sum(h, scale, bias, x_dtype, *, llama, scale_offset, **kw):
   return y.astype(x_dtype), mean, rstd
 
 
+def _cast_params(st: "_Static", *params):
+  """scale/bias as ``st.param_cast`` rounds them (the jnp math's side of it)."""
+  if st.param_cast is None:
+    return params
+  return tuple(None if p is None else p.astype(st.param_cast) for p in params)
+
+
 def _xla_of(st: "_Static", x, residual, scale, bias, x_scale=None):
   """``_xla_forward`` with the arguments ``st`` holds."""
+  scale, bias = _cast_params(st, scale, bias)
   return _xla_forward(x, residual, scale, bias, eps=st.eps, scale_offset=st.scale_offset,
                       subtract_mean=st.subtract_mean, names=st.axis_name,
                       groups=st.axis_index_groups, llama=st.llama is not None,
@@ -501,7 +529,12 @@ def _fwd_reference(st: "_Static", x, x_scale, scale, bias, residual):
 
 
 def _bwd_kernels(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
-  return spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st, dh, x_scale=x_scale)
+  dx, dres, dscale, dbias = spmd.backward(_backward, dy, x, scale, bias, mean, rstd, st, dh,
+                                          x_scale=x_scale)
+  if st.param_cast is not None:  # the cast's transpose: rounded to it, in the param's dtype
+    dscale, dbias = (None if d is None else d.astype(st.param_cast).astype(p.dtype)
+                     for d, p in ((dscale, scale), (dbias, bias)))
+  return dx, dres, dscale, dbias
 
 
 def _bwd_reference(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
@@ -515,6 +548,7 @@ def _bwd_reference(st: "_Static", dy, x, x_scale, scale, bias, mean, rstd, dh):
     return (dx if x_scale is None else dx.astype(st.out_dtype)), None, dscale, dbias
   # the fused residual: y is the norm of h (the saved sum); dx = dresidual = dy's + dh
   def y_of_h(a, s, b):
+    s, b = _cast_params(st, s, b)
     return _xla_norm_of_sum(a, s, b, st.x_dtype, llama=st.llama is not None,
                             scale_offset=st.scale_offset, eps=st.eps,
                             subtract_mean=st.subtract_mean, axis_name=st.axis_name,
@@ -642,6 +676,33 @@ def _axis_groups(axis_name, axis_index_groups):
   return names, groups
 
 
+_PARAM_CAST_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _param_cast(op, scale, bias, param_cast, backend, x_scale, cast):
+  """(scale, bias, param_cast's dtype name or None). The Pallas kernels round the params
+  as they load them (backend="pallas", a float x, cast "torch" or "gemma"); elsewhere
+  the params are cast here, up front (the same values either way).
+
+  Raises:
+    TypeError: a param_cast other than float32, bfloat16 or float16.
+  """
+  if param_cast is None:
+    return scale, bias, None
+  try:
+    dt = jnp.dtype(param_cast)
+  except TypeError:
+    dt = None
+  if dt not in [jnp.dtype(d) for d in _PARAM_CAST_DTYPES]:
+    raise TypeError(f"{op}: param_cast={param_cast!r} must be float32, bfloat16 or float16")
+  params = [p for p in (scale, bias) if p is not None]
+  if all(p.dtype == dt for p in params):
+    return scale, bias, None
+  if backend != "pallas" or x_scale is not None or cast == "llama":
+    return (*(None if p is None else p.astype(dt) for p in (scale, bias)), None)
+  return scale, bias, dt.name
+
+
 def _check_concrete_shape(op: str, x, backend) -> None:
   """NotImplementedError for a symbolic dimension (jax.export's shape polymorphism):
   the kernels' launch configs, grids and tiles are chosen from the concrete shape."""
@@ -655,8 +716,9 @@ def _check_concrete_shape(op: str, x, backend) -> None:
 
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
           axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch",
-          x_scale=None, group_size=16, out_dtype=None):
+          x_scale=None, group_size=16, out_dtype=None, param_cast=None):
   _check_args(op, x, scale, bias, eps, mode, backend, allow_fp8=True)
+  scale, bias, param_cast = _param_cast(op, scale, bias, param_cast, backend, x_scale, cast)
   scale_offset = _check_cast(op, cast, scale, scale_offset)
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   out_dtype = _check_fp8(op, x, x_scale, group_size, out_dtype, cast, residual)
@@ -712,13 +774,15 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
   tables = _tuning.context()
   if residual is None:
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-                 names, groups, llama=llama, out_dtype=out_dtype, tables=tables)
+                 names, groups, llama=llama, out_dtype=out_dtype, tables=tables,
+                 param_cast=param_cast)
     if x.ndim == 1:
       return _norm_nd_jit(x[None], None if x_scale is None else x_scale[None], scale, bias,
                           st)[0]
     return _norm_nd_jit(x, x_scale, scale, bias, st)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
-               names, groups, h_dtype, x.dtype.name, res_in_dtype, llama, tables=tables)
+               names, groups, h_dtype, x.dtype.name, res_in_dtype, llama, tables=tables,
+               param_cast=param_cast)
   if x.ndim == 1:
     y, h = _norm_res_nd_jit(x[None], residual[None], scale, bias, st)
     return y[0], h[0]
@@ -730,7 +794,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
 
 def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, residual=None,
              residual_dtype=None, eps=None, scale_offset=0.0, cast="torch", mode=None,
-             backend="pallas", interpret=None, axis_name=None, axis_index_groups=None):
+             backend="pallas", interpret=None, axis_name=None, axis_index_groups=None,
+             param_cast=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -791,6 +856,13 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       Explicit meshes, with no all-gather (``pallas_norm.spmd``).
     axis_index_groups: with ``axis_name``: groups of axis indices reduced separately,
       as in ``jax.lax.pmean``.
+    param_cast: None, or float32 / bfloat16 / float16: scale (and bias) are used as
+      ``scale.astype(param_cast)`` (flax's ``promote_dtype`` of a float32 scale to a
+      bfloat16 ``dtype``): the same values, but the Pallas kernels round them as they
+      load them, so the cast costs no kernel of its own (at decode sizes a kernel
+      launch is a norm's cost); their cotangents are that cast's transpose (rounded to
+      param_cast, returned in the parameters' dtype). Other backends, FP8 x and
+      cast="llama" cast up front.
 
   Returns:
     y: [..., N] with x's dtype (FP8 x: ``out_dtype``) and sharding; ``(y, h)`` with a
@@ -836,13 +908,14 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
                subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
                residual=residual, residual_dtype=residual_dtype, cast=cast,
-               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype)
+               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype,
+               param_cast=param_cast)
 
 
 def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dtype=None,
                residual=None, residual_dtype=None, eps=1e-5, scale_offset=0.0, cast="torch",
                mode=None, backend="pallas", interpret=None, axis_name=None,
-               axis_index_groups=None):
+               axis_index_groups=None, param_cast=None):
   """Layer normalisation over the last axis (Ba et al., 2016,
   https://arxiv.org/abs/1607.06450). Matches ``torch.nn.functional.layer_norm`` over
   the last dimension.
@@ -880,4 +953,5 @@ def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dty
                subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
                axis_name=axis_name, axis_index_groups=axis_index_groups,
                residual=residual, residual_dtype=residual_dtype, cast=cast,
-               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype)
+               x_scale=x_scale, group_size=group_size, out_dtype=out_dtype,
+               param_cast=param_cast)

@@ -192,3 +192,72 @@ def test_hoist_params_same_bits(layer):
   cfg = lambda m: pn_config.forward_config(m, 4096, jnp.bfloat16, "multi_wave_cached", H200,
                                            tuned=False)
   assert cfg(64).hoist_params and not cfg(65536).hoist_params
+
+
+# ------------------------------------------------- param_cast: the params' cast in-kernel
+
+
+def _pc_inputs(layer):
+  key = jax.random.key(3)
+  k = jax.random.split(key, 5)
+  x = jax.random.normal(k[0], (7, 300), jnp.bfloat16)
+  params = [jax.random.normal(k[1], (300,), jnp.float32)]
+  if layer:
+    params.append(jax.random.normal(k[2], (300,), jnp.float32))
+  return x, params, jax.random.normal(k[3], (7, 300), jnp.bfloat16), \
+      jax.random.normal(k[4], (7, 300), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_param_cast_same_bits_as_the_cast(layer, backend, residual):
+  """``param_cast=bf16`` with float32 params: y (and h), dx and dscale/dbias bit for bit
+  those of the params cast to bf16 first (the kernels round them as they load them;
+  the gradients come back in float32, rounded as the cast's transpose rounds them)."""
+  import pallas_norm
+  x, params, dy, r = _pc_inputs(layer)
+  op = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  kw = dict(backend=backend, **({"residual": r} if residual else {}))
+  ours = lambda x, *p: op(x, *p, param_cast=jnp.bfloat16, **kw)
+  cast = lambda x, *p: op(x, *(a.astype(jnp.bfloat16) for a in p), **kw)
+  cts = (dy, r[::-1]) if residual else dy
+  (y1, pull1), (y2, pull2) = jax.vjp(ours, x, *params), jax.vjp(cast, x, *params)
+  for a, b in zip(jax.tree.leaves((y1, pull1(cts))), jax.tree.leaves((y2, pull2(cts)))):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # the float32 params as they are give other bits: the rounding did happen
+  y3 = jax.tree.leaves(op(x, *params, **kw))[0]
+  assert (np.asarray(y3, np.float32) != np.asarray(jax.tree.leaves(y1)[0], np.float32)).any()
+
+
+def test_param_cast_errors_and_fallbacks():
+  import pallas_norm
+  x, (s,), _, _ = _pc_inputs(False)
+  with pytest.raises(TypeError, match="param_cast"):
+    pallas_norm.rms_norm(x, s, param_cast=jnp.int8)
+  # cast="llama" casts up front: the same as the explicit cast
+  a = pallas_norm.rms_norm(x, s, cast="llama", param_cast=jnp.bfloat16)
+  b = pallas_norm.rms_norm(x, s.astype(jnp.bfloat16), cast="llama")
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_nnx_layer_casts_in_the_kernel(layer):
+  """The NNX layers with float32 params and dtype=bf16 pass the params to the kernel
+  as they are (no convert op in the jitted program, which would be a kernel of its own
+  before the norm) and give flax's promote_dtype's values bit for bit."""
+  import pallas_norm
+  from flax import nnx
+  x, params, _, _ = _pc_inputs(layer)
+  cls = pallas_norm.LayerNorm if layer else pallas_norm.RMSNorm
+  mod = cls(300, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  mod.scale[...] = params[0]
+  if layer:
+    mod.bias[...] = params[1]
+  jaxpr = jax.make_jaxpr(lambda x: mod(x))(x)
+  prims = {str(e.primitive) for e in jaxpr.eqns}
+  assert "convert_element_type" not in prims, prims
+  op = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
+  want = op(x, *(p.astype(jnp.bfloat16) for p in params), eps=float(mod.epsilon))
+  np.testing.assert_array_equal(np.asarray(mod(x), np.float32), np.asarray(want, np.float32))

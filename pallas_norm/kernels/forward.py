@@ -43,7 +43,9 @@ Triton lowering switches to 64-bit offsets by itself when x exceeds 2**32 bytes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -260,15 +262,40 @@ def _f32_again(x_raw):
   return lax.bitcast_convert_type(bits, _F32)
 
 
+_PARAM_CAST = threading.local()
+
+
+@contextlib.contextmanager
+def params_cast_to(dtype):
+  """Kernels traced inside the block (here and in backward.py) round scale and bias to
+  ``dtype`` as they load them: the same values as ``scale.astype(dtype)`` passed in
+  (``ops``' ``param_cast``), without that cast's kernel. None: as loaded."""
+  prev = getattr(_PARAM_CAST, "dtype", None)
+  _PARAM_CAST.dtype = None if dtype is None else jnp.dtype(dtype)
+  try:
+    yield
+  finally:
+    _PARAM_CAST.dtype = prev
+
+
+def _param(ref, cols, col_mask):
+  v = _load(ref.at[cols], col_mask)
+  cast = getattr(_PARAM_CAST, "dtype", None)
+  if cast is not None and v.dtype != cast:
+    v = v.astype(cast)
+  return v.astype(_F32)
+
+
 def _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset):
-  """w = scale_offset + scale and b = bias as [block_n] f32 (None when absent)."""
+  """w = scale_offset + scale and b = bias as [block_n] f32 (None when absent); scale
+  and bias first rounded to ``params_cast_to``'s dtype inside that block."""
   w = b = None
   if scale_ref is not None:
-    w = _load(scale_ref.at[cols], col_mask).astype(_F32)
+    w = _param(scale_ref, cols, col_mask)
     if scale_offset:
       w = w + _F32(scale_offset)
   if bias_ref is not None:
-    b = _load(bias_ref.at[cols], col_mask).astype(_F32)
+    b = _param(bias_ref, cols, col_mask)
   return w, b
 
 
