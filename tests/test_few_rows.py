@@ -261,3 +261,16 @@ def test_nnx_layer_casts_in_the_kernel(layer):
   op = pallas_norm.layer_norm if layer else pallas_norm.rms_norm
   want = op(x, *(p.astype(jnp.bfloat16) for p in params), eps=float(mod.epsilon))
   np.testing.assert_array_equal(np.asarray(mod(x), np.float32), np.asarray(want, np.float32))
+
+
+def test_param_cast_higher_order():
+  """A second derivative through param_cast (the custom_vjp's reference jvp casts the
+  params as the kernels round them): the explicit cast's, to float32 round-off."""
+  import pallas_norm
+  x, (s,), _, _ = _pc_inputs(False)
+  x = x.astype(jnp.float32)
+  loss = lambda f: lambda s: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, s) ** 2))(x) ** 2)
+  ours = loss(lambda x, s: pallas_norm.rms_norm(x, s, param_cast=jnp.bfloat16))
+  cast = loss(lambda x, s: pallas_norm.rms_norm(x, s.astype(jnp.bfloat16)))
+  np.testing.assert_allclose(np.asarray(jax.grad(ours)(s)), np.asarray(jax.grad(cast)(s)),
+                             rtol=1e-5, atol=1e-6)
