@@ -6,6 +6,7 @@ Without it, the ``gpu`` tests are reported as skipped (never as passes) and ever
 in interpret mode (Pallas) or Triton's interpreter (plain Triton).
 """
 
+import fcntl
 import os
 
 import pytest
@@ -86,3 +87,34 @@ def call_main(capsys):
     out, err = capsys.readouterr()
     return rc, out, err
   return call
+
+
+# Subprocess runs that several tests read (tests/multihost, test_demo_sharded.py): once
+# per pytest run, whatever the xdist workers.
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+  """``run_once(name, compute)``: the folder that ``compute(folder)`` filled, computed once
+  for the whole pytest run. Under pytest-xdist every worker may ask (a module-scoped
+  fixture ran on both workers, its tests being split between them: tests/multihost's
+  process pairs twice, 327 s of setup, 2026-11-28), so the workers share the folder
+  under one file lock: the first computes, the others wait asleep and read it; and no
+  two of these runs go side by side (tests/multihost's gloo collectives wait spinning,
+  which on CI's 2 cores slows both)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # shared by the workers of this run
+
+  def run(name, compute):
+    folder = root / f"run_once_{name}"
+    with open(root / "run_once.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      try:
+        if not (folder / "done").exists():
+          folder.mkdir(exist_ok=True)
+          compute(folder)
+          (folder / "done").touch()
+      finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+  return run

@@ -70,24 +70,28 @@ with open(out_path, "w") as f:
 """
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="session")
+def runs(run_once):
   """{devices: what the run with --devices devices saw}, both on a 4-device CPU host."""
-  tmp = tmp_path_factory.mktemp("demo_sharded")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip())
   code = f"TINY = {_TINY!r}\nBATCH, SEQ = {_BATCH}, {_SEQ}\n" + _RUNNER
-  procs = {}
-  for n in (_DEVICES, 1):
-    procs[n] = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp / f"{n}.json"), str(tmp / f"png{n}"),
-         "--devices", str(n)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  def compute(tmp):
+    procs = {}
+    for n in (_DEVICES, 1):
+      procs[n] = subprocess.Popen(
+          [sys.executable, "-c", code, str(tmp / f"{n}.json"), str(tmp / f"png{n}"),
+           "--devices", str(n)],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for n, p in procs.items():
+      _, err = p.communicate(timeout=600)
+      assert p.returncode == 0, f"--devices {n} run failed:\n{err[-4000:]}"
+
+  tmp = run_once("demo_sharded", compute)
   results = {}
-  for n, p in procs.items():
-    _, err = p.communicate(timeout=600)
-    assert p.returncode == 0, f"--devices {n} run failed:\n{err[-4000:]}"
+  for n in (_DEVICES, 1):
     with open(tmp / f"{n}.json") as f:
       results[n] = json.load(f)
   return results
