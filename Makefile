@@ -39,8 +39,11 @@ SHARDED_ENV = PALLAS_NORM_SHARDED=1 TRITON_INTERPRET=1 \
   XLA_FLAGS="$$XLA_FLAGS $(CPU_TEST_FLAGS) --xla_force_host_platform_device_count=8"
 TEST_WORKERS ?= 2
 # tests/multihost (jax.distributed: 2 processes x 4 CPU devices, in subprocesses of their
-# own) runs in the first line; --dist loadgroup keeps it on one worker, so that its
-# process pairs start once, one pair at a time.
+# own) runs in the first line. Its process pairs run once a pytest run, one pair at a
+# time, whichever worker asks first (tests/conftest.py's run_once): --dist loadgroup
+# does not keep its tests on one worker with pytest 9.2 and pytest-xdist 3.8 (the
+# xdist_group marks are ignored: a 6-test module marked with one group ran on both
+# workers, 2026-11-28); the flag stays for versions where it works.
 test: $(VENV)/.stamp-test
 	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) tests
 	$(SHARDED_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests/sharded

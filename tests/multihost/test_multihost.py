@@ -18,8 +18,8 @@ cases on the same global arrays. Each case's step runs twice in each process. Ch
 The launcher (``pallas_norm.distributed.launch``) stops every process after a timeout
 or when one fails, naming it: the last tests here check that on purpose-made failures.
 Everything runs in subprocesses, so the main ``pytest tests`` run of ``make test``
-(one CPU device) runs this module, once (``--dist loadgroup`` keeps tests/multihost on
-one xdist worker: its process pairs start once, one pair at a time).
+(one CPU device) runs this module; its process pairs start once a pytest run, one pair
+at a time, on whichever xdist worker asks first (tests/conftest.py's ``run_once``).
 """
 
 import importlib.util
