@@ -166,7 +166,7 @@ def _x_src(x_ref, refs: list, group_size: int, kernel: str, subtract_mean: bool)
 # memory (the FP8-x LayerNorm backward at [2, 4096] x 16 warps, ptxas sm_90a: 952
 # instructions, 80 STS / 76 LDS, a 16-byte stack; x loaded in runs of 8: 648, 16 / 18,
 # none). Runs of 8 everywhere but the kernels below, which keep 16-value runs: H100,
-# 2026-11-26, benchmarks/fp8_x_vector_ab.py (the default configs; us of the kernel, runs
+# 2026-11-26, benchmarks/fp8_x_vector_ab.py at fd31e12 (the default configs; us of the kernel, runs
 # of 16 / 8). Runs of 8 gained up to 43% elsewhere (LayerNorm's backward at 32768x2048
 # 268.6 / 152.6, RMSNorm's at 4096x16384 199.7 / 144.7, LayerNorm's forward there 125.4 /
 # 89.7), and were level or 2-6% faster in the other cells. The H200 is not measured.
@@ -186,7 +186,7 @@ def _fp8_vector(kernel: str, subtract_mean: bool, n: int) -> int:
   """Runs of contiguous FP8 values a thread's load of x takes in ``kernel`` ("forward",
   "forward_res", "backward", "stats", "apply") for rows of ``n`` (0: as many as 16
   bytes hold): ``_FP8_VECTOR_16``'s kernels keep 0, the others take 8. (The A/B scripts
-  replace this function while they trace: benchmarks/_fp8_sweep.forced_fp8_vector.)"""
+  replace this function while they trace: benchmarks/_fp8_sweep.forced_fp8_vector at fd31e12.)"""
   key = (kernel, "layer" if subtract_mean else "rms",
          min(next_power_of_2(n), _FP8_VECTOR_MAX_N))
   return 0 if key in _FP8_VECTOR_16 else _FP8_VECTOR

@@ -169,7 +169,7 @@ _PERSISTENT_ROWS: dict[tuple[str, str, int], tuple[int, int, int, bool]] = {
     ("delayed", "layer", 4096): (1, 8, 2, True),    # 38.3 / 45.8
     ("stats", "rms", 8192): (2, 16, 1, True),       # 8192x8192: 41.3 / 43.8
     ("delayed", "rms", 8192): (1, 32, 1, True),     # 68.1 / 73.1
-    # 8192x8192 (benchmarks/fp8_ab.py, h200_2026-11-23_fp8ab_e88c315.json): 81.9 against
+    # 8192x8192 (benchmarks/fp8_ab.py at fd31e12, h200_2026-11-23_fp8ab_e88c315.json): 81.9 against
     # 189.9 for the old pick (1, 8, 2, False), which sweep 2 had at 86.8; LayerNorm's
     # 8192-wide rows are near the register limit and vary 80-400 us from config to
     # config (sweep 3)
@@ -765,7 +765,7 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   loaded as their even and odd halves, and each pair of y values is quantised into one
   int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, the row sums taken in
   another order (pairs first): on the H100, y's bytes equal but for a few in 10^7, one
-  FP8 ulp apart (benchmarks/fp8_sweep8.py checks them)."""
+  FP8 ulp apart (benchmarks/fp8_sweep8.py at fd31e12 checks them)."""
   del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
       refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
