@@ -730,16 +730,17 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     out_shape += [out_struct(shape, dt, x) for dt in param_dtypes]
   else:
     out_shape += [out_struct((g, n), _F32, x)] * len(param_dtypes)
+  # the persistent stage 1's flags (its kernel and the one-kernel backward's rows)
+  stage1_flags = {f: getattr(cfg, f) for f in ("prefetch_depth", "recompute_dx",
+                                              "prefetch_stats", "joint_row_sums",
+                                              "reload_scale")}
   if one_kernel:
     columns = cdiv(n, max(cfg.column_block_n, statics["group_size"]))
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_fused_kernel, has_bias=has_bias, num_programs=g,
                           column_block_m=min(cfg.column_block_m, next_power_of_2(m)),
                           column_block_n=max(cfg.column_block_n, statics["group_size"]),
-                          pieces=pieces, **fused, **statics,
-                          prefetch_depth=cfg.prefetch_depth, recompute_dx=cfg.recompute_dx,
-                          prefetch_stats=cfg.prefetch_stats,
-                          joint_row_sums=cfg.joint_row_sums, reload_scale=cfg.reload_scale),
+                          pieces=pieces, **fused, **statics, **stage1_flags),
         out_shape=out_shape,
         grid=(g + columns,),
         compiler_params=params,
@@ -776,11 +777,7 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
     dx, *parts = pl.pallas_call(
         functools.partial(_bwd_persistent_kernel, has_bias=has_bias, num_programs=g,
                           chunked=chunked, pieces=pieces, **fused, **statics,
-                          prefetch_depth=cfg.prefetch_depth,
-                          recompute_dx=cfg.recompute_dx,
-                          prefetch_stats=cfg.prefetch_stats,
-                          joint_row_sums=cfg.joint_row_sums,
-                          reload_scale=cfg.reload_scale),
+                          **stage1_flags),
         out_shape=out_shape,
         grid=(g, cdiv(n, cfg.block_n)) if chunked else (g,),
         compiler_params=params,
