@@ -234,6 +234,33 @@ def test_residual_ops_on_cpu(tmp_path, monkeypatch):
   assert "dresidual" in layer_bwd["check_detail"] and "dbias" in layer_bwd["check_detail"]
 
 
+def test_fwdbwd_dep_pass_on_cpu(tmp_path, monkeypatch):
+  """--passes fwdbwd_dep: the same outputs as fwdbwd (--check against the reference, the
+  same bytes), its step holds dy back behind an optimization_barrier on (y, dy), and
+  fwdbwd's does not."""
+  from pallas_norm.bench import peers
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
+  out = tmp_path / "dep.json"
+  args = _args("--shapes", "16x256", "--ops", "rms,layer_res", "--passes", "fwdbwd_dep",
+               "--impls", "pallas,flax", "--iters", "2", "--check", "--out", str(out))
+  plan = bench.build_plan(args)
+  assert {c.pass_ for c in plan} == {"fwdbwd_dep"}
+  assert run.run_plan(args, plan) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 4
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert r["bytes"] == bench.bytes_model(16, 256, 2, "fwdbwd", r["op"])
+  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["flax"], "rms")
+  x = jnp.ones((4, 128), jnp.bfloat16)
+  s = jnp.ones((128,), jnp.float32)
+  prims = lambda p: {str(e.primitive) for e in jax.make_jaxpr(  # noqa: E731
+      peers.step_of(f, "rms", p))(x, s, None, x).eqns}
+  assert "optimization_barrier" in prims("fwdbwd_dep")
+  assert "optimization_barrier" not in prims("fwdbwd")
+
+
 def test_fp8_ops_plan_and_bytes():
   """--ops fp8 is the eight FP8-output ops, forward only, pallas (heuristic) and xla."""
   plan = bench.build_plan(_args("--shapes", "64x128", "--ops", "fp8", "--impls",

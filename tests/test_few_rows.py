@@ -265,12 +265,21 @@ def test_nnx_layer_casts_in_the_kernel(layer):
 
 def test_param_cast_higher_order():
   """A second derivative through param_cast (the custom_vjp's reference jvp casts the
-  params as the kernels round them): the explicit cast's, to float32 round-off."""
+  params as the kernels round them): the explicit cast's, to bfloat16 round-off. The
+  explicit cast sums the scale's cotangent contributions in bfloat16 (the cotangent of
+  a bf16 value), param_cast rounds each contribution to bf16 and sums them in float32:
+  on the H200 the two differed by up to 0.5% (2026-11-28; on CPU XLA's excess precision
+  drops the bf16 round trips and they agree to float32 round-off). A missing or wrong
+  term is off by far more."""
   import pallas_norm
   x, (s,), _, _ = _pc_inputs(False)
   x = x.astype(jnp.float32)
   loss = lambda f: lambda s: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, s) ** 2))(x) ** 2)
-  ours = loss(lambda x, s: pallas_norm.rms_norm(x, s, param_cast=jnp.bfloat16))
-  cast = loss(lambda x, s: pallas_norm.rms_norm(x, s.astype(jnp.bfloat16)))
-  np.testing.assert_allclose(np.asarray(jax.grad(ours)(s)), np.asarray(jax.grad(cast)(s)),
-                             rtol=1e-5, atol=1e-6)
+  ours = np.asarray(jax.grad(loss(lambda x, s: pallas_norm.rms_norm(
+      x, s, param_cast=jnp.bfloat16)))(s))
+  cast = np.asarray(jax.grad(loss(lambda x, s: pallas_norm.rms_norm(
+      x, s.astype(jnp.bfloat16))))(s))
+  np.testing.assert_allclose(ours, cast, rtol=2e-2, atol=2e-3 * np.abs(cast).max())
+  # and not the float32 params' second derivative: the rounding is part of it
+  plain = np.asarray(jax.grad(loss(lambda x, s: pallas_norm.rms_norm(x, s)))(s))
+  assert np.abs(plain - cast).max() > np.abs(ours - cast).max()

@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
                       "(rms_fp8_delayed_t); 'fp8' for all eight; FP8 input (x float8_e4m3fn "
                       "with float32 scales a group of 16, y in --dtype): rms_fp8in,layer_fp8in "
                       "('fp8in' for both), pallas and triton against the jnp chain (xla)")
-  p.add_argument("--passes", default="fwd,fwdbwd", help="fwd,fwdbwd (default both)")
+  p.add_argument("--passes", default="fwd,fwdbwd",
+                 help="fwd,fwdbwd (default both); fwdbwd_dep: forward+backward with dy "
+                      "released only once y exists, a training step's order (torch's "
+                      "eager backward runs in that order anyway)")
   p.add_argument("--impls", help="comma list of " + ",".join(i.name for i in IMPLS)
                  + "; 'pallas:*' / 'triton:*' for every mode (default: all)")
   p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))

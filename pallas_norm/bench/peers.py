@@ -111,6 +111,33 @@ def fwdbwd(f, op: str = "rms"):
   return step
 
 
+def fwdbwd_dep(f, op: str = "rms"):
+  """``fwdbwd(f, op)``'s step with dy released only once y exists
+  (``jax.lax.optimization_barrier`` on (y, dy)): the order of a training step, where dy
+  is a function of y. Without it nothing orders the backward after the forward, and XLA
+  may fuse its own norm's backward row sums into the forward's statistics pass (one read
+  of x and one kernel fewer than a training step can have)."""
+  if fp8_input(op):
+    def step8(x, s, b, dy):
+      x8, x_scale = x
+      y, pull = jax.vjp(lambda x8, s, b: f((x8, x_scale), s, b), x8, s, b)
+      y, dy = jax.lax.optimization_barrier((y, dy))
+      return y, pull(dy)
+    return step8
+
+  def step(x, s, b, dy):
+    y, pull = jax.vjp(f, x, s, b)
+    y, dy = jax.lax.optimization_barrier((y, dy))
+    return y, pull(dy)
+  return step
+
+
+def step_of(f, op: str, pass_: str):
+  """The jitted-to-be step of one pass: f itself ("fwd"), ``fwdbwd`` or ``fwdbwd_dep``."""
+  return {"fwd": lambda: f, "fwdbwd": lambda: fwdbwd(f, op),
+          "fwdbwd_dep": lambda: fwdbwd_dep(f, op)}[pass_]()
+
+
 class _DropAliases:
   """A module whose ``pallas_call`` loses its ``input_output_aliases`` argument; every
   other attribute is the wrapped module's."""

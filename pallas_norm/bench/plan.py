@@ -45,15 +45,17 @@ FP8_INPUT_OPS = ("rms_fp8in", "layer_fp8in")
 FP8_INPUT_GROUP = 16  # COAT's QB
 KERNEL_OPS = OPS + FP8_OPS + FP8_INPUT_OPS  # what the kernel bench runs (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
-PASSES = ("fwd", "fwdbwd")
+# fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
+# order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.
+PASSES = ("fwd", "fwdbwd", "fwdbwd_dep")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
 EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5,
        **{op: 1e-6 if op.startswith("rms") else 1e-5 for op in FP8_OPS + FP8_INPUT_OPS}}
-_BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5}
+_BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5, "fwdbwd_dep": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
-_BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8}
+_BYTES_FACTOR_RES = {"fwd": 4, "fwdbwd": 8, "fwdbwd_dep": 8}
 # The implementations that serve the fused residual add (the others: n/a): ours (both
 # backends), XLA's fusion of the same formula, and a flax user's `h = x + r; norm(h)`.
 _RES_IMPLS = ("pallas", "triton", "mosaic", "auto", "auto-untuned", "xla", "flax")
@@ -143,7 +145,7 @@ def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> i
   that plus x + x_scale + dy + dx.
 
   Raises:
-    ValueError: ``pass_`` is not "fwd" or "fwdbwd", or "fwdbwd" of an FP8 op.
+    ValueError: ``pass_`` is not one of PASSES, or a backward pass of an FP8-output op.
   """
   if pass_ not in _BYTES_FACTOR:
     raise ValueError(f"{pass_=} must be one of {tuple(_BYTES_FACTOR)}")
@@ -154,7 +156,7 @@ def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> i
     return (itemsize + 1 + int(fp8[2])) * m * n
   if fp8_input(op):
     fwd = (1 + itemsize) * m * n + 4 * m * (n // FP8_INPUT_GROUP)
-    return fwd + (fwd + itemsize * m * n if pass_ == "fwdbwd" else 0)
+    return fwd + (fwd + itemsize * m * n if pass_ != "fwd" else 0)
   factor = _BYTES_FACTOR_RES if op.endswith("_res") else _BYTES_FACTOR
   return factor[pass_] * m * n * itemsize
 

@@ -116,10 +116,10 @@ def rel_err(out, ref) -> tuple[float, float]:
 
 
 def _reference_outputs(op: str, pass_: str, inp: _Inputs):
-  """Reference y (fwd) or (y, (dx, dscale[, dbias])) (fwdbwd) on copy 0."""
+  """Reference y (fwd) or (y, (dx, dscale[, dbias])) (fwdbwd, fwdbwd_dep) on copy 0."""
   f = peers.jax_fn(IMPL_BY_NAME["xla"], op)
   args = _arg_sets(op, pass_, inp)[0]
-  return jax.jit(f if pass_ == "fwd" else peers.fwdbwd(f, op))(*args)
+  return jax.jit(peers.step_of(f, op, pass_))(*args)
 
 
 def compare(out, ref, dtype_name: str, names=None) -> dict:
@@ -145,7 +145,7 @@ def compare(out, ref, dtype_name: str, names=None) -> dict:
 
 def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   f = peers.jax_fn(impl, c.op)
-  step = f if c.pass_ == "fwd" else peers.fwdbwd(f, c.op)
+  step = peers.step_of(f, c.op, c.pass_)
   step = jax.jit(step if impl.tables else peers.without_tables(step))
   arg_sets = _arg_sets(c.op, c.pass_, inp)
   t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def _run_torch_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   torch.cuda.synchronize()
   row = {"compile_s": round(time.perf_counter() - t0, 2)}
   if ref is not None:
-    out = (out[0].detach(), tuple(out[1])) if c.pass_ == "fwdbwd" else out
+    out = (out[0].detach(), tuple(out[1])) if c.pass_ != "fwd" else out
     row.update(compare(jax.tree.map(lambda a: jnp.from_dlpack(a.contiguous()), out),
                         ref, args.dtype))
   del out
@@ -303,7 +303,7 @@ def run_plan(args, plan: list[Case]) -> int:
       continue
     fp8 = any(fp8_input(c.op) for c in cases)
     r = rotations(m, n, 1 if fp8 else itemsize, dev["l2_bytes"])  # x8: 1 byte
-    inp = _make_inputs(m, n, dtype, r, any(c.pass_ == "fwdbwd" for c in cases), args.seed,
+    inp = _make_inputs(m, n, dtype, r, any(c.pass_ != "fwd" for c in cases), args.seed,
                        any(c.op.endswith("_res") for c in cases), fp8)
     refs: dict = {}
     for c in cases:

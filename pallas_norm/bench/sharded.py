@@ -302,20 +302,10 @@ _PASSES = ("fwd", "fwdbwd", "fwdbwd_dep")
 _BYTES_PASS = {"fwd": "fwd", "fwdbwd": "fwdbwd", "fwdbwd_dep": "fwdbwd"}
 
 
-def _fwdbwd_dependent(f):
-  """peers.fwdbwd's step with dy released only once y exists (a training step's order)."""
-  def step(x, s, b, dy):
-    y, pull = jax.vjp(f, x, s, b)
-    y, dy = jax.lax.optimization_barrier((y, dy))
-    return y, pull(dy)
-  return step
-
-
 def _compile_and_time(impl: str, op: str, pass_: str, arg_sets, iters, ndev, platform):
   """(timing and collectives of one implementation's step, its outputs on rotation 0)."""
   f = peers.jax_fn(IMPL_BY_NAME[_IMPLS[impl]], op)
-  step = jax.jit({"fwd": f, "fwdbwd": peers.fwdbwd(f),
-                  "fwdbwd_dep": _fwdbwd_dependent(f)}[pass_])
+  step = jax.jit(peers.step_of(f, op, pass_))
   t0 = time.perf_counter()
   compiled = step.lower(*arg_sets[0]).compile()
   out = jax.block_until_ready(compiled(*arg_sets[0]))  # the warm-up call
