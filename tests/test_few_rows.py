@@ -63,6 +63,7 @@ CASES = [
     (7, 300, 2, 3, 4, 64),      # partial row blocks in both kinds of program
     (64, 256, 1, 64, 16, 32),   # a row program a row, 8 column strips of 4 steps
     (511, 96, 4, 40, 64, 32),   # persistent row programs; 8 column steps, the last ragged
+    (8, 12000, 1, 8, 8, 128),   # N' = 16384 as one tile a row (the default from 8 rows)
 ]
 
 
@@ -158,13 +159,23 @@ def test_errors():
 
 def test_defaults_and_tables():
   """The default takes the one kernel for up to 64 rows on a GPU (not on CPU, not for
-  more rows, not for rows wider than one tile, not for narrow rows that one program
-  holds); a table entry's fused_reduce is dropped where the rebuilt config has one
+  more rows, not for rows wider than one tile: N' > 16384, or N' = 16384 below 8 rows,
+  not for narrow rows that one program holds); a table entry's fused_reduce is dropped where the rebuilt config has one
   program."""
   few = pn_config.backward_config(8, 4096, jnp.bfloat16, H200, tuned=False)
   assert few.fused_reduce and few.num_programs > 1 and few.column_block_m == 8
-  for m, n in ((1, 4096), (65, 4096), (8192, 4096), (8, 16384), (8, 128)):
+  for m, n in ((1, 4096), (65, 4096), (8192, 4096), (1, 16384), (8, 32768), (8, 128)):
     assert not pn_config.backward_config(m, n, jnp.bfloat16, H200, tuned=False).fused_reduce
+  # N' = 16384: one tile a row from 8 rows (16 warps), the split-row kernel below that
+  for m in (8, 64):
+    wide = pn_config.backward_config(m, 16384, jnp.bfloat16, H200, tuned=False)
+    assert wide.fused_reduce and wide.block_n == 16384 and wide.num_warps == 16
+    assert not wide.split_rows
+    fwd = pn_config.forward_config(m, 16384, jnp.bfloat16, device=H200, tuned=False)
+    assert (fwd.mode, fwd.block_m, fwd.block_n) == ("multi_wave_cached", 1, 16384)
+  assert pn_config.backward_config(1, 16384, jnp.bfloat16, H200, tuned=False).split_rows
+  assert pn_config.forward_config(1, 16384, jnp.bfloat16, device=H200,
+                                  tuned=False).mode == "static_persistent"
   cpu = pn_config.DeviceInfo("cpu", "cpu", 4)
   assert not pn_config.backward_config(8, 4096, jnp.bfloat16, cpu, tuned=False).fused_reduce
   fields = pn_config.entry_fields(few, 4096, H200.num_sms, 8)
