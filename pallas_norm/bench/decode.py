@@ -7,8 +7,10 @@ with each norm variant, in one process, the variants alternated round by round:
                      (1 + scale)`` in jnp, as flax's Gemma writes it), the residual add
                      ``h = h + delta`` before each norm;
   pallas_norm        ``pallas_norm.RMSNorm`` as a drop-in, the same code;
-  pallas_norm_fused  pallas_norm with the fused residual add:
-                     ``y, h = norm(delta, residual=h)``.
+  pallas_norm_fused  pallas_norm with its fusions: the residual add,
+                     ``y, h = norm(delta, residual=h)``, and the QK-norm read from the
+                     packed projection in place (``pallas_norm.qk_norm``, Qwen3 and
+                     Gemma; no slice copies).
 
 The norm layers are those of the train-step bench (``e2e._norm_cls``). The step is
 ``step(params, cache, x) -> y``: x [B, d] bf16 through ``layers`` blocks of
@@ -136,6 +138,8 @@ def _model_cls():
   import jax
   import jax.numpy as jnp
   from flax import nnx
+
+  import pallas_norm
   e2e._modules()  # defines e2e._GemmaRMSNorm, flax's Gemma norm
 
   class Block(nnx.Module):
@@ -160,8 +164,15 @@ def _model_cls():
       qkv = self.wqkv(y).reshape(b, c.heads + 2 * c.kv_heads, c.head_dim)
       v = qkv[:, c.heads + c.kv_heads:]  # [B, kv_heads, head_dim]
       with jax.named_scope("pn_norm"):  # q and k slices: a copy made for a norm counts there
-        q, k = qkv[:, :c.heads], qkv[:, c.heads:c.heads + c.kv_heads]
-        if self.q_norm is not None:  # B * heads and B * kv_heads rows of head_dim
+        if self.q_norm is not None and self.fused:  # both head ranges read in place
+          qn = self.q_norm
+          q, k = pallas_norm.qk_norm(qkv, qn.scale[...], self.k_norm.scale[...],
+                                     num_heads=c.heads, num_kv_heads=c.kv_heads,
+                                     eps=float(qn.epsilon), cast=qn.cast,
+                                     param_cast=qn.dtype)
+        else:
+          q, k = qkv[:, :c.heads], qkv[:, c.heads:c.heads + c.kv_heads]
+        if self.q_norm is not None and not self.fused:  # B * heads, B * kv_heads rows
           q, k = self.q_norm(q), self.k_norm(k)
       cache_k, cache_v = kv  # [B, S, kv_heads, head_dim] each
       keys = jnp.concatenate([cache_k, k[:, None]], axis=1)  # [B, S + 1, kv_heads, hd]

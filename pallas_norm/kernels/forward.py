@@ -356,7 +356,18 @@ def _load_row_block(x_ref, rb, *, n, block_m, block_n):
   return _load_x(x_ref, rows, cols, mask, first=True)
 
 
-def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None):
+def _mapped_rows(rows, x_rows):
+  """x's physical rows of logical ``rows`` under ``x_rows`` = (group, stride, offset, m):
+  logical row r is x's row (r // group) * stride + offset + r % group (a head range of
+  each token's packed projection: ``pallas_norm.qk_norm``); None: the rows themselves."""
+  if x_rows is None:
+    return rows
+  group, stride, offset, _ = x_rows
+  return (rows // group) * stride + offset + rows % group
+
+
+def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None,
+                 x_rows=None):
   """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile.
 
   ``params()`` gives (w, b), called once the statistics are done: the multi-wave kernel
@@ -364,13 +375,16 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   (a [2, 8192] LayerNorm tile at 4 warps took 161 registers a thread with them loaded
   first, against 127 for tokamax's kernel, which loads them last; H200 ncu). The
   persistent kernel passes the values it hoisted. ``x`` is the tile when the caller
-  already loaded it (a prefetch); else it is loaded.
+  already loaded it (a prefetch); else it is loaded. ``x_rows``: y's rows are logical
+  rows of x (``_mapped_rows``; plain x only), y is [x_rows[3], N].
   """
   x_ref, y_ref, mean_ref, rstd_ref = refs
-  m = x_ref.shape[0]
+  m = x_ref.shape[0] if x_rows is None else x_rows[3]
   rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
                                               rows_in_bounds=True)
-  if x is None:
+  if x is None and x_rows is not None:
+    x = _load_x(x_ref, _mapped_rows(rows, x_rows), cols, mask, first=True)
+  elif x is None:
     x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
   x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
   if subtract_mean:
@@ -594,7 +608,7 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
-                   block_m, block_n, hoist_params=False):
+                   block_m, block_n, hoist_params=False, x_rows=None):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
@@ -604,7 +618,7 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     wb = params()
     params = lambda: wb  # noqa: E731
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
-               block_m=block_m, block_n=block_n)
+               block_m=block_m, block_n=block_n, x_rows=x_rows)
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -973,10 +987,11 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 
 
 def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
-        y_dtype=None, x_scale=None):
+        y_dtype=None, x_scale=None, rows=None):
   """The kernels' inputs (x, x_scale, residual, scale, bias; the present ones) and
-  outputs (y, h, mean, rstd; the wanted ones)."""
+  outputs (y, h, mean, rstd; the wanted ones), of ``rows`` rows (default x's)."""
   m, n = x.shape
+  m = m if rows is None else rows
   inputs = [a for a in (x, x_scale, residual, scale, bias) if a is not None]
   outs = [out_struct((m, n), y_dtype or x.dtype, x)]
   if residual is not None:
@@ -998,7 +1013,7 @@ def _results(outs, has_residual, return_residuals, subtract_mean):
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config: ForwardConfig, interpret: bool, return_residuals: bool = True,
                  residual=None, residual_dtype=None, cast: str = "torch", x_scale=None,
-                 y_dtype=None):
+                 y_dtype=None, x_rows=None):
   """Launch the forward kernel that ``config.mode`` names.
 
   Args:
@@ -1019,6 +1034,11 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       G times; COAT's s_x), applied in registers as the tiles are loaded (_Fp8). G, a
       power of 2, must divide N and every column tile of ``config``.
     y_dtype: y's dtype (default x's; for FP8 x, bfloat16). Not with cast="llama".
+    x_rows: None, or (group, stride, offset, rows): normalise ``rows`` logical rows of
+      x, logical row r being x's row (r // group) * stride + offset + r % group (a head
+      range of each token's packed q|k|v: ``pallas_norm.qk_norm``), read in place; y,
+      mean and rstd have ``rows`` rows. multi_wave_cached with block_n >= N only, no
+      residual, no FP8 x.
 
   Returns:
     (y [M, N] y_dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
@@ -1042,7 +1062,14 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     residual_dtype = residual.dtype
   io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
            llama_dtype(x, scale, bias) if cast == "llama" else _y_dtype(x, y_dtype),
-           x_scale)
+           x_scale, rows=None if x_rows is None else x_rows[3])
+  if x_rows is not None:
+    if (cfg.mode != "multi_wave_cached" or cfg.block_n < n or residual is not None
+        or x_scale is not None):
+      raise ValueError(f"x_rows needs multi_wave_cached with block_n >= N ({cfg}), no "
+                       f"residual and no FP8 x")
+    statics = dict(statics, x_rows=tuple(int(v) for v in x_rows))
+    m = x_rows[3]
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     outs = _split_forward(x, *io, statics, cfg, interpret)
