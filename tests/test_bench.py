@@ -277,6 +277,31 @@ def test_fp8_ops_plan_and_bytes():
     bench.bytes_model(8, 16, 2, "fwdbwd", "rms_fp8")
 
 
+def test_fp8_static_ops_on_cpu(tmp_path, monkeypatch):
+  """rms_fp8_static / layer_fp8_static (W8A8 serving's given scale): the step returns y
+  alone, --check passes on it, the bytes are the delayed op's; not in --ops fp8."""
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
+  assert bench_plan.fp8_variant("layer_fp8_static") == ("layer", True, False)
+  assert bench.bytes_model(8, 16, 2, "fwd", "rms_fp8_static") == 3 * 128
+  assert not set(bench_plan.FP8_STATIC_OPS) & set(bench_plan.FP8_OPS)
+  out = tmp_path / "static.json"
+  args = _args("--shapes", "16x256", "--ops", "rms_fp8_static,layer_fp8_static", "--impls",
+               "pallas,xla,flax", "--iters", "2", "--check", "--out", str(out))
+  plan = bench.build_plan(args)
+  assert {c.impl for c in plan} == {"pallas", "xla"} and {c.pass_ for c in plan} == {"fwd"}
+  assert run.run_plan(args, plan) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 4
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert r["check_detail"].startswith("y:rel=") and "amax" not in r["check_detail"]
+  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], "rms_fp8_static")
+  x = jnp.ones((16, 256), jnp.bfloat16)
+  y = f(x, jnp.ones((256,), jnp.float32), None)
+  assert y.shape == (16, 256) and y.dtype == jnp.float8_e4m3fn
+
+
 @pytest.mark.parametrize("op", ["layer_fp8_t", "rms_fp8_delayed_t"])
 def test_fp8_ops_on_cpu(tmp_path, monkeypatch, op):
   """An FP8-output op through the run loop (interpret mode): --check against the jnp

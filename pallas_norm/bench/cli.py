@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
                       "(pallas, xla and flax only); FP8 output, forward only, pallas "
                       "against the jnp chain (xla): rms_fp8,layer_fp8 (current scaling), "
                       "*_fp8_delayed (delayed), suffix _t with the transposed copy "
-                      "(rms_fp8_delayed_t); 'fp8' for all eight; FP8 input (x float8_e4m3fn "
+                      "(rms_fp8_delayed_t); 'fp8' for all eight; rms_fp8_static,layer_fp8_static "
+                      "(a given y_scale, y alone: W8A8 serving); FP8 input (x float8_e4m3fn "
                       "with float32 scales a group of 16, y in --dtype): rms_fp8in,layer_fp8in "
                       "('fp8in' for both), pallas and triton against the jnp chain (xla)")
   p.add_argument("--passes", default="fwd,fwdbwd",

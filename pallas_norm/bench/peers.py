@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_norm import reference
 from pallas_norm.bench.plan import (EPS, FP8_DELAYED_SCALE, FP8_INPUT_GROUP, Impl, fp8_input,
-                                    fp8_variant)
+                                    fp8_static, fp8_variant)
 
 
 def jax_fn(impl: Impl, op: str):
@@ -199,7 +199,11 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
     # Delayed scaling hands the given y_scale back. Here it is a constant of the jitted
     # step, which XLA copies into an output buffer with a MemcpyD2D (1.2-1.3 us on the
     # H100, not in the CUPTI kernel time: benchmarks/kernel_clock_gaps.py at fd31e12); a caller's
-    # own scale costs nothing of the kind, so the step leaves it out.
+    # own scale costs nothing of the kind, so the step leaves it out. A static-scale op
+    # (W8A8 serving) returns y alone: what XLA does not need (the amax's reduce of the
+    # per-program partials) is left out of the program.
+    if fp8_static(op):
+      return r.y
     return r._replace(y_scale=None) if delayed else r
   return fn
 

@@ -43,7 +43,10 @@ FP8_OPS = tuple(f"{norm}_fp8{scaling}{t}" for norm in ("rms", "layer")
 # a group of FP8_INPUT_GROUP, y (and dx) in the run's dtype. "--ops fp8in" is both.
 FP8_INPUT_OPS = ("rms_fp8in", "layer_fp8in")
 FP8_INPUT_GROUP = 16  # COAT's QB
-KERNEL_OPS = OPS + FP8_OPS + FP8_INPUT_OPS  # what the kernel bench runs (--sharded: OPS)
+# W8A8 serving's static scale (vLLM's static-scale FP8 norms): y_scale given, y alone
+# (no amax, no statistics: the serving step reads y only; the kernel is the delayed one).
+FP8_STATIC_OPS = ("rms_fp8_static", "layer_fp8_static")
+KERNEL_OPS = OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS  # the kernel bench's (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 # fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
 # order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.
@@ -51,7 +54,8 @@ PASSES = ("fwd", "fwdbwd", "fwdbwd_dep")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
 EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5,
-       **{op: 1e-6 if op.startswith("rms") else 1e-5 for op in FP8_OPS + FP8_INPUT_OPS}}
+       **{op: 1e-6 if op.startswith("rms") else 1e-5
+          for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5, "fwdbwd_dep": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
@@ -124,11 +128,18 @@ class Case:
 
 def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
   """(norm, delayed, transpose) of an FP8-output op ("layer_fp8_delayed_t" ->
-  ("layer", True, True)); None for the other ops."""
+  ("layer", True, True); a static-scale op is delayed, no y_t); None for the others."""
+  if op in FP8_STATIC_OPS:
+    return op.split("_fp8")[0], True, False
   if op not in FP8_OPS:
     return None
   norm, rest = op.split("_fp8")
   return norm, "_delayed" in rest, rest.endswith("_t")
+
+
+def fp8_static(op: str) -> bool:
+  """Whether ``op`` is a static-scale FP8-output op (its step returns y alone)."""
+  return op in FP8_STATIC_OPS
 
 
 def fp8_input(op: str) -> bool:

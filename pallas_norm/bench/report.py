@@ -193,6 +193,8 @@ def _title(op: str) -> str:
   fp8 = fp8_variant(op)
   if fp8 is None:
     return name
+  if op.endswith("_static"):
+    return f"{name} FP8 static scale (y only)"
   return f"{name} FP8 {'delayed' if fp8[1] else 'current'}{' +y_t' if fp8[2] else ''}"
 
 

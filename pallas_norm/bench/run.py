@@ -23,8 +23,8 @@ import numpy as np
 
 from pallas_norm.bench import peers, report, timing
 from pallas_norm.bench.plan import (DTYPES, FP8_INPUT_GROUP, IMPL_BY_NAME, Case, Impl,
-                                    bytes_model, fp8_design_bytes, fp8_input, fp8_variant,
-                                    groups, rotations)
+                                    bytes_model, fp8_design_bytes, fp8_input, fp8_static,
+                                    fp8_variant, groups, rotations)
 
 # Relative error ||out - ref|| / ||ref|| accepted by --check, per dtype.
 _CHECK_TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 1e-4}
@@ -226,7 +226,10 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
 
 def _fp8_names(op: str) -> list[str]:
   """Fp8Norm's leaves as the bench's FP8-output step returns them: y_t with "_t", no
-  y_scale under delayed scaling (the given one, left out: peers._fp8_fn)."""
+  y_scale under delayed scaling (the given one, left out: peers._fp8_fn); y alone for a
+  static-scale op."""
+  if fp8_static(op):
+    return ["y"]
   _, delayed, transpose = fp8_variant(op)
   return ["y"] + ([] if delayed else ["y_scale"]) + ["amax"] + (
       ["y_t"] if transpose else []) + ["mean", "rstd"]
