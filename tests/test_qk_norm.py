@@ -40,15 +40,17 @@ SHAPES = [((1,), 8, 4, 128, None), ((3, 5), 8, 4, 128, None), ((7,), 7, 3, 96, N
 @pytest.mark.parametrize("cast", ["torch", "gemma"])
 def test_same_bits_as_the_slices(lead, h, k, d, extra, cast):
   """q and k bit for bit those of rms_norm on the two slices (bf16, float32 scales
-  rounded to bf16 with param_cast as the NNX layers pass them, and float32 x)."""
+  rounded to bf16 with param_cast as the NNX layers pass them; and, for one shape,
+  float32 x)."""
   qkv, qs, ks = _qkv(lead, h, k, d, extra=extra)
   kw = dict(eps=1e-6, cast=cast, param_cast=jnp.bfloat16)
   q, kk = pallas_norm.qk_norm(qkv, qs, ks, num_heads=h, num_kv_heads=k, **kw)
   assert q.shape == (*lead, h, d) and kk.shape == (*lead, k, d)
   _same((q, kk), _slices(qkv, qs, ks, h, k, **kw))
-  f32 = qkv.astype(jnp.float32)
-  _same(pallas_norm.qk_norm(f32, qs, ks, num_heads=h, num_kv_heads=k, cast=cast),
-        _slices(f32, qs, ks, h, k, cast=cast))
+  if lead == (7,):  # float32 x and scales as they are, once
+    f32 = qkv.astype(jnp.float32)
+    _same(pallas_norm.qk_norm(f32, qs, ks, num_heads=h, num_kv_heads=k, cast=cast),
+          _slices(f32, qs, ks, h, k, cast=cast))
 
 
 def test_one_pass_no_copies():
