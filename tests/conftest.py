@@ -8,8 +8,6 @@ in interpret mode (Pallas) or Triton's interpreter (plain Triton).
 
 import fcntl
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -49,32 +47,6 @@ def pytest_configure(config):
       if flag.split("=")[0] not in flags:
         flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags
-    _compilation_cache(config)
-
-
-def _compilation_cache(config):
-  """One JAX persistent compilation cache for the whole CPU run, every program cached
-  (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``): the tests compile the same
-  reference and kernel programs many times over (new functions, the same HLO), and
-  interpret mode's compiles are most of the suite's time (test_residual.py 111 -> 91 s,
-  test_ops.py + test_mosaic_forward.py 273 -> 249 s on CI's 2 cores, 2026-11-28). Made
-  by the first process (xdist's controller, whose environment the workers and the
-  tests' subprocesses inherit), removed when it ends; a cache dir set by the caller is
-  left alone."""
-  if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    return
-  folder = tempfile.mkdtemp(prefix="pallas_norm_jax_cache_")
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=folder,
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  config._pallas_norm_cache = folder
-
-
-def pytest_unconfigure(config):
-  folder = getattr(config, "_pallas_norm_cache", None)
-  if folder:
-    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
