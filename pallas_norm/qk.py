@@ -13,6 +13,7 @@ multi_wave_cached launch each (``norm_forward``'s ``x_rows``): two launches, no 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from pallas_norm import config as _config
 from pallas_norm import ops as _ops
+from pallas_norm import tuning as _tuning
 
 __all__ = ["qk_norm"]
 
@@ -89,33 +91,46 @@ def qk_norm(qkv, q_scale, k_scale, *, num_heads: int, num_kv_heads: int, eps=Non
                        f"{jnp.shape(s)}")
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
-  norm = functools.partial(_ops.rms_norm, eps=eps, scale_offset=scale_offset, cast=cast,
-                           param_cast=param_cast, backend=backend, interpret=interpret)
-
-  def slices(a, qs, ks):
-    return norm(a[..., :h, :], qs), norm(a[..., h:h + k, :], ks)
-
-  # rms_norm's own checks (dtypes, eps, cast, backend, param_cast) on the q slice's
-  # abstract value: the errors it would raise, before any kernel
-  jax.eval_shape(lambda a, qs: norm(a[..., :h, :], qs), qkv, q_scale)
+  # rms_norm's checks (dtypes, eps, backend, cast, param_cast), before any kernel
+  _ops._check_args(_OP, qkv, q_scale, None, eps, None, backend)
+  _ops._check_args(_OP, qkv, k_scale, None, eps, None, backend)
+  scale_offset = _ops._check_cast(_OP, cast, q_scale, scale_offset)
+  q_scale, _, q_cast = _ops._param_cast(_OP, q_scale, None, param_cast, backend, None, cast)
+  k_scale, _, k_cast = _ops._param_cast(_OP, k_scale, None, param_cast, backend, None, cast)
+  st = _QkStatic(h, k, float(eps), float(scale_offset), cast,
+                 None if param_cast is None else jnp.dtype(param_cast).name, q_cast, k_cast,
+                 _ops._resolve_interpret(interpret, _OP), backend, _tuning.context())
   shape_ok = all(isinstance(v, int) for v in qkv.shape) and math.prod(qkv.shape[:-2]) > 0
   if (backend != "pallas" or cast not in ("torch", "gemma") or not shape_ok
-      or jax.device_count() != 1 or jnp.dtype(qkv.dtype).itemsize == 1):
-    return slices(qkv, q_scale, k_scale)
-  scale_offset = _ops._check_cast(_OP, cast, q_scale, scale_offset)
-  _, _, pc = _ops._param_cast(_OP, q_scale, None, param_cast, backend, None, cast)
-  _, _, pck = _ops._param_cast(_OP, k_scale, None, param_cast, backend, None, cast)
-  st = _QkStatic(h, k, float(eps), float(scale_offset), pc, pck,
-                 _ops._resolve_interpret(interpret, _OP), slices)
-  return _qk(qkv, jnp.asarray(q_scale), jnp.asarray(k_scale), st)
+      or jax.device_count() != 1):
+    return _slices(qkv, q_scale, k_scale, st)
+  return _qk_jit(qkv, jnp.asarray(q_scale), jnp.asarray(k_scale), st)
 
 
+@dataclasses.dataclass(frozen=True)
 class _QkStatic:
-  """qk_norm's static arguments (hashable by identity: one custom_vjp trace a call)."""
+  """qk_norm's static arguments (hashable: the jitted body is traced once per value)."""
 
-  def __init__(self, h, k, eps, scale_offset, q_cast, k_cast, interpret, slices):
-    self.h, self.k, self.eps, self.scale_offset = h, k, eps, scale_offset
-    self.q_cast, self.k_cast, self.interpret, self.slices = q_cast, k_cast, interpret, slices
+  h: int
+  k: int
+  eps: float
+  scale_offset: float
+  cast: str
+  param_cast: str | None  # the caller's, for the slices' rms_norm
+  q_cast: str | None  # the kernels' in-load rounding of q_scale / k_scale (ops._param_cast)
+  k_cast: str | None
+  interpret: bool
+  backend: str
+  tables: tuple = ()  # the tuning tables' context (configs are chosen at trace time)
+
+
+def _slices(qkv, q_scale, k_scale, st: _QkStatic):
+  """The two slices' rms_norm: the fallback and the backward."""
+  norm = functools.partial(_ops.rms_norm, eps=st.eps, scale_offset=st.scale_offset,
+                           cast=st.cast, param_cast=st.param_cast, backend=st.backend,
+                           interpret=st.interpret)
+  return (norm(qkv[..., :st.h, :], q_scale),
+          norm(qkv[..., st.h:st.h + st.k, :], k_scale))
 
 
 def _kernels(qkv, q_scale, k_scale, st: _QkStatic):
@@ -152,8 +167,9 @@ def _qk_fwd(qkv, q_scale, k_scale, st):
 
 
 def _qk_bwd(st, res, cts):
-  _, pull = jax.vjp(st.slices, *res)
+  _, pull = jax.vjp(lambda a, qs, ks: _slices(a, qs, ks, st), *res)
   return pull(cts)
 
 
 _qk.defvjp(_qk_fwd, _qk_bwd)
+_qk_jit = jax.jit(_qk, static_argnums=(3,))

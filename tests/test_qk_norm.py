@@ -79,6 +79,17 @@ def test_one_pass_no_copies():
   assert "slice" in base
 
 
+def test_eager_calls_compile_once():
+  """Two eager calls with equal arguments share one compiled program (the statics are
+  hashable by value)."""
+  from pallas_norm import qk
+  qkv, qs, ks = _qkv((2,), 4, 2, 64)
+  qk._qk_jit.clear_cache()
+  for _ in range(2):
+    jax.block_until_ready(pallas_norm.qk_norm(qkv, qs, ks, num_heads=4, num_kv_heads=2))
+  assert qk._qk_jit._cache_size() == 1
+
+
 def test_gradients_are_the_slices():
   """d qkv (zero on the value heads), d q_scale and d k_scale: the slices' vjp."""
   qkv, qs, ks = _qkv((3,), 4, 2, 64, dtype=jnp.float32)

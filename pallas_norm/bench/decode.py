@@ -164,15 +164,14 @@ def _model_cls():
       qkv = self.wqkv(y).reshape(b, c.heads + 2 * c.kv_heads, c.head_dim)
       v = qkv[:, c.heads + c.kv_heads:]  # [B, kv_heads, head_dim]
       with jax.named_scope("pn_norm"):  # q and k slices: a copy made for a norm counts there
+        q, k = qkv[:, :c.heads], qkv[:, c.heads:c.heads + c.kv_heads]
         if self.q_norm is not None and self.fused:  # both head ranges read in place
           qn = self.q_norm
           q, k = pallas_norm.qk_norm(qkv, qn.scale[...], self.k_norm.scale[...],
                                      num_heads=c.heads, num_kv_heads=c.kv_heads,
                                      eps=float(qn.epsilon), cast=qn.cast,
                                      param_cast=qn.dtype)
-        else:
-          q, k = qkv[:, :c.heads], qkv[:, c.heads:c.heads + c.kv_heads]
-        if self.q_norm is not None and not self.fused:  # B * heads, B * kv_heads rows
+        elif self.q_norm is not None:  # B * heads and B * kv_heads rows of head_dim
           q, k = self.q_norm(q), self.k_norm(k)
       cache_k, cache_v = kv  # [B, S, kv_heads, head_dim] each
       keys = jnp.concatenate([cache_k, k[:, None]], axis=1)  # [B, S + 1, kv_heads, hd]

@@ -94,48 +94,36 @@ def without_tables(step):
   return untuned
 
 
-def fwdbwd(f, op: str = "rms"):
+def fwdbwd(f, op: str = "rms", dependent: bool = False):
   """step(x, s, b, dy) -> (y, grads): ``jax.vjp`` of ``f``, pulled back at dy. For an
   FP8-input op x is (x8, x_scale) and the grads are (dx, dscale, dbias): the scales are
-  constants (their cotangent, zero, is not written)."""
-  if fp8_input(op):
-    def step8(x, s, b, dy):
-      x8, x_scale = x
-      y, pull = jax.vjp(lambda x8, s, b: f((x8, x_scale), s, b), x8, s, b)
-      return y, pull(dy)
-    return step8
+  constants (their cotangent, zero, is not written).
 
-  def step(x, s, b, dy):
-    y, pull = jax.vjp(f, x, s, b)
-    return y, pull(dy)
-  return step
-
-
-def fwdbwd_dep(f, op: str = "rms"):
-  """``fwdbwd(f, op)``'s step with dy released only once y exists
-  (``jax.lax.optimization_barrier`` on (y, dy)): the order of a training step, where dy
+  ``dependent`` ("fwdbwd_dep"): dy is released only once y exists
+  (``jax.lax.optimization_barrier`` on (y, dy)), the order of a training step, where dy
   is a function of y. Without it nothing orders the backward after the forward, and XLA
   may fuse its own norm's backward row sums into the forward's statistics pass (one read
   of x and one kernel fewer than a training step can have)."""
-  if fp8_input(op):
-    def step8(x, s, b, dy):
+  def vjp(x, s, b):
+    if fp8_input(op):
       x8, x_scale = x
-      y, pull = jax.vjp(lambda x8, s, b: f((x8, x_scale), s, b), x8, s, b)
-      y, dy = jax.lax.optimization_barrier((y, dy))
-      return y, pull(dy)
-    return step8
+      return jax.vjp(lambda x8, s, b: f((x8, x_scale), s, b), x8, s, b)
+    return jax.vjp(f, x, s, b)
 
   def step(x, s, b, dy):
-    y, pull = jax.vjp(f, x, s, b)
-    y, dy = jax.lax.optimization_barrier((y, dy))
+    y, pull = vjp(x, s, b)
+    if dependent:
+      y, dy = jax.lax.optimization_barrier((y, dy))
     return y, pull(dy)
   return step
 
 
 def step_of(f, op: str, pass_: str):
-  """The jitted-to-be step of one pass: f itself ("fwd"), ``fwdbwd`` or ``fwdbwd_dep``."""
-  return {"fwd": lambda: f, "fwdbwd": lambda: fwdbwd(f, op),
-          "fwdbwd_dep": lambda: fwdbwd_dep(f, op)}[pass_]()
+  """The jitted-to-be step of one pass: f itself ("fwd"), ``fwdbwd`` or, for
+  "fwdbwd_dep", ``fwdbwd(..., dependent=True)``."""
+  if pass_ == "fwd":
+    return f
+  return fwdbwd(f, op, dependent=pass_ == "fwdbwd_dep")
 
 
 class _DropAliases:

@@ -16,7 +16,8 @@ import os
 import pathlib
 
 from pallas_norm.bench import timing
-from pallas_norm.bench.plan import IMPL_BY_NAME, IMPLS, KERNEL_OPS, PASSES, fp8_variant
+from pallas_norm.bench.plan import (IMPL_BY_NAME, IMPLS, KERNEL_OPS, PASSES, fp8_static,
+                                    fp8_variant)
 
 _STATUSES = {"ok": "", "n/a": "n/a", "skipped": "skip", "error": "err",
              "unavailable": "unav", "not run": "-"}
@@ -193,7 +194,7 @@ def _title(op: str) -> str:
   fp8 = fp8_variant(op)
   if fp8 is None:
     return name
-  if op.endswith("_static"):
+  if fp8_static(op):
     return f"{name} FP8 static scale (y only)"
   return f"{name} FP8 {'delayed' if fp8[1] else 'current'}{' +y_t' if fp8[2] else ''}"
 
