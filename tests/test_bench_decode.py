@@ -91,3 +91,17 @@ def test_smoke_run_on_cpu(tmp_path, call_main):
     if r["variant"] == "flax":
       assert r["speedup"] == 1.0 and r["max_abs_diff"] == 0.0
   assert out.with_suffix(".png").exists() and f"wrote {out}" in stdout
+
+
+def test_keep_command_buffers(monkeypatch):
+  """--command-buffers drops the bench's flag (XLA's default command buffers again) and
+  keeps the user's flags; after the backend started it is an error, not a no-op."""
+  from pallas_norm.bench import timing
+  jax.devices()
+  with pytest.raises(RuntimeError, match="started its backend"):
+    timing.keep_command_buffers()
+  monkeypatch.setattr(timing, "_backend_started", lambda: False)
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {timing.COMMAND_BUFFER_FLAG}")
+  timing.keep_command_buffers()
+  import os
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"

@@ -349,7 +349,8 @@ def _check_variant(op, x, s, b, cfg, vcfg, *, transpose):
     np.testing.assert_allclose(amaxes[1:], amaxes[0], rtol=_rtol())
     return
   for a, c in zip(base[:2], var[:2]):  # y, y_t
-    np.testing.assert_array_equal(_bits(a), _bits(c))
+    if a is not None or c is not None:
+      np.testing.assert_array_equal(_bits(a), _bits(c))
   for got in (var[2:4], stats[:2]):  # mean, rstd
     for a, c in zip(got, base[2:4]):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
@@ -576,6 +577,35 @@ def test_config_picks_variants(monkeypatch):
   assert kfp8.fp8_config(24, 100, kernel="stats").num_programs == 0  # not in the table
 
 
+def test_config_few_rows(monkeypatch):
+  """Up to 64 rows on a GPU (config._few_rows_tile's rows), "delayed" without y_t and
+  "stats": a row a program, scale/bias hoisted, the forward's few-row warps; on any GPU
+  (before the H100's packed picks); not for y_t, 65 rows, narrow rows, 1 x 16384 or
+  interpret mode."""
+  for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA L40S"):
+    dev = pallas_norm.config.DeviceInfo("gpu", name, 132)
+    monkeypatch.setattr(kfp8, "device_info", lambda: dev)
+    for m, n, warps in ((1, 2048, 4), (7, 4096, 4), (64, 8192, 8), (8, 16384, 16)):
+      for kernel, layer in (("delayed", False), ("stats", True)):
+        assert kfp8.fp8_config(m, n, kernel=kernel, subtract_mean=layer) == (
+            kfp8.Fp8Config(1, n, warps, m, tile_params=True, hoist_params=True)), (name, m, n)
+    assert kfp8.fp8_config(8, 4096, kernel="delayed", transpose=True).block_m == 32
+    for m, n in ((65, 4096), (8, 256), (1, 16384)):
+      assert kfp8.fp8_config(m, n, kernel="delayed").num_programs != m, (m, n)
+  assert kfp8.fp8_config(8, 4096, kernel="delayed", interpret=True).num_programs == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 64])
+def test_few_rows_kernel_bitwise(m):
+  """The few-row config (a row a persistent program, scale/bias hoisted) against one row
+  block a program: the same y, y_t, statistics and amax bits (interpret mode; one FP8
+  ulp and _rtol() on a GPU)."""
+  x, s, b = _data((m, 300), layer=True)
+  few = kfp8.Fp8Config(1, 512, 4, m, tile_params=True, hoist_params=True)
+  _check_variant("layer", x, s, b, kfp8.Fp8Config(1, 512, 4), few, transpose=False)
+  _check_variant("rms", x, s, None, kfp8.Fp8Config(1, 512, 4), few, transpose=False)
+
+
 @pytest.mark.parametrize("subtract_mean", [False, True])
 def test_row_amax_matches_elementwise_carry(subtract_mean):
   """Fp8Config.row_amax (each row block's amax reduced at once) gives the outputs of
@@ -739,6 +769,7 @@ def test_row_variants_lower_for_cuda():
       (8192, 4096, kfp8.Fp8Config(1, 4096, 4, 264), False, False),
       (8192, 4096, kfp8.Fp8Config(2, 4096, 8, 132, tile_params=True), False, True),
       (8192, 4096, kfp8.Fp8Config(1, 4096, 4, tile_params=True), False, True),
+      (8, 16384, kfp8.Fp8Config(1, 16384, 16, 8, True, True), False, True),  # few rows
       (8192, 4096, kfp8.Fp8Config(32, 256, 16, 132), True, True)]:
     kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False, config=cfg)
     for fn in (functools.partial(kfp8.fp8_norm_delayed, inv=F32(2), fp8_dtype=E4M3,

@@ -46,8 +46,9 @@ Per config, batch B (``--batches``) and variant it reports:
 
 XLA flags: importing ``pallas_norm.bench`` turns XLA's command buffers (CUDA graphs)
 off unless XLA_FLAGS names ``--xla_gpu_enable_command_buffer`` (``timing``), so that
-CUPTI sees every kernel; every variant pays its kernels' launches alike. The flags are
-in the JSON's ``meta.xla_flags``.
+CUPTI sees every kernel; every variant pays its kernels' launches alike.
+``--command-buffers`` keeps XLA's default (a step's kernels launched as graphs, as a
+user's jitted step runs). The flags are in the JSON's ``meta.xla_flags``.
 
 Output: JSON (and a PNG) under ``--out``; the table is printed. Timing needs a GPU
 (exit code 2 without one; ``--allow-cpu`` runs the step at toy sizes in interpret mode,
@@ -441,6 +442,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--budget-s", type=float, default=240.0,
                  help="start no new (config, B) case after this many seconds (default 240)")
+  p.add_argument("--command-buffers", action="store_true",
+                 help="keep XLA's default command buffers (CUDA graphs: a step's kernels "
+                      "launched as one graph, as a user's jitted step runs); the CUPTI "
+                      "breakdown may then miss kernels")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test)")
   p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
@@ -507,6 +512,9 @@ def main(argv=None) -> int:
   if args.dry_run:
     print_plan(configs, args)
     return 0
+  if args.command_buffers:
+    from pallas_norm.bench import timing
+    timing.keep_command_buffers()
   import jax
   if jax.default_backend() != "gpu" and not args.allow_cpu:
     print(f"pallas_norm.bench --decode needs a GPU to time (jax.default_backend()="

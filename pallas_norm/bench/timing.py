@@ -38,6 +38,20 @@ def _set_xla_env() -> None:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def keep_command_buffers() -> None:
+  """Drop the flag ``_set_xla_env`` added (XLA's default command buffers again), before
+  jax starts its backend.
+
+  Raises:
+    RuntimeError: the backend has started (XLA read XLA_FLAGS already).
+  """
+  if _backend_started():
+    raise RuntimeError("keep_command_buffers() after jax started its backend: XLA has "
+                       "read XLA_FLAGS already")
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f != COMMAND_BUFFER_FLAG)
+
+
 def _backend_started() -> bool:
   try:
     from jax._src import xla_bridge

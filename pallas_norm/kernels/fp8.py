@@ -57,8 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, cdiv, device_info,
-                                forward_config, next_power_of_2)
+from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, _few_rows_tile, cdiv,
+                                device_info, forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
@@ -373,6 +373,23 @@ def _warps(tile_elems: int) -> int:
   return max(4, min(16, tile_elems // 256))
 
 
+def _few_rows(m: int, n: int, dtype, kernel: str, subtract_mean: bool, device,
+              gpu: bool) -> Fp8Config | None:
+  """Few rows (decode): the forward's few-row rows (``config._few_rows_tile``: a GPU, up
+  to 64 rows of 2-byte or wider x, 256 < N' <= 8192, N' = 16384 from 8 rows), "delayed"
+  without y_t and "stats": a row a program at the forward's few-row warps, scale/bias
+  loaded with x, before the row's reductions (``_persistent_kernel`` with one row block
+  a program and ``hoist_params``), not the many-row persistent picks, which load them
+  after the statistics or put two rows in a program, nor (at N' = 16384) 8-row chunked
+  blocks. [docs/tuning_rules.md#few-rows]"""
+  if not (gpu and kernel in ("delayed", "stats") and _few_rows_tile(m, n, dtype, device)):
+    return None
+  fwd = forward_config(m, n, dtype, "multi_wave_cached", device,
+                       subtract_mean=subtract_mean, tuned=False)
+  return Fp8Config(1, next_power_of_2(n), fwd.num_warps, m, tile_params=True,
+                   hoist_params=True)
+
+
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
                interpret: bool = False, param_dtype=None, tuned: bool = True) -> Fp8Config:
@@ -383,7 +400,8 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   "stats" and "delayed" without y_t are the forward's kernel plus an epilogue (amax,
   quantise, a 1-byte store), so they take the forward's measured tile of the same
   rows (``config.forward_config``): multi_wave_cached's whole row up to N = 8192,
-  multi_wave_reload's chunks beyond. "delayed" with y_t takes 32-row blocks walked in
+  multi_wave_reload's chunks beyond; up to 64 rows on a GPU, a row a program with
+  scale/bias loaded with x (``_few_rows``). "delayed" with y_t takes 32-row blocks walked in
   256-wide chunks, "quantise" its own 2-D tiles (constants above, unmeasured). The
   variants (persistent programs, scale/bias in the tile's layout) are picked from
   ``_PERSISTENT_ROWS``, ``_T_PROGRAMS_PER_SM`` (with ``_T_ROWS``, ``_T_BLOCK_N``,
@@ -425,6 +443,9 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
               else _T_PROGRAMS_PER_SM)
     return Fp8Config(_T_ROWS, bn, _T_WARPS or _warps(_T_ROWS * bn), sms * per_sm,
                      _T_TILE_PARAMS)
+  few = _few_rows(m, n, dtype, kernel, subtract_mean, device, gpu)
+  if few is not None:
+    return few
   key = (kernel, "layer" if subtract_mean else "rms", next_power_of_2(n))
   tile = None
   two_byte = param_dtype is not None and jnp.dtype(param_dtype).itemsize == 2
