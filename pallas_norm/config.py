@@ -143,6 +143,12 @@ class ForwardConfig:
       (which matters only when programs wait for an SM: the default hoists while the
       grid fits one wave, ``cdiv(M, block_m) <= SMs``). Ignored by the other modes
       (static_persistent always hoists).
+    column_splits: ``multi_wave_cached`` with the row in one tile (``block_n >= N``):
+      programs a row block, each loading the whole tile for the row statistics and
+      storing ``block_n / column_splits`` of its columns (XLA's schedule for few
+      rows: no exchange between programs, each reads the row, from L2 but for the
+      first; few rows then use that many times more SMs). 1: one program a row block.
+      A power of 2, at most ``block_n``; FP8 x (``x_scale``) only at 1.
 
   Raises:
     ValueError: an unknown mode, a block size that is not a power of 2, num_warps not
@@ -161,6 +167,7 @@ class ForwardConfig:
   split_lag: int = 2
   split_early_publish: bool = False
   hoist_params: bool = False
+  column_splits: int = 1
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -175,6 +182,11 @@ class ForwardConfig:
       raise ValueError(f"{self.num_warps=} must be a power of 2 in [1, 32]")
     if self.split_rows and self.mode != "static_persistent":
       raise ValueError(f"split_rows is a static_persistent option, not {self.mode}'s")
+    cs = self.column_splits
+    if cs < 1 or cs & (cs - 1) or cs > self.block_n:
+      raise ValueError(f"{self.column_splits=} must be a power of 2 in [1, block_n]")
+    if cs > 1 and self.mode != "multi_wave_cached":
+      raise ValueError(f"column_splits is a multi_wave_cached option, not {self.mode}'s")
     _check_split_lag(self)
 
 
@@ -420,6 +432,8 @@ def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
       gpu and splits > device.num_sms * split_resident_programs(cfg.num_warps))):
     return False
   if isinstance(cfg, ForwardConfig):
+    if cfg.column_splits > 1 and (backend != "pallas" or cfg.block_n < n):
+      return False
     if cfg.mode == "multi_wave_cached" and cfg.block_n < n:  # the split-row kernel
       return backend == "pallas" and (not gpu or splits <= device.num_sms)
     if cfg.mode == "multi_wave_cached" and bn_full > _CACHED_MAX_BLOCK_N:
@@ -490,6 +504,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     space.update(block_n=(2048, 4096, 8192, 16384), chunk_n=(0, 1024, 2048, 4096))
   elif mode == "multi_wave_cached":
     space["hoist_params"] = (False, True)
+    if pallas:
+      space["column_splits"] = (1, 2, 4, 8, 16)
   elif mode == "multi_wave_reload":
     space.update(block_n=chunks or (bn_full,), num_stages=(1, 2))
   elif mode == "static_persistent":

@@ -29,7 +29,7 @@ a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for 
 them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k, "@rc" ("@rc0")
 its ``recompute_dx`` on (off), "@ps" / "@js" / "@fr" ("@ps0" / "@js0" / "@fr0") its
 ``prefetch_stats`` / ``joint_row_sums`` / ``fused_reduce`` on (off), a forward config's
-"@hp" ("@hp0") its ``hoist_params``, and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
+"@hp" ("@hp0") its ``hoist_params``, "@cs<k>" its ``column_splits``, and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
 ``reduce_block_g`` and ``reduce_num_warps``, before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
@@ -72,7 +72,8 @@ from pallas_norm import reference
 from pallas_norm.bench import plan, timing
 
 # A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>, @ps, @js
-_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js|fr|hp)([01]?)(?=@|$)")
+_TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js|fr|hp)([01]?)(?=@|$)"
+                  r"|@cs(\d+)")
 _FLAGS = {"ps": "prefetch_stats", "js": "joint_row_sums", "fr": "fused_reduce",
           "hp": "hoist_params"}
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
@@ -248,6 +249,8 @@ def _configs(args, sms: int) -> dict:
                                       reduce_num_warps=int(t.group(6)))
           elif t.group(7):
             cfg = dataclasses.replace(cfg, **{_FLAGS[t.group(7)]: t.group(8) != "0"})
+          elif t.group(9):
+            cfg = dataclasses.replace(cfg, column_splits=int(t.group(9)))
           else:
             cfg = dataclasses.replace(cfg, recompute_dx=t.group(3) != "0")
         out[(shape, cs)] = cfg

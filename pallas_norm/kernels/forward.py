@@ -400,6 +400,42 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
 
+def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset,
+                       subtract_mean, block_m, block_n, splits, x_rows=None):
+  """Columns [k * w, (k + 1) * w) of row block ``rb`` (w = block_n / ``splits``; program
+  (rb, k) of a row block's ``splits``), XLA's few-row schedule: the program loads the
+  whole [block_m, block_n >= N] tile for the row statistics (the same reductions as
+  ``_single_tile``'s, so the same bits), then reloads its w columns (from L1/L2),
+  loads only their scale/bias and stores only their y (and, with a residual, h).
+  Split k = 0 stores mean/rstd. No exchange between programs: a row block's splits
+  each read its row from L2, so few rows spread over ``splits`` times as many SMs.
+  ``x_rows`` as in ``_single_tile``."""
+  x_ref, y_ref, mean_ref, rstd_ref = refs
+  m = x_ref.shape[0] if x_rows is None else x_rows[3]
+  rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
+                                              rows_in_bounds=True)
+  width = block_n // splits
+  _, cols_k, _, col_mask_k, mask_k = _tile_index(rb, k, m, n, block_m=block_m,
+                                                 block_n=width, rows_in_bounds=True)
+  w, b = _load_params(scale_ref, bias_ref, cols_k, col_mask_k, scale_offset)
+  x_rows_phys = _mapped_rows(rows, x_rows)
+  x = _load_x(x_ref, x_rows_phys, cols, mask, first=False).astype(_F32)
+  if subtract_mean:
+    mean = jnp.sum(x, axis=1) / n  # [block_m]
+    x = _where0(mask, x - mean[:, None])
+  else:
+    mean = None
+  rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n + _F32(eps))
+  xk = _load_x(x_ref, x_rows_phys, cols_k, mask_k, first=True).astype(_F32)
+  if subtract_mean:
+    xk = xk - mean[:, None]
+  y = _affine(xk * rstd[:, None], w, b, y_ref)
+  plgpu.store(y_ref.at[rows[:, None], cols_k[None, :]], y.astype(y_ref.dtype), mask=mask_k)
+  first = k == 0
+  _store_stats(mean_ref, rstd_ref, rows, first if row_mask is None else row_mask & first,
+               mean, rstd)
+
+
 def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtract_mean,
                   block_m, block_n):
   """Normalise row block ``rb`` in block_n chunks: statistics pass, then reload pass."""
@@ -608,10 +644,17 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
-                   block_m, block_n, hoist_params=False, x_rows=None):
+                   block_m, block_n, hoist_params=False, x_rows=None, column_splits=1):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
+  if column_splits > 1:  # ForwardConfig.column_splits programs a row block
+    pid = pl.program_id(0)
+    _column_split_tile(pid // column_splits, pid % column_splits, io, scale_ref, bias_ref,
+                       n=n, eps=eps, scale_offset=scale_offset,
+                       subtract_mean=subtract_mean, block_m=block_m, block_n=block_n,
+                       splits=column_splits, x_rows=x_rows)
+    return
   _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
   params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
   if hoist_params:  # loaded with x (ForwardConfig.hoist_params)
@@ -1070,6 +1113,9 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
                        f"residual and no FP8 x")
     statics = dict(statics, x_rows=tuple(int(v) for v in x_rows))
     m = x_rows[3]
+  if cfg.column_splits > 1 and (cfg.block_n < n or x_scale is not None):
+    raise ValueError(f"column_splits needs the row in one tile (block_n >= N={n}) and "
+                     f"no FP8 x ({cfg})")
   num_row_blocks = cdiv(m, cfg.block_m)
   if cfg.mode == "multi_wave_cached" and cfg.block_n < n:
     outs = _split_forward(x, *io, statics, cfg, interpret)
@@ -1132,8 +1178,11 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
                         interpret: bool):
   """multi_wave_cached (a row a tile), multi_wave_reload, static_persistent."""
   if cfg.mode == "multi_wave_cached":
-    kernel, grid, name = _cached_kernel, num_row_blocks, "pallas_norm_fwd_cached"
+    kernel, name = _cached_kernel, "pallas_norm_fwd_cached"
+    grid = num_row_blocks * cfg.column_splits
     statics = dict(statics, hoist_params=cfg.hoist_params)
+    if cfg.column_splits > 1:
+      statics["column_splits"] = cfg.column_splits
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
   else:
