@@ -619,6 +619,14 @@ _FEW_ROWS_M, _FEW_ROWS_BWD_ONE_ROW_M, _FEW_ROWS_MAX_WARPS, _HOIST_MAX_WAVES = 64
 # (RMSNorm 8.3 -> 5.8 us, 13.1 -> 8.9), forwards -6 to +2%; at 1x16384 the split
 # backward, a row over many SMs, stays 12-14% ahead. H200. [T#few-rows]
 _FEW_ROWS_MAX_BLOCK_N, _FEW_ROWS_WIDE_MIN_M = 16384, 8
+# ... and up to 8 rows of N' 8192-16384 split over programs that each load the whole row
+# for its statistics and store a share of its columns (ForwardConfig.column_splits, XLA's
+# few-row schedule): RMSNorm 4 a row (1x16384 2.9 -> 2.3 us, 8x16384 3.0 -> 2.4, 8x8192
+# 2.3 -> 2.1), LayerNorm 8 (1x16384 4.4 -> 3.4, 8x8192 3.4 -> 3.0); under jax.vjp (mean/
+# rstd written). Slower from 64 rows (RMSNorm 64x8192 2.4 -> 2.6 at 4) and level or
+# slower at N' <= 4096 (RMSNorm 8x4096 1.9 -> 2.0). H200. [T#few-rows]
+_COLUMN_SPLIT_MAX_M, _COLUMN_SPLIT_MIN_BLOCK_N = 8, 8192
+_COLUMN_SPLITS_RMS, _COLUMN_SPLITS_LN = 4, 8
 
 # ---- Backward: few rows. One kernel (fused_reduce) up to _FEW_ROWS_M rows (a column
 # program then sums at most 4 row steps; at 512x4096 it lost, 19.2/8.2 us, H200); the
@@ -1020,7 +1028,8 @@ def choose_mode(m: int, n: int, dtype, device: DeviceInfo, *, subtract_mean: boo
     Evidence: docs/tuning_rules.md, sections fwd-modes, long-rows, persistent-tile, rms-split
     and ln-persistent-split.
   """
-  if _few_rows_tile(m, n, dtype, device):
+  if (_few_rows_tile(m, n, dtype, device)
+      or _column_splits(m, n, dtype, subtract_mean, backend, device) > 1):
     return "multi_wave_cached"
   wide = _fp8_wide_mode(n, dtype, subtract_mean, residual, return_residuals, backend,
                         device, param_dtype)
@@ -1050,6 +1059,19 @@ def _few_rows_tile(m: int, n: int, dtype, device: DeviceInfo) -> bool:
   return (device.platform == "gpu" and m <= _FEW_ROWS_M and np.dtype(dtype).itemsize > 1
           and _NARROW_BLOCK_N < bn <= _FEW_ROWS_MAX_BLOCK_N
           and (bn <= _BWD_SINGLE_TILE_MAX or m >= _FEW_ROWS_WIDE_MIN_M))
+
+
+def _column_splits(m: int, n: int, dtype, subtract_mean: bool, backend: str,
+                   device: DeviceInfo) -> int:
+  """ForwardConfig.column_splits of the one-tile forward: up to 8 rows of N' 8192-16384
+  (2-byte or wider x, Pallas, a GPU), 4 programs a row block for RMSNorm, 8 for
+  LayerNorm; else 1. [T#few-rows]"""
+  bn = next_power_of_2(n)
+  if not (device.platform == "gpu" and backend == "pallas" and m <= _COLUMN_SPLIT_MAX_M
+          and np.dtype(dtype).itemsize > 1
+          and _COLUMN_SPLIT_MIN_BLOCK_N <= bn <= _FEW_ROWS_MAX_BLOCK_N):
+    return 1
+  return _COLUMN_SPLITS_LN if subtract_mean else _COLUMN_SPLITS_RMS
 
 
 def _fwd_tile(m: int, n: int, block_n: int, chunked: bool, subtract_mean: bool,
@@ -1200,7 +1222,15 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   # scale/bias loaded with x while the grid is one wave (hoist_params)
   hoist = (mode == "multi_wave_cached" and not chunked and device.platform == "gpu"
            and cdiv(m, block_m) <= _HOIST_MAX_WAVES * device.num_sms)
-  return ForwardConfig(mode, block_m, block_n, num_warps, num_programs, hoist_params=hoist)
+  splits = 1
+  if mode == "multi_wave_cached" and not chunked and block_n >= n:
+    splits = _column_splits(m, n, dtype, subtract_mean, backend, device)
+    if splits > 1:
+      block_m = 1
+      num_warps = max(num_warps, min(_FEW_ROWS_MAX_WARPS,
+                                     max(_FWD_MIN_WARPS, block_n // _FWD_ELEMS_PER_WARP)))
+  return ForwardConfig(mode, block_m, block_n, num_warps, num_programs, hoist_params=hoist,
+                       column_splits=splits)
 
 
 def _fp8_rms_tile(persistent: bool, block_n: int, dtype, subtract_mean: bool,

@@ -174,8 +174,20 @@ def test_defaults_and_tables():
     fwd = pn_config.forward_config(m, 16384, jnp.bfloat16, device=H200, tuned=False)
     assert (fwd.mode, fwd.block_m, fwd.block_n) == ("multi_wave_cached", 1, 16384)
   assert pn_config.backward_config(1, 16384, jnp.bfloat16, H200, tuned=False).split_rows
-  assert pn_config.forward_config(1, 16384, jnp.bfloat16, device=H200,
-                                  tuned=False).mode == "static_persistent"
+  # the forward up to 8 rows of N' 8192-16384: one tile, split over column programs
+  for m, n in ((1, 16384), (8, 8192), (1, 12000)):
+    for layer, splits in ((False, 4), (True, 8)):
+      f = pn_config.forward_config(m, n, jnp.bfloat16, device=H200, subtract_mean=layer,
+                                   tuned=False)
+      assert (f.mode, f.block_m, f.column_splits) == ("multi_wave_cached", 1, splits)
+  for m, n, kw in ((9, 8192, {}), (8, 4096, {}), (8, 8192, {"backend": "triton"}),
+                   (1, 32768, {})):
+    assert pn_config.forward_config(m, n, jnp.bfloat16, device=H200, tuned=False,
+                                    **kw).column_splits == 1, (m, n, kw)
+  assert pn_config.forward_config(8, 8192, jnp.float8_e4m3fn, device=H200,
+                                  tuned=False).column_splits == 1
+  assert pn_config.forward_config(8, 8192, jnp.bfloat16, device=pn_config.DeviceInfo(
+      "cpu", "cpu", 4), tuned=False).column_splits == 1
   cpu = pn_config.DeviceInfo("cpu", "cpu", 4)
   assert not pn_config.backward_config(8, 4096, jnp.bfloat16, cpu, tuned=False).fused_reduce
   fields = pn_config.entry_fields(few, 4096, H200.num_sms, 8)
@@ -203,6 +215,59 @@ def test_hoist_params_same_bits(layer):
   cfg = lambda m: pn_config.forward_config(m, 4096, jnp.bfloat16, "multi_wave_cached", H200,
                                            tuned=False)
   assert cfg(64).hoist_params and not cfg(65536).hoist_params
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,splits", [(1, 1000, 1, 4), (2, 300, 1, 8),
+                                                (7, 1000, 2, 2), (64, 256, 4, 16)])
+def test_column_splits_same_bits(m, n, block_m, splits, layer, residual):
+  """ForwardConfig.column_splits (programs a row block, each the whole row's statistics
+  and a share of its columns): h, mean and rstd bit for bit those of one program a row
+  block, y within one bf16 ulp (the same operations, which the compiler may contract
+  otherwise: one element in 7000 at [7, 1000] LayerNorm on CPU), ragged columns and rows
+  included; M in {1, 2, 7, 64}."""
+  x, scale, bias, dy = _inputs(m, n, layer=layer)
+  x = x.astype(jnp.bfloat16)
+  r = dy.astype(jnp.bfloat16) if residual else None
+  run = lambda cs: forward.norm_forward(
+      x, scale, bias, eps=1e-5, scale_offset=0.5, subtract_mean=layer, residual=r,
+      config=pn_config.ForwardConfig("multi_wave_cached", block_m,
+                                     pn_config.next_power_of_2(n), 4, column_splits=cs),
+      interpret=_interpret())
+  base, split = run(1), run(splits)
+  assert len(base) == (4 if residual else 3)
+  ulps = np.abs(np.asarray(base[0]).view(np.int16).astype(np.int32)
+                - np.asarray(split[0]).view(np.int16).astype(np.int32))
+  assert ulps.max() <= 1 and (ulps == 0).mean() > 0.999
+  for a, b in zip(base[1:], split[1:]):
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                    np.asarray(b.astype(jnp.float32)))
+  y_ref = reference.norm(x.astype(jnp.float32) + (0 if r is None else r.astype(jnp.float32)),
+                         scale, bias, eps=1e-5, scale_offset=0.5, subtract_mean=layer)[0]
+  np.testing.assert_allclose(np.asarray(split[0], np.float32), np.asarray(y_ref),
+                             rtol=2e-2, atol=2e-2)
+
+
+def test_column_splits_errors():
+  """column_splits: a power of 2 up to block_n, multi_wave_cached only; a row wider
+  than the tile or FP8 x is refused before a kernel runs; fits() keeps table entries
+  with it to the Pallas backend and one-tile rows."""
+  for bad in (3, 0, 1024):
+    with pytest.raises(ValueError, match="column_splits"):
+      pn_config.ForwardConfig("multi_wave_cached", 1, 512, 4, column_splits=bad)
+  with pytest.raises(ValueError, match="multi_wave_cached option"):
+    pn_config.ForwardConfig("multi_wave_reload", 1, 512, 4, column_splits=2)
+  x = jnp.ones((2, 1000), jnp.bfloat16)
+  with pytest.raises(ValueError, match="one tile"):
+    forward.norm_forward(x, None, None, eps=1e-5, scale_offset=0.0, subtract_mean=False,
+                         config=pn_config.ForwardConfig("multi_wave_cached", 1, 512, 4,
+                                                        column_splits=2),
+                         interpret=True)
+  cfg = pn_config.ForwardConfig("multi_wave_cached", 1, 1024, 4, column_splits=4)
+  assert pn_config.fits(cfg, 1000, H200, "pallas")
+  assert not pn_config.fits(cfg, 1000, H200, "triton")
 
 
 # ------------------------------------------------- param_cast: the params' cast in-kernel
