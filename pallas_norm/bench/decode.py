@@ -162,7 +162,12 @@ def _model_cls():
     def attention(self, y, kv):
       c = self.cfg
       b = y.shape[0]
-      qkv = self.wqkv(y).reshape(b, c.heads + 2 * c.kv_heads, c.head_dim)
+      # The projection written once, as every variant's norms read it: without the
+      # barrier XLA fused the B = 1 projection (a GEMV, a reduce fusion) into the
+      # concatenate of v with the cache beside qk_norm's custom call, 124-142 us a
+      # step (h200_2026-11-28_decode_565c321.json, Qwen3-2048 and Gemma-2048).
+      qkv = jax.lax.optimization_barrier(
+          self.wqkv(y).reshape(b, c.heads + 2 * c.kv_heads, c.head_dim))
       v = qkv[:, c.heads + c.kv_heads:]  # [B, kv_heads, head_dim]
       with jax.named_scope("pn_norm"):  # q and k slices: a copy made for a norm counts there
         q, k = qkv[:, :c.heads], qkv[:, c.heads:c.heads + c.kv_heads]
