@@ -478,7 +478,7 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     space.update(block_m=rows, num_warps=warps, programs_per_sm=(0,) + per_sm,
                  tile_params=(False, True), hoist_params=(False, True),
                  row_amax=(False, True), packed=(False, True), stream_x=(False, True),
-                 packed_params=(False, True))
+                 packed_params=(False, True), column_splits=(1, 2, 4, 8, 16))
     if pass_ == "fp8_delayed_t":
       space["separate"] = (False, True)
     return space

@@ -336,7 +336,7 @@ def _check_variant(op, x, s, b, cfg, vcfg, *, transpose):
   stats = kfp8.fp8_stats(x, s, b, config=vcfg, **kw)
   # an amax a row, or one a persistent program
   assert base[4].shape == (m,) and var[4].shape == stats[2].shape == (
-      min(vcfg.num_programs, -(-m // vcfg.block_m)) or m,)
+      min(vcfg.num_programs, -(-m // vcfg.block_m)) or m * vcfg.column_splits,)
   amaxes = [_f32(kfp8.reduce_amax(a)) for a in (base[4], var[4], stats[2])]
   assert amaxes[0] > 0
   if transpose:
@@ -604,6 +604,32 @@ def test_few_rows_kernel_bitwise(m):
   few = kfp8.Fp8Config(1, 512, 4, m, tile_params=True, hoist_params=True)
   _check_variant("layer", x, s, b, kfp8.Fp8Config(1, 512, 4), few, transpose=False)
   _check_variant("rms", x, s, None, kfp8.Fp8Config(1, 512, 4), few, transpose=False)
+
+
+@pytest.mark.parametrize("m,n,block_m,splits,transpose", [
+    (1, 300, 1, 4, False), (7, 1000, 2, 8, True), (64, 256, 4, 2, False)])
+def test_column_splits_bitwise(m, n, block_m, splits, transpose):
+  """Fp8Config.column_splits (programs a row block, each the whole row's statistics and
+  a share of the columns, an amax partial a row and split) against one program a row
+  block: the same y, y_t, statistics and tensor amax (interpret mode bitwise; on a GPU
+  one FP8 ulp and _rtol()), for the delayed and the statistics kernels."""
+  for op, layer in (("rms", False), ("layer", True)):
+    x, s, b = _data((m, n), layer=layer)
+    cfg = kfp8.Fp8Config(block_m, 1024 if n > 512 else 512, 4)
+    _check_variant(op, x, s, b if layer else None, cfg,
+                   dataclasses.replace(cfg, column_splits=splits), transpose=transpose)
+
+
+def test_column_splits_errors():
+  for bad in (dict(column_splits=3), dict(column_splits=1024),
+              dict(column_splits=2, num_programs=4)):
+    with pytest.raises(ValueError, match="column_splits"):
+      kfp8.Fp8Config(1, 512, 4, **bad)
+  x, s, _ = _data((2, 1000), layer=False)
+  with pytest.raises(ValueError, match="whole rows"):
+    kfp8.fp8_norm_delayed(x, s, None, F32(2), eps=1e-5, scale_offset=0.0,
+                          subtract_mean=False, fp8_dtype=E4M3, transpose=False,
+                          interpret=True, config=kfp8.Fp8Config(1, 512, 4, column_splits=2))
 
 
 @pytest.mark.parametrize("subtract_mean", [False, True])

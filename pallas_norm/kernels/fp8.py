@@ -122,6 +122,13 @@ class Fp8Config:
       ``_compat.stream_cache_modifier``, the forward's choice, measured on the H200's
       bf16 forward), or without (False: L1 and L2; faster for these kernels on the
       H100, docs/fp8_tuning.md#fp8-packed). Ignored otherwise.
+    column_splits: one row block a program (``num_programs`` 0) with whole rows
+      (``block_n >= N``): programs a row block, each loading the whole row for the
+      statistics and quantising and storing ``block_n / column_splits`` of its columns
+      (with one amax partial each; split 0 writes mean/rstd): XLA's few-row schedule,
+      as the forward's ``ForwardConfig.column_splits``. 1: one program a row block.
+      A power of 2, at most ``block_n``; ValueError otherwise, or with
+      ``num_programs`` or chunked rows.
     packed_params: with ``packed``, bf16 scale/bias enter as uint32 pairs too ([N / 2],
       a bitcast) and are loaded in one contiguous load, unpacked into their even and
       odd columns, instead of two strided gathers; the outputs are the same bits.
@@ -138,6 +145,7 @@ class Fp8Config:
   packed: bool = False
   stream_x: bool = True
   packed_params: bool = False
+  column_splits: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "num_warps"):
@@ -147,6 +155,10 @@ class Fp8Config:
     if self.num_programs < 0:
       raise ValueError(f"Fp8Config.num_programs={self.num_programs} must be >= 0 (0: a "
                        f"row block a program)")
+    cs = self.column_splits
+    if cs < 1 or cs & (cs - 1) or cs > self.block_n or (cs > 1 and self.num_programs):
+      raise ValueError(f"Fp8Config.column_splits={cs} must be a power of 2 in [1, "
+                       f"block_n], and 1 with num_programs > 0")
 
 
 # The row-block kernels' configs. H200, bf16 x, e4m3fn, 2026-11-23 (CUPTI kernel time,
@@ -316,6 +328,8 @@ def fp8_from_entry(entry, m: int, n: int, dtype, transpose: bool,
   except (TypeError, ValueError):
     return None
   if not interpret and cfg.block_m * cfg.block_n > 65536:
+    return None
+  if cfg.column_splits > 1 and n > cfg.block_n:
     return None
   if cfg.packed and (jnp.dtype(dtype) != jnp.bfloat16 or n % 2 or n > cfg.block_n
                      or transpose or not cfg.num_programs):
@@ -631,14 +645,20 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
-                 fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n):
+                 fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n,
+                 column_splits=1):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
-  current scaling)."""
+  current scaling). With ``column_splits`` (whole rows), program p is split
+  p % column_splits of row block p // column_splits: the whole row's statistics, its
+  share of the columns quantised, an amax partial a row and split (amax_ref
+  [M x column_splits]); split 0 stores mean/rstd."""
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
       refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
   m = x_ref.shape[0]
-  rb = pl.program_id(0)
+  rb, k = pl.program_id(0), 0
+  if column_splits > 1:
+    rb, k = rb // column_splits, rb % column_splits
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)
   params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
@@ -648,6 +668,17 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
     x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
     mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
+    if column_splits > 1:  # this split's columns, reloaded (L1/L2)
+      tk = _tile_index(rb, k, m, n, block_m=block_m, block_n=block_n // column_splits,
+                       rows_in_bounds=True)
+      amax = _emit(_load_tile(x_ref, tk[0], tk[1], tk[4]), tk, mean, rstd, params, q,
+                   None, hw_amax)
+      first = k == 0
+      _store_row_stats(mean_ref, rstd_ref, rows,
+                       first if row_mask is None else row_mask & first, mean, rstd)
+      plgpu.store(amax_ref.at[rows * column_splits + k], _amax_out(amax, (1,)),
+                  mask=row_mask)
+      return
     amax = _emit(x, t0, mean, rstd, params, q, None, hw_amax)
   else:  # statistics over the chunks, then a second walk (from L2) that stores
     mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q,
@@ -890,13 +921,19 @@ def _row_outs(x, num_amax):
   return [out_struct((m,), _F32, x)] * 2 + [out_struct((num_amax,), jnp.int32, x)]
 
 
-def _row_launch(m, cfg: Fp8Config):
+def _row_launch(m, n, cfg: Fp8Config):
   """(kernel, grid, statics, amax partials) of the row-block kernels for ``cfg``: a row
   block a program (_norm_kernel; an amax a row) or cfg.num_programs persistent programs
   (_persistent_kernel, or _packed_kernel for cfg.packed; at most one a row block; an
   amax a program)."""
   num_row_blocks = cdiv(m, cfg.block_m)
   statics = dict(tile_params=cfg.tile_params)
+  if cfg.column_splits > 1:
+    if cfg.block_n < n:
+      raise ValueError(f"Fp8Config.column_splits needs whole rows (block_n >= N={n}): "
+                       f"{cfg}")
+    return (_norm_kernel, num_row_blocks * cfg.column_splits,
+            dict(statics, column_splits=cfg.column_splits), m * cfg.column_splits)
   if not cfg.num_programs:
     return _norm_kernel, num_row_blocks, statics, m
   g = min(cfg.num_programs, num_row_blocks)
@@ -989,7 +1026,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias))
-  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  kernel, grid, extra, num_amax = _row_launch(m, n, cfg)
   xp = _packed_x(x, cfg, transpose)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp)
@@ -1025,7 +1062,7 @@ def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean:
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="stats", subtract_mean=subtract_mean,
                              interpret=interpret, param_dtype=_param_dtype(scale, bias))
-  kernel, grid, extra, num_amax = _row_launch(m, cfg)
+  kernel, grid, extra, num_amax = _row_launch(m, n, cfg)
   xp = _packed_x(x, cfg, False)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp)
