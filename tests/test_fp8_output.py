@@ -796,6 +796,7 @@ def test_row_variants_lower_for_cuda():
       (8192, 4096, kfp8.Fp8Config(2, 4096, 8, 132, tile_params=True), False, True),
       (8192, 4096, kfp8.Fp8Config(1, 4096, 4, tile_params=True), False, True),
       (8, 16384, kfp8.Fp8Config(1, 16384, 16, 8, True, True), False, True),  # few rows
+      (8, 8192, kfp8.Fp8Config(1, 8192, 8, tile_params=True, column_splits=4), True, True),
       (8192, 4096, kfp8.Fp8Config(32, 256, 16, 132), True, True)]:
     kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, interpret=False, config=cfg)
     for fn in (functools.partial(kfp8.fp8_norm_delayed, inv=F32(2), fp8_dtype=E4M3,
