@@ -1222,13 +1222,9 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   # scale/bias loaded with x while the grid is one wave (hoist_params)
   hoist = (mode == "multi_wave_cached" and not chunked and device.platform == "gpu"
            and cdiv(m, block_m) <= _HOIST_MAX_WAVES * device.num_sms)
-  splits = 1
-  if mode == "multi_wave_cached" and not chunked and block_n >= n:
-    splits = _column_splits(m, n, dtype, subtract_mean, backend, device)
-    if splits > 1:
-      block_m = 1
-      num_warps = max(num_warps, min(_FEW_ROWS_MAX_WARPS,
-                                     max(_FWD_MIN_WARPS, block_n // _FWD_ELEMS_PER_WARP)))
+  # column splits (their rows took the few-row tile above: a row a program)
+  splits = (_column_splits(m, n, dtype, subtract_mean, backend, device)
+            if mode == "multi_wave_cached" and not chunked and block_n >= n else 1)
   return ForwardConfig(mode, block_m, block_n, num_warps, num_programs, hoist_params=hoist,
                        column_splits=splits)
 

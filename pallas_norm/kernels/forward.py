@@ -366,6 +366,17 @@ def _mapped_rows(rows, x_rows):
   return (rows // group) * stride + offset + rows % group
 
 
+def _tile_stats(x, mask, *, n, eps, subtract_mean):
+  """(mean [block_m] f32 or None, rstd [block_m] f32, the centred tile) of a whole-row
+  f32 tile (0 outside ``mask``); LayerNorm's variance is two-pass within the tile, its
+  centred tile 0 outside ``mask`` (RMSNorm's: x itself)."""
+  mean = None
+  if subtract_mean:
+    mean = jnp.sum(x, axis=1) / n  # [block_m]
+    x = _where0(mask, x - mean[:, None])
+  return mean, lax.rsqrt(jnp.sum(x * x, axis=1) / n + _F32(eps)), x
+
+
 def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None,
                  x_rows=None):
   """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile.
@@ -387,13 +398,7 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   elif x is None:
     x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
   x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
-  if subtract_mean:
-    mean = jnp.sum(x, axis=1) / n  # [block_m]
-    x = _where0(mask, x - mean[:, None])
-  else:
-    mean = None
-  var = jnp.sum(x * x, axis=1) / n  # [block_m] (mean square for RMSNorm)
-  rstd = lax.rsqrt(var + _F32(eps))
+  mean, rstd, x = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
   w, b = params()
   y = _affine(x * rstd[:, None], w, b, y_ref)
   plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
@@ -421,12 +426,7 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
   w, b = _load_params(scale_ref, bias_ref, cols_k, col_mask_k, scale_offset)
   x_rows_phys = _mapped_rows(rows, x_rows)
   x = _load_x(x_ref, x_rows_phys, cols, mask, first=False).astype(_F32)
-  if subtract_mean:
-    mean = jnp.sum(x, axis=1) / n  # [block_m]
-    x = _where0(mask, x - mean[:, None])
-  else:
-    mean = None
-  rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n + _F32(eps))
+  mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
   xk = _load_x(x_ref, x_rows_phys, cols_k, mask_k, first=True).astype(_F32)
   if subtract_mean:
     xk = xk - mean[:, None]

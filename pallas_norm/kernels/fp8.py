@@ -62,7 +62,7 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, _few_rows_tile, cdiv,
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
-                                         _load_tile, _tile_index, _where0)
+                                         _load_tile, _tile_index, _tile_stats, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
@@ -609,17 +609,6 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
 
-def _tile_stats(x, mask, *, n, eps, subtract_mean):
-  """(mean [block_m] f32 or None, rstd [block_m] f32) of a whole-row f32 tile (0
-  outside ``mask``); LayerNorm's variance is two-pass within the tile."""
-  mean = None
-  xc = x
-  if subtract_mean:
-    mean = jnp.sum(x, axis=1) / n  # [block_m]
-    xc = _where0(mask, x - mean[:, None])
-  return mean, lax.rsqrt(jnp.sum(xc * xc, axis=1) / n + _F32(eps))
-
-
 def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, block_m,
                    block_n, hw_amax):
   """Row block ``rb`` in block_n chunks: statistics, then a second walk (from L2) that
@@ -667,7 +656,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   rows, _, row_mask, _, mask = t0
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
     x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
-    mean, rstd = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
+    mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
     if column_splits > 1:  # this split's columns, reloaded (L1/L2)
       tk = _tile_index(rb, k, m, n, block_m=block_m, block_n=block_n // column_splits,
                        rows_in_bounds=True)
@@ -742,7 +731,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       x_next = load(rb + num_programs)  # the prefetch
       t = tile(rb, 0)
       x = x.astype(_F32)
-      mean, rstd = _tile_stats(x, t[4], **stats)
+      mean, rstd, _ = _tile_stats(x, t[4], **stats)
       if row_amax:  # the row block's amax bits now: a scalar carry
         a = _emit(x, t, mean, rstd, params, q, None, hw_amax)
         amax = jnp.maximum(amax, _amax_out(a, (0, 1)))
