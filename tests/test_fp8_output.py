@@ -153,6 +153,18 @@ def test_matches_xla(op, y_scale, fp8_dtype, transpose):
     assert float(r.y_scale) == np.float32(y_scale)
 
 
+@pytest.mark.parametrize("shape", [(1, 8192), (8, 8192), (7, 4096)], ids=str)
+@pytest.mark.parametrize("y_scale", [None, 0.01], ids=["current", "delayed"])
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_few_rows_default_matches_xla(op, y_scale, shape):
+  """The default config at decode sizes (on a GPU the few-row picks: up to 8 rows of
+  N' >= 8192 with column splits, else a row a program; interpret mode its own tiles)
+  against backend="xla"."""
+  x, s, b = _data(shape, layer=op == "layer", seed=3)
+  r, ref = _run(op, x, s, b, y_scale=y_scale)
+  _check_ref(r, ref, fp8_dtype=E4M3, transpose=False, layer=op == "layer")
+
+
 @pytest.mark.parametrize("op", ["rms", "layer"])
 def test_delayed_transpose_separately(op, monkeypatch):
   """Delayed scaling's y_t as XLA's transpose of the one-pass kernel's y (the H100's pick,
@@ -580,15 +592,20 @@ def test_config_picks_variants(monkeypatch):
 def test_config_few_rows(monkeypatch):
   """Up to 64 rows on a GPU (config._few_rows_tile's rows), "delayed" without y_t and
   "stats": a row a program, scale/bias hoisted, the forward's few-row warps; on any GPU
-  (before the H100's packed picks); not for y_t, 65 rows, narrow rows, 1 x 16384 or
-  interpret mode."""
+  (before the H100's packed picks), up to 8 rows of N' >= 8192 with 8 column splits
+  instead; not for y_t, 65 rows, narrow rows, 1 x 16384 or interpret mode."""
   for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA L40S"):
     dev = pallas_norm.config.DeviceInfo("gpu", name, 132)
     monkeypatch.setattr(kfp8, "device_info", lambda: dev)
-    for m, n, warps in ((1, 2048, 4), (7, 4096, 4), (64, 8192, 8), (8, 16384, 16)):
+    for m, n, warps in ((1, 2048, 4), (7, 4096, 4), (64, 8192, 8), (9, 8192, 8)):
       for kernel, layer in (("delayed", False), ("stats", True)):
         assert kfp8.fp8_config(m, n, kernel=kernel, subtract_mean=layer) == (
             kfp8.Fp8Config(1, n, warps, m, tile_params=True, hoist_params=True)), (name, m, n)
+    # Up to 8 rows of N' >= 8192: each row over 8 programs (column splits).
+    for m, n, warps in ((1, 8192, 8), (8, 8192, 8), (8, 16384, 16)):
+      for kernel, layer in (("delayed", False), ("stats", True)):
+        assert kfp8.fp8_config(m, n, kernel=kernel, subtract_mean=layer) == (
+            kfp8.Fp8Config(1, n, warps, tile_params=True, column_splits=8)), (name, m, n)
     assert kfp8.fp8_config(8, 4096, kernel="delayed", transpose=True).block_m == 32
     for m, n in ((65, 4096), (8, 256), (1, 16384)):
       assert kfp8.fp8_config(m, n, kernel="delayed").num_programs != m, (m, n)

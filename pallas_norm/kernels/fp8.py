@@ -395,13 +395,29 @@ def _few_rows(m: int, n: int, dtype, kernel: str, subtract_mean: bool, device,
   loaded with x, before the row's reductions (``_persistent_kernel`` with one row block
   a program and ``hoist_params``), not the many-row persistent picks, which load them
   after the statistics or put two rows in a program, nor (at N' = 16384) 8-row chunked
-  blocks. [docs/tuning_rules.md#few-rows]"""
+  blocks; up to 8 rows of N' >= 8192, each row over 8 programs (``column_splits``).
+  [docs/tuning_rules.md#few-rows]"""
   if not (gpu and kernel in ("delayed", "stats") and _few_rows_tile(m, n, dtype, device)):
     return None
   fwd = forward_config(m, n, dtype, "multi_wave_cached", device,
                        subtract_mean=subtract_mean, tuned=False)
-  return Fp8Config(1, next_power_of_2(n), fwd.num_warps, m, tile_params=True,
-                   hoist_params=True)
+  n_pad = next_power_of_2(n)
+  if m <= _COLUMN_SPLIT_MAX_M and n_pad >= _COLUMN_SPLIT_MIN_N:
+    return Fp8Config(1, n_pad, fwd.num_warps, tile_params=True,
+                     column_splits=_COLUMN_SPLITS)
+  return Fp8Config(1, n_pad, fwd.num_warps, m, tile_params=True, hoist_params=True)
+
+
+# Few rows of a long row: the FP8 row kernel's column splits (Fp8Config.column_splits),
+# as the forward's (config._column_splits). H200, 2026-11-28, static-scale y alone, us
+# (CUPTI, 5 rounds of 10 calls interleaved; every variant also ran a 0.7 us broadcast
+# of the probe's captured scale), the few-row default / 2 / 4 / 8 / 16 splits: RMSNorm
+# 8x8192 2.5 / 2.4 / 2.3 / 2.2 / 2.4, LayerNorm 8x8192 3.6 / 3.5 / 3.3 / 3.2 / 3.3;
+# at N 4096 within 0.1 us, at 64 rows slower (64x8192: 2.7 / 2.8 / 2.8 / 3.3 / 4.3).
+# [docs/tuning_rules.md#few-rows]
+_COLUMN_SPLIT_MAX_M = 8
+_COLUMN_SPLIT_MIN_N = 8192
+_COLUMN_SPLITS = 8
 
 
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
