@@ -220,13 +220,15 @@ def test_hoist_params_same_bits(layer):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 @pytest.mark.parametrize("m,n,block_m,splits", [(1, 1000, 1, 4), (2, 300, 1, 8),
-                                                (7, 1000, 2, 2), (64, 256, 4, 16)])
+                                                (7, 1000, 2, 2), (64, 256, 4, 16),
+                                                (5, 384, 1, 4)])
 def test_column_splits_same_bits(m, n, block_m, splits, layer, residual):
   """ForwardConfig.column_splits (programs a row block, each the whole row's statistics
   and a share of its columns): h, mean and rstd bit for bit those of one program a row
   block, y within one bf16 ulp (the same operations, which the compiler may contract
   otherwise: one element in 7000 at [7, 1000] LayerNorm on CPU), ragged columns and rows
-  included; M in {1, 2, 7, 64}."""
+  included (N 384: the last of 4 splits of the 512 tile lies past N); M in {1, 2, 5, 7,
+  64}."""
   x, scale, bias, dy = _inputs(m, n, layer=layer)
   x = x.astype(jnp.bfloat16)
   r = dy.astype(jnp.bfloat16) if residual else None
@@ -248,6 +250,24 @@ def test_column_splits_same_bits(m, n, block_m, splits, layer, residual):
                          scale, bias, eps=1e-5, scale_offset=0.5, subtract_mean=layer)[0]
   np.testing.assert_allclose(np.asarray(split[0], np.float32), np.asarray(y_ref),
                              rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n,block_n,splits", [(384, 512, 4), (256, 512, 2), (8192, 16384, 8),
+                                              (12288, 16384, 4)])
+def test_column_split_past_n_is_masked(n, block_n, splits):
+  """A split whose width divides N but whose columns lie past N (the tile wider than N)
+  keeps its column mask: unmasked, its stores would land in the next row (on a GPU: the
+  FP8 row kernel at N 256 in a 512 tile, 2026-11-28; interpret mode drops them, so this
+  checks the mask itself); the splits inside N keep theirs as needed."""
+  for k in range(splits):
+    _, cols, _, col_mask, mask = forward._chunk_index(
+        0, k, 4, n, block_m=1, block_n=block_n, chunk_n=block_n // splits,
+        rows_in_bounds=True)
+    inside = np.asarray(cols) < n
+    if not inside.all():
+      assert col_mask is not None and mask is not None
+    if col_mask is not None:
+      np.testing.assert_array_equal(np.asarray(col_mask), inside)
 
 
 def test_column_splits_errors():

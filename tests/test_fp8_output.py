@@ -624,7 +624,8 @@ def test_few_rows_kernel_bitwise(m):
 
 
 @pytest.mark.parametrize("m,n,block_m,splits,transpose", [
-    (1, 300, 1, 4, False), (7, 1000, 2, 8, True), (64, 256, 4, 2, False)])
+    (1, 300, 1, 4, False), (7, 1000, 2, 8, True), (64, 256, 4, 2, False),
+    (3, 384, 1, 4, True)])
 def test_column_splits_bitwise(m, n, block_m, splits, transpose):
   """Fp8Config.column_splits (programs a row block, each the whole row's statistics and
   a share of the columns, an amax partial a row and split) against one program a row

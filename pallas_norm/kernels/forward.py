@@ -420,9 +420,12 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
   m = x_ref.shape[0] if x_rows is None else x_rows[3]
   rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
                                               rows_in_bounds=True)
-  width = block_n // splits
-  _, cols_k, _, col_mask_k, mask_k = _tile_index(rb, k, m, n, block_m=block_m,
-                                                 block_n=width, rows_in_bounds=True)
+  # _chunk_index keeps the column mask whenever block_n > N: a split whose width divides
+  # N may still lie past it (N 384 in 4 splits of a 512 tile), and unmasked it would
+  # store into the next row
+  _, cols_k, _, col_mask_k, mask_k = _chunk_index(rb, k, m, n, block_m=block_m,
+                                                  block_n=block_n, chunk_n=block_n // splits,
+                                                  rows_in_bounds=True)
   w, b = _load_params(scale_ref, bias_ref, cols_k, col_mask_k, scale_offset)
   x_rows_phys = _mapped_rows(rows, x_rows)
   x = _load_x(x_ref, x_rows_phys, cols, mask, first=False).astype(_F32)

@@ -61,8 +61,8 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, _few_rows_tile, cdiv,
                                 device_info, forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
-from pallas_norm.kernels.forward import (_affine, _chunk_stats, _load, _load_params,
-                                         _load_tile, _tile_index, _tile_stats, _where0)
+from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _load,
+                                         _load_params, _load_tile, _tile_index, _tile_stats, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
@@ -674,8 +674,8 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
     x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
     mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
     if column_splits > 1:  # this split's columns, reloaded (L1/L2)
-      tk = _tile_index(rb, k, m, n, block_m=block_m, block_n=block_n // column_splits,
-                       rows_in_bounds=True)
+      tk = _chunk_index(rb, k, m, n, block_m=block_m, block_n=block_n,  # masked past N
+                        chunk_n=block_n // column_splits, rows_in_bounds=True)
       amax = _emit(_load_tile(x_ref, tk[0], tk[1], tk[4]), tk, mean, rstd, params, q,
                    None, hw_amax)
       first = k == 0
