@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
                  + "; 'pallas:*' / 'triton:*' for every mode (default: all)")
   p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
   p.add_argument("--iters", type=int, default=30, help="timed calls per case (>= 30 for results)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="rounds of --iters calls each, the implementations of an (op, pass, "
+                      "shape) cell alternated round by round after all of them compiled; "
+                      "a row's us is the median of every round's calls (default 1: each "
+                      "implementation timed once, one after the other)")
   p.add_argument("--quick", action="store_true",
                  help="4 shapes, heuristic and peers only (no per-mode sweep)")
   p.add_argument("--check", action="store_true",
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if args.iters < 1:
     p.error(f"--iters={args.iters} must be >= 1")
+  if args.rounds < 1:
+    p.error(f"--rounds={args.rounds} must be >= 1")
   if args.plot_only:
     try:
       doc = report.merge(args.plot_only)

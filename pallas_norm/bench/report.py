@@ -25,7 +25,7 @@ _STATUSES = {"ok": "", "n/a": "n/a", "skipped": "skip", "error": "err",
 _CSV_FIELDS = ("op", "pass", "m", "n", "dtype", "impl", "family", "status", "us", "us_p10",
                "us_p90", "gbs", "pct_copy", "bytes", "rotations", "iters", "timer",
                "compile_s", "check", "check_detail", "kernels", "kernel_us", "bytes_design",
-               "gbs_design", "reason")
+               "gbs_design", "rounds_us", "reason")
 
 
 def out_path(args, meta: dict) -> pathlib.Path:
@@ -46,7 +46,8 @@ def write(path: pathlib.Path, meta: dict, rows: list[dict]) -> None:
     w.writeheader()
     for r in rows:
       w.writerow({**r, "kernels": ";".join(r.get("kernels", [])),
-                  "kernel_us": ";".join(f"{t:.2f}" for t in r.get("kernel_us", []))})
+                  "kernel_us": ";".join(f"{t:.2f}" for t in r.get("kernel_us", [])),
+                  "rounds_us": ";".join(f"{t:.3f}" for t in r.get("rounds_us", []))})
 
 
 def finish(path: pathlib.Path, doc: dict) -> None:

@@ -143,7 +143,8 @@ def compare(out, ref, dtype_name: str, names=None) -> dict:
 # --------------------------------------------------------------------------- run
 
 
-def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
+def _prepare_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref):
+  """(row with compile_s and the --check result, the jitted step, its rotated args)."""
   f = peers.jax_fn(impl, c.op)
   step = peers.step_of(f, c.op, c.pass_)
   step = jax.jit(step if impl.tables else peers.without_tables(step))
@@ -155,9 +156,48 @@ def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
     row.update(compare(out, ref, args.dtype, _fp8_names(c.op) if fp8_variant(c.op)
                        else None))
   del out
+  return row, step, arg_sets
+
+
+def _run_jax_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
+  row, step, arg_sets = _prepare_jax_case(impl, c, inp, args, ref)
   row.update(timing.cupti_time(step, arg_sets, args.iters))
   row["timer"] = "cupti"
   return row
+
+
+def _time_rounds(pending: list, args, copy_gbs) -> None:
+  """``--rounds``: time the prepared JAX cases of one (op, pass, shape) cell, ``pending``
+  [(row, step, arg_sets)], in ``args.rounds`` rounds of ``args.iters`` calls, the cases
+  alternated round by round; each row gets the summary of all its calls, the rounds'
+  medians ("rounds_us") and the first round's kernels, then its status (``_finish``). A
+  round without CUPTI times (or one that raised) makes the row n/a (or error)."""
+  calls: list[list[float]] = [[] for _ in pending]
+  medians: list[list[float]] = [[] for _ in pending]
+  result: list[dict | None] = [None] * len(pending)
+  for _ in range(args.rounds):
+    for i, (_, step, arg_sets) in enumerate(pending):
+      if result[i] is not None and "us" not in result[i]:
+        continue  # n/a or an error once: no more rounds
+      try:
+        t = timing.cupti_time(step, arg_sets, args.iters, per_call=True)
+      except Exception as e:  # noqa: BLE001 - one failure must not stop the run
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        t = {"status": "error", "reason": msg[:2000]}
+      if result[i] is None or "us" not in t:
+        result[i] = t
+      if "us" in t:
+        calls[i] += t["per_call_us"]
+        medians[i].append(t["us"])
+  for i, (row, _, _) in enumerate(pending):
+    t = result[i]
+    if "us" in t:
+      row.update(timing.summarise(calls[i]), kernels=t["kernels"],
+                 kernel_us=t["kernel_us"], rounds_us=medians[i])
+    else:
+      row.update(t)
+    row["timer"] = "cupti"
+    _finish(row, copy_gbs)
 
 
 def _run_torch_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
@@ -193,7 +233,11 @@ def _run_torch_case(impl: Impl, c: Case, inp: _Inputs, args, ref) -> dict:
   return row
 
 
-def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> dict:
+def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref,
+              pending: list | None = None) -> dict:
+  """One case's row. With ``pending`` (``--rounds``), a JAX case is only compiled and
+  checked: its (row, step, arg_sets) is appended there for ``_time_rounds``, which times
+  and finishes the row (status "pending" until then)."""
   impl = IMPL_BY_NAME[c.impl]
   itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
   nbytes = bytes_model(c.m, c.n, itemsize, c.pass_, c.op)
@@ -203,6 +247,11 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
   if c.impl in unavailable:
     return {**row, "status": "unavailable", "reason": unavailable[c.impl]}
   try:
+    if pending is not None and impl.kind != "torch":
+      prepared, step, arg_sets = _prepare_jax_case(impl, c, inp, args, ref)
+      row.update(prepared, status="pending")
+      pending.append((row, step, arg_sets))
+      return row
     run = _run_torch_case if impl.kind == "torch" else _run_jax_case
     row.update(run(impl, c, inp, args, ref))
   except NotImplementedError as e:
@@ -213,13 +262,21 @@ def _run_case(c: Case, inp: _Inputs, args, copy_gbs, unavailable: dict, ref) -> 
   except Exception as e:  # noqa: BLE001 - one failure must not stop the run
     msg = "".join(traceback.format_exception_only(type(e), e)).strip()
     return {**row, "status": "error", "reason": msg[:2000]}
+  return _finish(row, copy_gbs)
+
+
+def _finish(row: dict, copy_gbs) -> dict:
+  """``row``'s status ("ok" with a time, else the timer's "n/a" or "error") and its
+  GB/s, % of copy and, for pallas_norm's FP8 output, the bytes its kernels move."""
   if "us" not in row:
-    return {**row, "status": row.pop("status", "n/a")}
+    row["status"] = "n/a" if row.get("status", "pending") == "pending" else row["status"]
+    return row
   row["status"] = "ok"
-  row["gbs"] = nbytes / (row["us"] * 1e-6) / 1e9
+  row["gbs"] = row["bytes"] / (row["us"] * 1e-6) / 1e9
   row["pct_copy"] = 100.0 * row["gbs"] / copy_gbs if copy_gbs else None
-  if fp8_variant(c.op) and c.impl == "pallas":  # the bytes its kernels move
-    row["bytes_design"] = fp8_design_bytes(c.m, c.n, itemsize, c.op)
+  if fp8_variant(row["op"]) and row["impl"] == "pallas":  # the bytes its kernels move
+    itemsize = jnp.dtype(DTYPES[row["dtype"]]).itemsize
+    row["bytes_design"] = fp8_design_bytes(row["m"], row["n"], itemsize, row["op"])
     row["gbs_design"] = row["bytes_design"] / (row["us"] * 1e-6) / 1e9
   return row
 
@@ -237,7 +294,7 @@ def _fp8_names(op: str) -> list[str]:
 
 _METHOD = ("CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure, all kernels "
            "of a call summed; torch: CUDA events behind torch.cuda._sleep), median of "
-           "{iters} calls after one warm-up, R rotated input copies with R*bytes(x) >= "
+           "{iters} calls after one warm-up{rounds}, R rotated input copies with R*bytes(x) >= "
            "4*L2, no flush; XLA_FLAGS {flag}; bytes: fwd 2*M*N*itemsize, fwd+bwd "
            "5*M*N*itemsize, FP8 output (itemsize+1)*M*N (+M*N with y_t), FP8 input "
            "(1+itemsize+4/16)*M*N fwd, +(1+2*itemsize+4/16)*M*N bwd; copy = -a on "
@@ -287,7 +344,13 @@ def run_plan(args, plan: list[Case]) -> int:
           ("tokamax", "tokamax"), ("flax", "flax"), ("torch", "torch"),
           ("liger", "liger-kernel"))},
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:],
-      "method": _METHOD.format(iters=args.iters, flag=timing.COMMAND_BUFFER_FLAG),
+      "rounds": args.rounds,
+      "method": _METHOD.format(
+          iters=args.iters, flag=timing.COMMAND_BUFFER_FLAG,
+          rounds="" if args.rounds == 1 else (
+              f" (JAX: {args.rounds} rounds of {args.iters} calls, the implementations of "
+              f"a cell alternated round by round after all compiled; the median of all "
+              f"{args.rounds * args.iters} calls)")),
       "bytes_model": {"fwd": "2*M*N*itemsize", "fwdbwd": "5*M*N*itemsize",
                       "fwd (*_res)": "4*M*N*itemsize", "fwdbwd (*_res)": "8*M*N*itemsize",
                       "fwd (*_fp8*)": "(itemsize+1)*M*N, +M*N with y_t (*_t)",
@@ -309,25 +372,40 @@ def run_plan(args, plan: list[Case]) -> int:
     inp = _make_inputs(m, n, dtype, r, any(c.pass_ != "fwd" for c in cases), args.seed,
                        any(c.op.endswith("_res") for c in cases), fp8)
     refs: dict = {}
-    for c in cases:
-      done += 1
-      elapsed = time.perf_counter() - start
-      if elapsed > args.budget_s:
-        rows.append(_not_run(c, args))
-        continue
-      ref = None
-      if args.check and c.impl not in unavailable:
-        if (c.op, c.pass_) not in refs:
-          try:
-            refs[(c.op, c.pass_)] = _reference_outputs(c.op, c.pass_, inp)
-          except Exception as e:  # noqa: BLE001
-            print(f"--check: reference failed for {c.op} {c.pass_} {m}x{n}: {e}", flush=True)
-            refs[(c.op, c.pass_)] = None
-        ref = refs[(c.op, c.pass_)]
-      row = _run_case(c, inp, args, meta.get("copy_gbs"), unavailable, ref)
-      rows.append(row)
-      if row["status"] != "unavailable":  # the reason was printed once, above
-        print(f"[{done:4d}/{len(plan)} {elapsed:6.1f}s] {_progress(row)}", flush=True)
+    # --rounds: the implementations of one (op, pass) cell compile first, then alternate
+    cells = ([cases] if args.rounds == 1 else
+             list(_by_key(cases, lambda c: (c.op, c.pass_)).values()))
+    for cell in cells:
+      pending = None if args.rounds == 1 else []
+      printed = []
+      for c in cell:
+        done += 1
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+          rows.append(_not_run(c, args))
+          continue
+        ref = None
+        if args.check and c.impl not in unavailable:
+          if (c.op, c.pass_) not in refs:
+            try:
+              refs[(c.op, c.pass_)] = _reference_outputs(c.op, c.pass_, inp)
+            except Exception as e:  # noqa: BLE001
+              print(f"--check: reference failed for {c.op} {c.pass_} {m}x{n}: {e}",
+                    flush=True)
+              refs[(c.op, c.pass_)] = None
+          ref = refs[(c.op, c.pass_)]
+        row = _run_case(c, inp, args, meta.get("copy_gbs"), unavailable, ref, pending)
+        rows.append(row)
+        if row["status"] != "unavailable":  # the reason was printed once, above
+          printed.append((f"[{done:4d}/{len(plan)} {elapsed:6.1f}s]", row))
+        if pending is None:
+          for head, r in printed:
+            print(f"{head} {_progress(r)}", flush=True)
+          printed = []
+      if pending:
+        _time_rounds(pending, args, meta.get("copy_gbs"))
+      for head, r in printed:
+        print(f"{head} {_progress(r)}", flush=True)
     del inp, refs
     gc.collect()
     if "torch" in sys.modules and torch_ok[0]:
@@ -345,6 +423,14 @@ def run_plan(args, plan: list[Case]) -> int:
           f"{r['check_detail']}", flush=True)
   report.finish(out, {"meta": meta, "rows": rows})
   return 1 if failed else 0
+
+
+def _by_key(items, key) -> dict:
+  """{key(item): [items]} in first-seen order."""
+  out: dict = {}
+  for it in items:
+    out.setdefault(key(it), []).append(it)
+  return out
 
 
 def _not_run(c: Case, args) -> dict:

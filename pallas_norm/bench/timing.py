@@ -147,9 +147,9 @@ def summarise(per_call_us: list[float]) -> dict:
           "us_p90": float(np.percentile(a, 90)), "samples": int(a.size)}
 
 
-def cupti_time(step, arg_sets, iters: int) -> dict:
+def cupti_time(step, arg_sets, iters: int, per_call: bool = False) -> dict:
   """CUPTI kernel time of ``step`` over rotated ``arg_sets``: {us, us_p10, us_p90, kernels}
-  or {status: "n/a", reason}. The sum of the kernels' durations: memsets and memcpys
+  (with ``per_call``, also "per_call_us": each call's time) or {status: "n/a", reason}. The sum of the kernels' durations: memsets and memcpys
   (XLA writes a constant aliased into a kernel, or returned, with one) and the gaps
   between kernels are not in it; benchmarks/kernel_clock_gaps.py at fd31e12 traces them
   (docs/performance.md, "Nor our own memsets and memcpys")."""
@@ -163,8 +163,10 @@ def cupti_time(step, arg_sets, iters: int) -> dict:
                                        "program as a command buffer)"}
   if isinstance(timings[0], tuple):  # iterations=1 returns one list, not a list of lists
     timings = [timings]
-  per_call = [sum(ms for _, ms in it) * 1e3 for it in timings]
-  out = summarise(per_call)
+  calls = [sum(ms for _, ms in it) * 1e3 for it in timings]
+  out = summarise(calls)
+  if per_call:
+    out["per_call_us"] = calls
   out["kernels"] = [name for name, _ in timings[0]]
   # Each kernel's own median, in launch order (so they need not add up to "us"), over
   # the calls that launched the same kernels as the first.
