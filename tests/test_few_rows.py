@@ -270,6 +270,25 @@ def test_column_split_past_n_is_masked(n, block_n, splits):
       np.testing.assert_array_equal(np.asarray(col_mask), inside)
 
 
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n", [(1, 12288), (2, 10240), (8, 12288)])
+def test_default_at_widths_past_a_split(m, n, layer):
+  """The default forward at few rows of N 10240 / 12288 (padded to 16384: on a GPU the
+  column-split rule, whose last splits lie past N) against the reference, rows apart:
+  before 879b502 those splits stored into the next row on a GPU. The same rows through
+  jax.vjp (mean/rstd from split 0)."""
+  import pallas_norm
+  x, scale, bias, _ = _inputs(m, n, layer=layer)
+  x = x.astype(jnp.bfloat16)
+  f = (lambda x: pallas_norm.layer_norm(x, scale, bias, eps=1e-5)) if layer else (
+      lambda x: pallas_norm.rms_norm(x, scale, eps=1e-5))
+  y_ref = reference.norm(x.astype(jnp.float32), scale, bias, eps=1e-5,
+                         subtract_mean=layer)[0]
+  for y in (f(x), jax.vjp(f, x)[0]):
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref), rtol=2e-2,
+                               atol=2e-2)
+
+
 def test_column_splits_errors():
   """column_splits: a power of 2 up to block_n, multi_wave_cached only; a row wider
   than the tile or FP8 x is refused before a kernel runs; fits() keeps table entries
