@@ -149,10 +149,11 @@ def summarise(per_call_us: list[float]) -> dict:
 
 def cupti_time(step, arg_sets, iters: int, per_call: bool = False) -> dict:
   """CUPTI kernel time of ``step`` over rotated ``arg_sets``: {us, us_p10, us_p90, kernels}
-  (with ``per_call``, also "per_call_us": each call's time) or {status: "n/a", reason}. The sum of the kernels' durations: memsets and memcpys
-  (XLA writes a constant aliased into a kernel, or returned, with one) and the gaps
-  between kernels are not in it; benchmarks/kernel_clock_gaps.py at fd31e12 traces them
-  (docs/performance.md, "Nor our own memsets and memcpys")."""
+  (with ``per_call``, also "per_call_us": each call's time) or {status: "n/a", reason}.
+  The sum of the kernels' durations: memsets and memcpys (XLA writes a constant aliased
+  into a kernel, or returned, with one) and the gaps between kernels are not in it;
+  benchmarks/kernel_clock_gaps.py at fd31e12 traces them (docs/performance.md, "Nor our
+  own memsets and memcpys")."""
   rot = rotating_step(step, arg_sets)
   try:
     _, timings = profiler().measure(rot, aggregate=False, iterations=iters)()

@@ -57,12 +57,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, _few_rows_tile, cdiv,
+from pallas_norm.config import (_COLUMN_SPLIT_MAX_M, _COLUMN_SPLIT_MIN_BLOCK_N,
+                                RELOAD_UNROLL_MAX_CHUNKS, _few_rows_tile, cdiv,
                                 device_info, forward_config, next_power_of_2)
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _load,
-                                         _load_params, _load_tile, _tile_index, _tile_stats, _where0)
+                                         _load_params, _load_tile, _tile_index, _tile_stats,
+                                         _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
            "fp8_tile_amax", "reduce_amax"]
@@ -402,22 +404,20 @@ def _few_rows(m: int, n: int, dtype, kernel: str, subtract_mean: bool, device,
   fwd = forward_config(m, n, dtype, "multi_wave_cached", device,
                        subtract_mean=subtract_mean, tuned=False)
   n_pad = next_power_of_2(n)
-  if m <= _COLUMN_SPLIT_MAX_M and n_pad >= _COLUMN_SPLIT_MIN_N:
+  if m <= _COLUMN_SPLIT_MAX_M and n_pad >= _COLUMN_SPLIT_MIN_BLOCK_N:  # the forward's rows
     return Fp8Config(1, n_pad, fwd.num_warps, tile_params=True,
-                     column_splits=_COLUMN_SPLITS)
+                     column_splits=_FP8_COLUMN_SPLITS)
   return Fp8Config(1, n_pad, fwd.num_warps, m, tile_params=True, hoist_params=True)
 
 
-# Few rows of a long row: the FP8 row kernel's column splits (Fp8Config.column_splits),
-# as the forward's (config._column_splits). H200, 2026-11-28, static-scale y alone, us
+# Few rows of a long row: the FP8 row kernel's column splits (Fp8Config.column_splits)
+# on the forward's rows (config._column_splits: up to 8 rows of N' >= 8192), 8 a row. H200, 2026-11-28, static-scale y alone, us
 # (CUPTI, 5 rounds of 10 calls interleaved; every variant also ran a 0.7 us broadcast
 # of the probe's captured scale), the few-row default / 2 / 4 / 8 / 16 splits: RMSNorm
 # 8x8192 2.5 / 2.4 / 2.3 / 2.2 / 2.4, LayerNorm 8x8192 3.6 / 3.5 / 3.3 / 3.2 / 3.3;
 # at N 4096 within 0.1 us, at 64 rows slower (64x8192: 2.7 / 2.8 / 2.8 / 3.3 / 4.3).
 # [docs/tuning_rules.md#few-rows]
-_COLUMN_SPLIT_MAX_M = 8
-_COLUMN_SPLIT_MIN_N = 8192
-_COLUMN_SPLITS = 8
+_FP8_COLUMN_SPLITS = 8
 
 
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
