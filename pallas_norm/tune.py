@@ -7,7 +7,9 @@ For each key (pass, op family, dtypes, N, M):
   2. from the ``--search-top`` fastest of those defaults, a coordinate search over
      ``config.search_space``: one field at a time, every value of its domain with the
      others held, a value kept if it beats the best by more than ``--min-gain``; rounds
-     until one changes nothing (at most ``--rounds``). Candidates that do not fit the
+     until one changes nothing (at most ``--rounds``). The other backends' and modes'
+     defaults, rebuilt for the searched one, are timed with its start and the search
+     moves from the fastest (one field at a time does not leave a default's basin). Candidates that do not fit the
      shape (``config.from_entry``'s re-validation) are pruned before anything is
      traced, those whose trace raises (the launchers' own checks) before they compile;
      the candidates of one field compile together on a thread pool, then each is timed;
@@ -20,7 +22,8 @@ For each key (pass, op family, dtypes, N, M):
 Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kernels),
 inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the op's
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
-"bwd" the forward and the backward, the forward's kernels left out. Each candidate is
+"bwd" the forward and the backward in a training step's order (dy released once y
+exists), the forward's kernels left out (none left: no time, never a 0 us entry). Each candidate is
 traced afresh under ``tuning.forced`` (the ops' jit statics carry ``tuning.context()``).
 
 The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
@@ -195,7 +198,11 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
     return (lambda a: a[:4] + a[5:]), fwd_stats
 
   def fwd_bwd(x, s, b, r, dy, xs):
-    _, pull = jax.vjp(lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)
+    y, pull = jax.vjp(lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)
+    # dy released only once y exists, a training step's order (the bench's fwdbwd_dep):
+    # without it XLA may fuse its own backward's row sums into the forward's statistics
+    # pass, and the forward's kernels are then no longer the first ones a call launches
+    _, dy = jax.lax.optimization_barrier((y, dy))
     return pull(dy if r is None else (dy, dy))
   return (lambda a: a), fwd_bwd
 
@@ -225,7 +232,10 @@ def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: int = 0) -> fl
   t = timing.cupti_time(exe, arg_sets, iters)
   if "us" not in t:
     return None
-  return t["us"] if not skip else float(sum(t["kernel_us"][skip:]))
+  if not skip:
+    return t["us"]
+  # no kernel left once the forward's are left out: nothing measured (never a 0 us entry)
+  return float(sum(t["kernel_us"][skip:])) if len(t["kernel_us"]) > skip else None
 
 
 def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> int:
@@ -391,13 +401,18 @@ def _median(v):
 
 
 def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Measurer,
-                       rounds: int, min_gain: float) -> None:
+                       rounds: int, min_gain: float, seeds=()) -> None:
   """Times ``start`` and its coordinate neighbours into ``meas`` (its ``times`` and
-  ``cands`` then hold every candidate the search measured)."""
+  ``cands`` then hold every candidate the search measured). ``seeds``: more starting
+  points, timed with ``start``; the search moves from the fastest of them."""
   space = C.search_space(key.pass_, key.m, key.n, device, backend=backend, mode=mode,
                          subtract_mean=_parts(key)["subtract_mean"])
-  meas.measure([start])
+  meas.measure([start, *seeds])
   best = start if meas.times.get(start.config) is not None else None
+  for c in seeds:
+    us = meas.times.get(c.config)
+    if us is not None and (best is None or us < meas.times[best.config] * (1.0 - min_gain)):
+      best = c
   for _ in range(rounds):
     changed = False
     for field, values in space.items():
@@ -510,7 +525,14 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
     meas = measurer(backend, mode)
     # mosaic's launchers pick their own configs; xla has none
     if rank < search_top and backend not in ("mosaic", "xla"):
-      _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain)
+      # the other backends' and modes' defaults, rebuilt for this one, as more starting
+      # points: one field at a time cannot leave a default's basin (a split row of 512
+      # columns at 1 warp stays one, where another's 4096 at 16 warps wins)
+      seeds = [_candidate(key, backend, mode, dict(other.entry.fields), device)
+               for _, b, _, other in starts if b not in ("mosaic", "xla")
+               and other is not start]
+      _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain,
+                         seeds=[c for c in seeds if c is not None])
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),
                     key=lambda c: meas.times[c.config])
     checked = []
@@ -535,7 +557,8 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
     if start.config in medians and medians[best.config] > medians[start.config] * (
         1.0 - min_gain):
       best = start
-    if default is not None and default.config in medians:
+    if (default is not None and (backend, mode) == ("pallas", dmode)
+        and default.config in medians):  # another backend's config can compare equal
       default_us = medians[default.config]
     results.append(dataclasses.replace(best.entry, us=round(medians[best.config], 3)))
   return [dataclasses.replace(e, default_us=None if default_us is None

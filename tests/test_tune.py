@@ -156,6 +156,8 @@ def test_a_table_can_pick_xla(tmp_path, monkeypatch):
                   timer=timer, progress=False, rounds=1, log=lambda *a: None)
   table = tuning.Table.load(path)
   assert {e.backend for e in table.entries()} == {"pallas", "xla"}
+  # default_us is the Pallas default's time, not xla's (whose config can compare equal)
+  assert {e.default_us for e in table.entries()} == {5.0}
   tuning.clear_cache()
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
@@ -249,3 +251,53 @@ def test_search_space_candidates_fit():
             e = tuning.Entry(key, "pallas", mode or "", tuple(sorted(fields.items())))
             cfg = config.from_entry(e, 512, n, gpu, "pallas")
             assert cfg is None or config.fits(cfg, n, gpu, "pallas")
+
+
+def test_cupti_timer_refuses_a_bwd_with_no_kernel_of_its_own(monkeypatch):
+  """A "bwd" time leaves out the forward's kernels; where none is left (XLA's fusion of
+  both passes) the candidate has no time, never an entry of 0 us."""
+  from pallas_norm.bench import timing
+  monkeypatch.setattr(timing, "cupti_time",
+                      lambda exe, args, iters: {"us": 3.0, "kernel_us": [2.0, 1.0]})
+  exe = lambda *a: jnp.zeros(())
+  assert tune.cupti_timer(None, exe, [()], 3, skip=0) == 3.0
+  assert tune.cupti_timer(None, exe, [()], 3, skip=1) == 1.0
+  assert tune.cupti_timer(None, exe, [()], 3, skip=2) is None
+
+
+def test_bwd_step_orders_the_backward_after_the_forward():
+  """The tuner's "bwd" step releases dy once y exists (a training step's order): its
+  jaxpr has the optimization barrier, and the cotangents are the plain vjp's."""
+  key = tune.keys_for([(8, 128)], ("rms",), ("bwd",), ("float32",))[0]
+  prepare, fn = tune._step(key, "xla", None)
+  args = prepare(tune._inputs(key, 1)[0])
+  assert "optimization_barrier" in str(jax.make_jaxpr(fn)(*args))
+  x, s, b, r, dy, _ = args
+  f = lambda x, s: pallas_norm.rms_norm(x, s, backend="xla")
+  want = jax.vjp(f, x, s)[1](dy)
+  got = fn(*args)
+  for g, w in zip(got[:2], want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def test_coordinate_search_moves_from_a_seed():
+  """One field at a time cannot reach a config two fields away from the start; a seed
+  (another backend's or mode's default) there is timed and the search moves from it."""
+  key = tune.keys_for([(8, 128)], ("rms",), ("fwd",))[0]
+  mode = "multi_wave_reload"
+  start = tune._default(key, "pallas", mode, CPU)
+  far = dict(start.entry.fields, num_stages=2, num_warps=1)
+  seed = tune._candidate(key, "pallas", mode, far, CPU)
+  assert seed is not None and seed.config != start.config
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    return 1.0 if cand.config == seed.config else 10.0
+
+  def search(seeds):
+    meas = tune._Measurer(key, "pallas", mode, tune._inputs(key, 1), timer, 1, 1,
+                          lambda *a: None)
+    tune._coordinate_search(start, key, "pallas", mode, CPU, meas, 1, 0.01, seeds=seeds)
+    return meas.times
+  assert seed.config not in search(())  # the start's neighbours only
+  times = search([seed])
+  assert times[seed.config] == 1.0 == min(t for t in times.values() if t is not None)
