@@ -23,8 +23,8 @@ Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kern
 inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the op's
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
 "bwd" the forward and the backward in a training step's order (dy released once y
-exists), the forward's kernels left out (none left: no time, never a 0 us entry). Each candidate is
-traced afresh under ``tuning.forced`` (the ops' jit statics carry ``tuning.context()``).
+exists), the forward's kernels left out by name (none left: no time, never a 0 us
+entry). Each candidate is traced afresh under ``tuning.forced`` (the ops' jit statics carry ``tuning.context()``).
 
 The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
 (the default config of the Pallas backend and the default mode: what the op runs with no
@@ -222,10 +222,12 @@ def _compile(cand: Candidate, fn, args):
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: int = 0) -> float | None:
+def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: tuple = ()) -> float | None:
   """The bench's timing (pallas_norm.bench.timing.cupti_time): the median us of a
-  call's kernels, the first ``skip`` left out (each kernel's own median, summed), or
-  None."""
+  call's kernels (each kernel's own median, summed), one kernel of each name in ``skip``
+  left out (the forward's, wherever XLA scheduled them: a backward's zero fill, which
+  needs nothing from the forward, can run first), or None (a name not found, or no
+  kernel left: never a 0 us entry)."""
   from pallas_norm.bench import timing
   del cand
   jax.block_until_ready(exe(*arg_sets[0]))
@@ -234,21 +236,26 @@ def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: int = 0) -> fl
     return None
   if not skip:
     return t["us"]
-  # no kernel left once the forward's are left out: nothing measured (never a 0 us entry)
-  return float(sum(t["kernel_us"][skip:])) if len(t["kernel_us"]) > skip else None
+  kernels = list(zip(t["kernels"], t["kernel_us"]))
+  for name in skip:
+    at = next((i for i, (nm, _) in enumerate(kernels) if nm == name), None)
+    if at is None:
+      return None
+    del kernels[at]
+  return float(sum(us for _, us in kernels)) if kernels else None
 
 
-def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> int:
-  """How many kernels the forward under ``jax.vjp`` launches for ``key`` (the backward's
-  timing leaves them out); 0 off a GPU."""
+def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> tuple:
+  """The names of the kernels the forward under ``jax.vjp`` launches for ``key`` (the
+  backward's timing leaves them out); () off a GPU."""
   if jax.default_backend() != "gpu":
-    return 0
+    return ()
   from pallas_norm.bench import timing
   prepare, fn = _step(dataclasses.replace(key, pass_="fwd_stats"), backend, None)
   exe = jax.jit(fn)
   args = [prepare(a) for a in arg_sets[:1]]
   jax.block_until_ready(exe(*args[0]))
-  return len(timing.cupti_time(exe, args, 3).get("kernels", ()))
+  return tuple(timing.cupti_time(exe, args, 3).get("kernels", ()))
 
 
 # --------------------------------------------------------------------------- search
@@ -353,7 +360,7 @@ class _Measurer:
   def __init__(self, key, backend, mode, arg_sets, timer, iters, workers, log):
     self.prepare, self.fn = _step(key, backend, mode)
     self.args = [self.prepare(a) for a in arg_sets]
-    self.skip = forward_kernels(key, backend, arg_sets) if key.pass_ == "bwd" else 0
+    self.skip = forward_kernels(key, backend, arg_sets) if key.pass_ == "bwd" else ()
     self.timer, self.iters, self.workers, self.log = timer, iters, workers, log
     self.times: dict = {}
     self.exes: dict = {}
@@ -614,7 +621,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     device: the DeviceInfo (default: ``config.device_info()``).
     backends: the backends to try (each where it serves the key).
     timer: ``timer(candidate, executable, arg_sets, iters, skip) -> us or None`` (skip:
-      the forward's kernels to leave out of a "bwd" key's time); default the CUPTI
+      the names of the forward's kernels, one of each left out of a "bwd" key's time); default the CUPTI
       kernel time (a GPU); tests inject a deterministic one.
     iters: timed calls a candidate (the median is kept).
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).

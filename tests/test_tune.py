@@ -253,16 +253,19 @@ def test_search_space_candidates_fit():
             assert cfg is None or config.fits(cfg, n, gpu, "pallas")
 
 
-def test_cupti_timer_refuses_a_bwd_with_no_kernel_of_its_own(monkeypatch):
-  """A "bwd" time leaves out the forward's kernels; where none is left (XLA's fusion of
-  both passes) the candidate has no time, never an entry of 0 us."""
+def test_cupti_timer_leaves_out_the_forwards_kernels_by_name(monkeypatch):
+  """A "bwd" time leaves out one kernel of each of the forward's names, wherever it ran
+  (a backward's zero fill can run before the forward); no time where a name is missing
+  or no kernel is left (XLA's fusion of both passes), never an entry of 0 us."""
   from pallas_norm.bench import timing
-  monkeypatch.setattr(timing, "cupti_time",
-                      lambda exe, args, iters: {"us": 3.0, "kernel_us": [2.0, 1.0]})
+  monkeypatch.setattr(timing, "cupti_time", lambda exe, args, iters: {
+      "us": 16.0, "kernels": ["zero", "fwd", "bwd", "fwd"], "kernel_us": [1.0, 5.0, 8.0, 2.0]})
   exe = lambda *a: jnp.zeros(())
-  assert tune.cupti_timer(None, exe, [()], 3, skip=0) == 3.0
-  assert tune.cupti_timer(None, exe, [()], 3, skip=1) == 1.0
-  assert tune.cupti_timer(None, exe, [()], 3, skip=2) is None
+  assert tune.cupti_timer(None, exe, [()], 3) == 16.0
+  assert tune.cupti_timer(None, exe, [()], 3, skip=("fwd",)) == 11.0  # the first fwd
+  assert tune.cupti_timer(None, exe, [()], 3, skip=("fwd", "fwd")) == 9.0
+  assert tune.cupti_timer(None, exe, [()], 3, skip=("stats",)) is None
+  assert tune.cupti_timer(None, exe, [()], 3, skip=("zero", "fwd", "bwd", "fwd")) is None
 
 
 def test_bwd_step_orders_the_backward_after_the_forward():
