@@ -448,14 +448,32 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
            mode: str | None, subtract_mean: bool, residual: bool, llama: bool,
            param_dtype):
   """The tables' config for this call (``from_entry``), or None: no entry, or it does
-  not fit."""
+  not fit. An entry measured at another shape that is its (backend, mode)'s default
+  there (the tuner kept the default) gives this shape's default of that mode: it says
+  "the default", not "this tile" (H200: the 512x16384 backward's default, rebuilt at
+  N 8192, was 12-18% slower than 8192's own default)."""
   key = table_key(pass_, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
                   llama=llama, param_dtype=param_dtype)
   found = _tuning.lookup(key, device.name, backend=backend, mode=mode,
                          gpu=device.platform == "gpu")
   if found is None:
     return None
-  return from_entry(found[0], m, n, device, backend)
+  e = found[0]
+  if (e.key.m, e.key.n) != (m, n):
+    kw = dict(subtract_mean=subtract_mean, backend=backend, residual=residual,
+              param_dtype=param_dtype, llama=llama, tuned=False)
+    if pass_ != "bwd":
+      kw.update(return_residuals=pass_ == "fwd_stats")
+    def default_at(m, n):
+      try:
+        if pass_ == "bwd":
+          return backward_config(m, n, dtype, device, **kw)
+        return forward_config(m, n, dtype, e.mode or None, device, **kw)
+      except (ValueError, NotImplementedError):
+        return None
+    if from_entry(e, e.key.m, e.key.n, device, backend) == default_at(e.key.m, e.key.n):
+      return default_at(m, n)
+  return from_entry(e, m, n, device, backend)
 
 
 def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str,

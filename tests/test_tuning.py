@@ -17,6 +17,7 @@ glue (config.table_key, entry_fields, from_entry, fits), on CPU.
 """
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -623,3 +624,28 @@ def test_wheel_carries_the_tables(tmp_path):
     assert "pallas_norm/tuning/__init__.py" in names
     doc = json.loads(z.read("pallas_norm/tuning/nvidia_test_gpu.json"))
   assert list(tuning.Table.from_doc(doc).entries()) == [dummy]
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_an_entry_that_is_the_default_at_its_point_means_the_default(pass_):
+  """An entry equal to the default at its own (M, N) gives, at another N of its reach,
+  that N's default, not its tile rebuilt; an entry that is not the default applies."""
+  def default(m, n, tuned=False):
+    if pass_ == "bwd":
+      return config.backward_config(m, n, jnp.bfloat16, H200, tuned=tuned)
+    return config.forward_config(m, n, jnp.bfloat16, "static_persistent", H200,
+                                 return_residuals=False, tuned=tuned)
+  at, there = (512, 16384), (512, 8192)
+  own = _as_entry(default(*at), pass_, *at, H200)
+  assert config.from_entry(own, *there, H200, "pallas") != default(*there)  # the hazard
+  _write_table(_user(), H200.name, own)
+  tuning.clear_cache()
+  assert default(*there, tuned=True) == default(*there)
+  assert default(*at, tuned=True) == default(*at)
+  other = dataclasses.replace(default(*at), num_warps=2 if default(*at).num_warps != 2
+                              else 4)
+  tuned = _as_entry(other, pass_, *at, H200)
+  _write_table(_user(), H200.name, tuned)
+  tuning.clear_cache()
+  assert default(*there, tuned=True) == config.from_entry(tuned, *there, H200, "pallas")
+  assert default(*there, tuned=True) != default(*there)
