@@ -9,9 +9,10 @@ For each key (pass, op family, dtypes, N, M):
      others held, a value kept if it beats the best by more than ``--min-gain``; rounds
      until one changes nothing (at most ``--rounds``). The other backends' and modes'
      defaults, rebuilt for the searched one, are timed with its start and the search
-     moves from the fastest (one field at a time does not leave a default's basin). Candidates that do not fit the
-     shape (``config.from_entry``'s re-validation) are pruned before anything is
-     traced, those whose trace raises (the launchers' own checks) before they compile;
+     moves from the fastest (one field at a time does not leave a default's basin).
+     Candidates that do not fit the shape (``config.from_entry``'s re-validation) are
+     pruned before anything is traced, those whose trace raises (the launchers' own
+     checks) before they compile;
      the candidates of one field compile together on a thread pool, then each is timed;
   3. the ``--confirm`` fastest that pass the check against ``backend="xla"`` (relative
      L2 error within the dtype's tolerance), and the start, are timed
@@ -24,7 +25,8 @@ inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the o
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
 "bwd" the forward and the backward in a training step's order (dy released once y
 exists), the forward's kernels left out by name (none left: no time, never a 0 us
-entry). Each candidate is traced afresh under ``tuning.forced`` (the ops' jit statics carry ``tuning.context()``).
+entry). Each candidate is traced afresh under ``tuning.forced`` (the ops' jit statics
+carry ``tuning.context()``).
 
 The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
 (the default config of the Pallas backend and the default mode: what the op runs with no
@@ -534,7 +536,7 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
     if rank < search_top and backend not in ("mosaic", "xla"):
       # the other backends' and modes' defaults, rebuilt for this one, as more starting
       # points: one field at a time cannot leave a default's basin (a split row of 512
-      # columns at 1 warp stays one, where another's 4096 at 16 warps wins)
+      # columns at 1 warp never reaches another backend's 4096 at 16 warps)
       seeds = [_candidate(key, backend, mode, dict(other.entry.fields), device)
                for _, b, _, other in starts if b not in ("mosaic", "xla")
                and other is not start]
@@ -621,8 +623,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     device: the DeviceInfo (default: ``config.device_info()``).
     backends: the backends to try (each where it serves the key).
     timer: ``timer(candidate, executable, arg_sets, iters, skip) -> us or None`` (skip:
-      the names of the forward's kernels, one of each left out of a "bwd" key's time); default the CUPTI
-      kernel time (a GPU); tests inject a deterministic one.
+      the names of the forward's kernels, one of each left out of a "bwd" key's time);
+      default the CUPTI kernel time (a GPU); tests inject a deterministic one.
     iters: timed calls a candidate (the median is kept).
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must
