@@ -25,8 +25,9 @@ inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the o
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
 "bwd" the forward and the backward in a training step's order (dy released once y
 exists), the forward's kernels left out by name (where they cannot be told apart, as
-in XLA's fusions, the time less the forward alone's; never a 0 us entry). Each candidate is traced afresh under ``tuning.forced`` (the ops' jit statics
-carry ``tuning.context()``).
+in XLA's fusions, the time less the forward alone's; never a 0 us entry). Each
+candidate is traced afresh under ``tuning.forced`` (the ops' jit statics carry
+``tuning.context()``).
 
 The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
 (the default config of the Pallas backend and the default mode: what the op runs with no
@@ -646,8 +647,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     device: the DeviceInfo (default: ``config.device_info()``).
     backends: the backends to try (each where it serves the key).
     timer: ``timer(candidate, executable, arg_sets, iters, skip) -> us or None`` (skip:
-      a ``ForwardKernels``, what a "bwd" key's time leaves out);
-      default the CUPTI kernel time (a GPU); tests inject a deterministic one.
+      a ``ForwardKernels``, what a "bwd" key's time leaves out); default the CUPTI
+      kernel time (a GPU); tests inject a deterministic one.
     iters: timed calls a candidate (the median is kept).
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must
