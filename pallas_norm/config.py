@@ -450,8 +450,7 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
   """The tables' config for this call (``from_entry``), or None: no entry, or it does
   not fit. An entry measured at another shape that is its (backend, mode)'s default
   there (the tuner kept the default) gives this shape's default of that mode: it says
-  "the default", not "this tile" (H200: the 512x16384 backward's default, rebuilt at
-  N 8192, was 12-18% slower than 8192's own default)."""
+  "the default", not "this tile" (measured: docs/tuning.md, "The lookup")."""
   key = table_key(pass_, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
                   llama=llama, param_dtype=param_dtype)
   found = _tuning.lookup(key, device.name, backend=backend, mode=mode,

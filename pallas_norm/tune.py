@@ -237,7 +237,7 @@ class ForwardKernels:
 
 
 def cupti_timer(cand: Candidate, exe, arg_sets, iters: int,
-                skip: ForwardKernels | tuple = ()) -> float | None:
+                skip: ForwardKernels = ForwardKernels()) -> float | None:
   """The bench's timing (pallas_norm.bench.timing.cupti_time): the median us of a
   call's kernels (each kernel's own median, summed), one kernel of each of the forward's
   names left out (``skip``; wherever XLA scheduled them: a backward's zero fill, which
@@ -253,9 +253,8 @@ def cupti_timer(cand: Candidate, exe, arg_sets, iters: int,
     return None
   if not skip:
     return t["us"]
-  names = skip.names if isinstance(skip, ForwardKernels) else tuple(skip)
   kernels = list(zip(t["kernels"], t["kernel_us"]))
-  for name in names:
+  for name in skip.names:
     at = next((i for i, (nm, _) in enumerate(kernels) if nm == name), None)
     if at is None:
       break
@@ -263,7 +262,7 @@ def cupti_timer(cand: Candidate, exe, arg_sets, iters: int,
   else:
     if kernels:
       return float(sum(us for _, us in kernels))
-  fwd_us = getattr(skip, "us", None)
+  fwd_us = skip.us
   return t["us"] - fwd_us if fwd_us is not None and t["us"] > fwd_us else None
 
 

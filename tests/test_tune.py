@@ -267,7 +267,7 @@ def test_cupti_timer_leaves_out_the_forwards_kernels_by_name(monkeypatch):
   assert tune.cupti_timer(None, exe, [()], 3, skip=fk()) == 16.0
   assert tune.cupti_timer(None, exe, [()], 3, skip=fk(("fwd",), 5.0)) == 11.0  # the first
   assert tune.cupti_timer(None, exe, [()], 3, skip=fk(("fwd", "fwd"), 7.0)) == 9.0
-  assert tune.cupti_timer(None, exe, [()], 3, skip=("fwd",)) == 11.0  # names alone
+  assert tune.cupti_timer(None, exe, [()], 3, skip=fk(("fwd",))) == 11.0  # names alone
   # names not found: less the forward alone's time, if any and if positive
   assert tune.cupti_timer(None, exe, [()], 3, skip=fk(("stats",), 6.0)) == 10.0
   assert tune.cupti_timer(None, exe, [()], 3, skip=fk(("stats",))) is None
