@@ -415,7 +415,8 @@ def _few_rows(m: int, n: int, dtype, kernel: str, subtract_mean: bool, device,
 # H200, 2026-11-28, static-scale y alone, us (CUPTI, 5 rounds of 10 calls interleaved;
 # every variant also ran a 0.7 us broadcast of the probe's captured scale), the few-row
 # default / 2 / 4 / 8 / 16 splits: RMSNorm 8x8192 2.5 / 2.4 / 2.3 / 2.2 / 2.4,
-# LayerNorm 8x8192 3.6 / 3.5 / 3.3 / 3.2 / 3.3; at N 4096 within 0.1 us, at 64 rows slower (64x8192: 2.7 / 2.8 / 2.8 / 3.3 / 4.3).
+# LayerNorm 8x8192 3.6 / 3.5 / 3.3 / 3.2 / 3.3; at N 4096 within 0.1 us, at 64 rows
+# slower (64x8192: 2.7 / 2.8 / 2.8 / 3.3 / 4.3).
 # [docs/tuning_rules.md#few-rows]
 _FP8_COLUMN_SPLITS = 8
 
