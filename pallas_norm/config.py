@@ -500,18 +500,22 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       space["separate"] = (False, True)
     return space
   if pass_ == "bwd":
+    # few rows (Pallas) may hold N' 16384 as one tile, as the default does from 8 rows
+    one_tile = bn_full <= (_FEW_ROWS_MAX_BLOCK_N if pallas and m <= _FEW_ROWS_M
+                           else _BWD_SINGLE_TILE_MAX)
     if bn_full > _BWD_SINGLE_TILE_MAX:
-      space["block_n"] = tuple(c for c in (512,) + chunks if c < bn_full)
+      space["block_n"] = (tuple(c for c in (512,) + chunks if c < bn_full)
+                          + ((bn_full,) if one_tile else ()))
       if pallas:
         space.update(split_rows=(False, True), reload_rows=(False, True),
                      split_lag=(1, 2, 3), split_early_publish=(False, True),
                      chunk_n=(0, 1024, 2048))
-    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX and m > 1:
+    if pallas and one_tile and m > 1:
       space["fused_reduce"] = (False, True)
     space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)
-    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX and m > 1:
+    if pallas and one_tile and m > 1:
       space.update(column_block_n=(32, 64, 128, 256, 512), column_block_m=rows)
-    if pallas and bn_full <= _BWD_SINGLE_TILE_MAX:
+    if pallas and one_tile:
       if subtract_mean:
         space.update(pieces_round=(0, 512, 1024), joint_row_sums=(False, True))
       space.update(prefetch_stats=(False, True), recompute_dx=(False, True),

@@ -2,6 +2,7 @@
 deterministic timer. The kernels run (every candidate is traced, compiled and checked);
 only the time is made up, as a function of the candidate's config."""
 
+import itertools
 import json
 
 import jax
@@ -236,21 +237,34 @@ def test_search_space_candidates_fit():
   """Every value of every field the search tries either rebuilds to a config that
   fits, or is pruned by from_entry (never an exception)."""
   gpu = config.DeviceInfo("gpu", "some GPU", 100)
-  for n in (128, 1000, 4096, 20000, 70000):
+  for m, n in itertools.product((512, 64), (128, 1000, 4096, 16384, 20000, 70000)):
     for pass_ in ("fwd", "bwd"):
       for mode in (config.MODES if pass_ == "fwd" else (None,)):
-        key = tuning.Key(pass_, "layer", "bfloat16", "bfloat16", n, 512)
+        key = tuning.Key(pass_, "layer", "bfloat16", "bfloat16", n, m)
         start = tune._default(key, "pallas", mode, gpu)
         if start is None:
           continue
-        space = config.search_space(pass_, 512, n, gpu, backend="pallas", mode=mode,
+        space = config.search_space(pass_, m, n, gpu, backend="pallas", mode=mode,
                                     subtract_mean=True)
         for field, values in space.items():
           for v in values:
             fields = dict(start.entry.fields, **{field: v})
             e = tuning.Entry(key, "pallas", mode or "", tuple(sorted(fields.items())))
-            cfg = config.from_entry(e, 512, n, gpu, "pallas")
+            cfg = config.from_entry(e, m, n, gpu, "pallas")
             assert cfg is None or config.fits(cfg, n, gpu, "pallas")
+
+
+def test_search_space_holds_the_few_row_one_tile_backward():
+  """Few rows of N' 16384: the default's one-tile backward (one kernel, fused_reduce)
+  and its column tiles are in the search space, as they are not for many rows."""
+  gpu = config.DeviceInfo("gpu", "some GPU", 132)
+  few = config.search_space("bwd", 64, 16384, gpu, backend="pallas", mode=None,
+                            subtract_mean=False)
+  assert 16384 in few["block_n"] and few["fused_reduce"] == (False, True)
+  assert "column_block_n" in few and "prefetch_stats" in few
+  many = config.search_space("bwd", 512, 16384, gpu, backend="pallas", mode=None,
+                             subtract_mean=False)
+  assert 16384 not in many["block_n"] and "fused_reduce" not in many
 
 
 def test_cupti_timer_leaves_out_the_forwards_kernels_by_name(monkeypatch):
