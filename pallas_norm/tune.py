@@ -24,8 +24,9 @@ Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kern
 inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the op's
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
 "bwd" the forward and the backward in a training step's order (dy released once y
-exists), the forward's kernels left out by name (where they cannot be told apart, as
-in XLA's fusions, the time less the forward alone's; never a 0 us entry). Each
+exists), the forward's kernels left out by name (where a name is missing, the time less
+the forward alone's; never a 0 us entry); on XLA, whose fusions of the two passes
+cannot be told apart, the backward alone (jax.vjp's pullback timed on its residuals). Each
 candidate is traced afresh under ``tuning.forced`` (the ops' jit statics carry
 ``tuning.context()``).
 
@@ -190,8 +191,9 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
   """(prepare, fn): ``prepare(args)`` turns an argument set into fn's arguments, ``fn``
   is what is timed. For "bwd" fn is the forward and the backward (the forward at the
   tables' or the default's config: the forced entry is the backward's); the timer
-  leaves out the forward's kernels (``_Measurer.skip``). FP8 x's scales are constants
-  (no cotangent)."""
+  leaves out the forward's kernels (``_Measurer.skip``); on "xla", fn is the backward
+  alone (jax.vjp's pullback, made by ``prepare``). FP8 x's scales are constants (no
+  cotangent)."""
   f = _op(key, backend, mode)
   if key.pass_ == "fwd" or _fp8_out(key):
     return (lambda a: a[:4] + a[5:]), f
@@ -199,6 +201,19 @@ def _step(key: tuning.Key, backend: str, mode: str | None):
     def fwd_stats(x, s, b, r, xs):
       return jax.vjp(lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)
     return (lambda a: a[:4] + a[5:]), fwd_stats
+  if backend == "xla":
+    # XLA's backward alone: jax.vjp's pullback (a pytree of the residuals) made once an
+    # argument set, outside the timed call. In one step XLA fuses the two passes'
+    # kernels, so no kernel is the forward's alone, and the step less the forward alone
+    # was no backward's time (H200, 2026-11-29: 1.06 us for LayerNorm + residual's
+    # 64x16384 backward, whose forward alone took 14 us)
+    pullback = jax.jit(lambda x, s, b, r, xs: jax.vjp(
+        lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)[1])
+
+    def prepare(a):
+      x, s, b, r, dy, xs = a
+      return pullback(x, s, b, r, xs), (dy if r is None else (dy, dy))
+    return prepare, lambda pull, ct: pull(ct)
 
   def fwd_bwd(x, s, b, r, dy, xs):
     y, pull = jax.vjp(lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)
@@ -384,8 +399,8 @@ class _Measurer:
   def __init__(self, key, backend, mode, arg_sets, timer, iters, workers, log):
     self.prepare, self.fn = _step(key, backend, mode)
     self.args = [self.prepare(a) for a in arg_sets]
-    self.skip = (forward_kernels(key, backend, arg_sets, iters) if key.pass_ == "bwd"
-                 else ForwardKernels())
+    self.skip = (forward_kernels(key, backend, arg_sets, iters)
+                 if key.pass_ == "bwd" and backend != "xla" else ForwardKernels())
     self.timer, self.iters, self.workers, self.log = timer, iters, workers, log
     self.times: dict = {}
     self.exes: dict = {}

@@ -294,7 +294,7 @@ def test_bwd_step_orders_the_backward_after_the_forward():
   """The tuner's "bwd" step releases dy once y exists (a training step's order): its
   jaxpr has the optimization barrier, and the cotangents are the plain vjp's."""
   key = tune.keys_for([(8, 128)], ("rms",), ("bwd",), ("float32",))[0]
-  prepare, fn = tune._step(key, "xla", None)
+  prepare, fn = tune._step(key, "pallas", None)
   args = prepare(tune._inputs(key, 1)[0])
   assert "optimization_barrier" in str(jax.make_jaxpr(fn)(*args))
   x, s, b, r, dy, _ = args
@@ -302,6 +302,23 @@ def test_bwd_step_orders_the_backward_after_the_forward():
   want = jax.vjp(f, x, s)[1](dy)
   got = fn(*args)
   for g, w in zip(got[:2], want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["rms", "layer_res"])
+def test_xla_bwd_step_is_the_backward_alone(family):
+  """On "xla" the "bwd" step is jax.vjp's pullback on residuals made outside it (the
+  step less the forward alone was no backward's time): no forward in what is timed,
+  the plain vjp's cotangents (with residual=, dy for both y and h)."""
+  key = tune.keys_for([(8, 128)], (family,), ("bwd",), ("float32",))[0]
+  prepare, fn = tune._step(key, "xla", None)
+  x, s, b, r, dy, xs = tune._inputs(key, 1)[0]
+  pull, ct = prepare((x, s, b, r, dy, xs))
+  jaxpr = str(jax.make_jaxpr(fn)(pull, ct))
+  assert "rsqrt" not in jaxpr  # the forward's statistics are residuals, not recomputed
+  f = tune._op(key, "xla", None)
+  want = jax.vjp(lambda x, s, b, r: f(x, s, b, r, xs), x, s, b, r)[1](ct)
+  for g, w in zip(jax.tree.leaves(fn(pull, ct)), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
