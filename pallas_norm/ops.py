@@ -277,10 +277,11 @@ def _resolve_interpret(interpret: bool | None, op: str = "") -> bool:
 
 
 def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
-                  residual: bool = False) -> str:
+                  residual: bool = False, return_residuals: bool = True) -> str:
   """backend=None: ``config.choose_backend``'s pick for this kernel, if that backend
-  serves the call; else "pallas". ``fused``: FP8 x or a sharded hidden dim (which the
-  rules do not cover). ``residual``: the fused residual add, whose rules were measured
+  serves the call; else "pallas". ``return_residuals``: the forward also writes
+  mean/rstd (under jax.vjp: the tables' "fwd_stats"; else their "fwd"). ``fused``: FP8
+  x or a sharded hidden dim (which the rules do not cover). ``residual``: the fused residual add, whose rules were measured
   with x, the residual and h in one dtype (others: "pallas"). Also "pallas" for
   scale/bias in another dtype than x's: the rules were measured with them in x's (the
   Pallas backend has its own float32-parameter tiles). A table's "xla" (the jnp math,
@@ -292,7 +293,8 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
   backend = _config.choose_backend(pass_, n, x2.dtype, st.subtract_mean,
                                    residual=residual, m=m,
                                    param_dtype=params[0] if params else None,
-                                   llama=st.llama is not None)
+                                   llama=st.llama is not None,
+                                   return_residuals=return_residuals)
   if backend == "xla" and not fused and st.axis_name is None:
     return "xla"  # a table's pick: XLA's fusion of the jnp math is the faster there
   if backend in ("pallas", "xla") or st.interpret or fused or st.llama is not None:
@@ -348,7 +350,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   m, n = x2.shape
   backend = _auto_backend("fwd", x2, scale, bias, st,
                           fused=combine_stats is not None or x_scale is not None,
-                          residual=residual is not None)
+                          residual=residual is not None,
+                          return_residuals=return_residuals)
   if backend == "xla":  # the jnp math on these rows (no collectives: not fused)
     y, mean, rstd, h = _xla_of(st, x2, residual, scale, bias)
     mean = mean if st.subtract_mean else None

@@ -152,7 +152,10 @@ def test_a_table_can_pick_xla(tmp_path, monkeypatch):
 
   def timer(cand, exe, arg_sets, iters, skip=0):
     return 1.0 if cand.entry.backend == "xla" else 5.0
-  path = tune.run(tune.keys_for([(8, 128)], ("layer",), ("fwd_stats", "bwd"), ("float32",)),
+  # "fwd" too: under jit, the custom_vjp's primal is traced beside its fwd rule (the spy
+  # sees the primal's config though only the rule runs)
+  path = tune.run(tune.keys_for([(8, 128)], ("layer",), ("fwd", "fwd_stats", "bwd"),
+                                ("float32",)),
                   out=tmp_path / "user" / "cpu.json", device=CPU, backends=("pallas", "xla"),
                   timer=timer, progress=False, rounds=1, log=lambda *a: None)
   table = tuning.Table.load(path)
@@ -177,6 +180,33 @@ def test_a_table_can_pick_xla(tmp_path, monkeypatch):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   grads("pallas")
   assert seen["fwd"] and seen["bwd"]
+
+
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
+def test_the_primal_and_the_vjp_forward_pick_their_own_pass(tmp_path, monkeypatch):
+  """backend=None's forward alone takes the table's "fwd" entry, under jax.vjp its
+  "fwd_stats" (here xla and pallas): the primal had taken fwd_stats' backend (H200,
+  2026-11-29: LayerNorm 512x16384 ran Triton at 14.1 us, the "fwd" entry's Pallas
+  11.6)."""
+  seen = _spy(monkeypatch)
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    xla_wins = cand.entry.key.pass_ == "fwd"
+    return 1.0 if (cand.entry.backend == "xla") == xla_wins else 5.0
+  tune.run(tune.keys_for([(8, 128)], ("layer",), ("fwd", "fwd_stats"), ("float32",)),
+           out=tmp_path / "user" / "cpu.json", device=CPU, backends=("pallas", "xla"),
+           timer=timer, progress=False, rounds=1, log=lambda *a: None)
+  tuning.clear_cache()
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+  s, b = (jnp.asarray(rng.standard_normal(128), jnp.float32) for _ in range(2))
+  f = lambda x, s, b: pallas_norm.layer_norm(x, s, b, backend=None, interpret=True)
+  seen["fwd"].clear()
+  y = f(x, s, b)
+  assert seen["fwd"] == []  # "fwd": the jnp math
+  y_vjp, _ = jax.vjp(f, x, s, b)
+  assert seen["fwd"]  # "fwd_stats": the Pallas kernel
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_vjp), rtol=1e-5, atol=1e-5)
 
 
 def test_tune_fp8_input_and_refused_keys(tmp_path):
