@@ -624,13 +624,8 @@ def _meta(device: C.DeviceInfo, argv, method: str) -> dict:
 
 
 def _git_commit() -> str:
-  import subprocess
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True,
-                          cwd=pathlib.Path(__file__).parent).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
+  from pallas_norm.bench import timing
+  return timing.git_commit(short=True)
 
 
 def _read(path: pathlib.Path) -> list[tuning.Entry]:

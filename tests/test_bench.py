@@ -496,3 +496,26 @@ def test_ab_builds_every_config_kind(capsys):
     ab.main(["bwd", "--op", "rms", "--shapes", "64x128", "--configs", "nope:1", "--dry-run"])
   assert ab.main(["triton", "--variant", "pallas"]) == 2
   assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_git_commit_says_dirty(tmp_path, monkeypatch):
+  """The results' commit: HEAD, "-dirty" where a tracked file differs from it (the GPU
+  machine's copy of a working tree whose git metadata lags), the variable first."""
+  monkeypatch.delenv("PALLAS_NORM_GIT_COMMIT", raising=False)
+  git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t",
+                                   *a], cwd=tmp_path, check=True, capture_output=True,
+                                  text=True).stdout.strip()
+  git("init", "-q")
+  (tmp_path / "f.py").write_text("a = 1\n")
+  git("add", "f.py")
+  git("commit", "-q", "-m", "one")
+  sha = git("rev-parse", "HEAD")
+  assert timing.git_commit(cwd=tmp_path) == sha
+  assert timing.git_commit(short=True, cwd=tmp_path) == sha[:7]
+  (tmp_path / "f.py").write_text("a = 2\n")
+  assert timing.git_commit(cwd=tmp_path) == sha + "-dirty"
+  monkeypatch.setenv("PALLAS_NORM_GIT_COMMIT", "abc")
+  assert timing.git_commit(cwd=tmp_path) == "abc"
+  assert timing.git_commit(cwd=tmp_path / "nowhere") == "abc"
+  monkeypatch.delenv("PALLAS_NORM_GIT_COMMIT")
+  assert timing.git_commit(cwd=tmp_path.parent / "not-a-repo-") == "unknown"

@@ -253,17 +253,26 @@ def version(dist: str) -> str | None:
     return None
 
 
-def git_commit() -> str:
-  """$PALLAS_NORM_GIT_COMMIT, else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
+def git_commit(short: bool = False, cwd=None) -> str:
+  """$PALLAS_NORM_GIT_COMMIT, else ``git rev-parse HEAD`` of this checkout (or of the one
+  at ``cwd``; ``short``: 7 hex digits) with "-dirty" appended where a tracked file
+  differs from it, else "unknown". (The GPU machine gets a copy of the working tree whose git metadata can lag
+  it: results then read an older commit, "-dirty".)"""
   env = os.environ.get("PALLAS_NORM_GIT_COMMIT")
   if env:
     return env
+  here = cwd or pathlib.Path(__file__).resolve().parent
   try:
     out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         timeout=10, cwd=pathlib.Path(__file__).resolve().parent)
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+                         timeout=10, cwd=here)
+    sha = out.stdout.strip()
+    if out.returncode != 0 or not sha:
+      return "unknown"
+    diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                          timeout=30, cwd=here)
   except (OSError, subprocess.SubprocessError):
     return "unknown"
+  return (sha[:7] if short else sha) + ("-dirty" if diff.returncode == 1 else "")
 
 
 def torch_status() -> tuple[bool, str]:
