@@ -498,6 +498,18 @@ def test_ab_builds_every_config_kind(capsys):
   assert "needs a GPU" in capsys.readouterr().err
 
 
+def test_ab_backward_tags_set_the_few_row_kernels_fields():
+  """A backward spec's tags: "@fr" the one-kernel backward, "@cb<m>.<n>" its column
+  programs' tile, "@w<k>" the warps; the untagged spec keeps the kind's values."""
+  import argparse
+  args = argparse.Namespace(kernel="bwd", op="rms", residual=False, shapes="64x8192",
+                            configs="tileg:1,8192,16,64;tileg:1,8192,16,64@fr@cb64.256@w8")
+  plain, tagged = ab._configs(args, 132).values()
+  assert (plain.fused_reduce, plain.num_warps) == (False, 16)
+  assert (tagged.fused_reduce, tagged.column_block_m, tagged.column_block_n,
+          tagged.num_warps, tagged.num_programs) == (True, 64, 256, 8, 64)
+
+
 def test_git_commit_says_dirty(tmp_path, monkeypatch):
   """The results' commit: HEAD, "-dirty" where a tracked file differs from it (the GPU
   machine's copy of a working tree whose git metadata lags), the variable first."""

@@ -29,7 +29,9 @@ a config with the x/dy loads' cache modifier off (kernels/_compat.py) or on for 
 them; a backward config's "@d<k>" sets its ``prefetch_depth`` to k, "@rc" ("@rc0")
 its ``recompute_dx`` on (off), "@ps" / "@js" / "@fr" ("@ps0" / "@js0" / "@fr0") its
 ``prefetch_stats`` / ``joint_row_sums`` / ``fused_reduce`` on (off), a forward config's
-"@hp" ("@hp0") its ``hoist_params``, "@cs<k>" its ``column_splits``, and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
+"@hp" ("@hp0") its ``hoist_params``, "@cs<k>" its ``column_splits``, a backward config's
+"@cb<m>.<n>" its ``column_block_m`` and ``column_block_n`` (with ``fused_reduce``), "@w<k>"
+its ``num_warps``, and "@r<bn>.<bg>.<w>" stage 2's ``reduce_block_n``,
 ``reduce_block_g`` and ``reduce_num_warps``, before those):
   default                 config.forward_config's pick
   psplit:bn,nw,occ[,lag[,early]]
@@ -73,7 +75,7 @@ from pallas_norm.bench import plan, timing
 
 # A backward config's tags (the docstring): @d<k>, @rc / @rc0, @r<bn>.<bg>.<w>, @ps, @js
 _TAG = re.compile(r"(@d)(\d+)|@rc([01]?)(?=@|$)|@r(\d+)\.(\d+)\.(\d+)|@(ps|js|fr|hp)([01]?)(?=@|$)"
-                  r"|@cs(\d+)")
+                  r"|@cs(\d+)|@cb(\d+)\.(\d+)|@w(\d+)")
 _FLAGS = {"ps": "prefetch_stats", "js": "joint_row_sums", "fr": "fused_reduce",
           "hp": "hoist_params"}
 _AB_BYTES = 4 * (64 << 20)  # the rotated inputs of fwd, bwd, tokamax-alias and triton
@@ -240,7 +242,7 @@ def _configs(args, sms: int) -> dict:
       extra = {"residual": True} if getattr(args, "residual", False) else {}
       try:
         cfg = make(kind, a, m, n, args.op == "layer", sms, **extra)
-        for t in _TAG.finditer(cs):  # backward: @d<depth>, @rc, @r<bn>.<bg>.<warps>, @ps, @js
+        for t in _TAG.finditer(cs):  # the tags of the module docstring
           if t.group(1):
             cfg = dataclasses.replace(cfg, prefetch_depth=int(t.group(2)))
           elif t.group(4):
@@ -251,6 +253,11 @@ def _configs(args, sms: int) -> dict:
             cfg = dataclasses.replace(cfg, **{_FLAGS[t.group(7)]: t.group(8) != "0"})
           elif t.group(9):
             cfg = dataclasses.replace(cfg, column_splits=int(t.group(9)))
+          elif t.group(10):
+            cfg = dataclasses.replace(cfg, column_block_m=int(t.group(10)),
+                                      column_block_n=int(t.group(11)))
+          elif t.group(12):
+            cfg = dataclasses.replace(cfg, num_warps=int(t.group(12)))
           else:
             cfg = dataclasses.replace(cfg, recompute_dx=t.group(3) != "0")
         out[(shape, cs)] = cfg
