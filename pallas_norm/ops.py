@@ -281,8 +281,9 @@ def _auto_backend(pass_: str, x2, scale, bias, st: _Static, fused: bool,
   """backend=None: ``config.choose_backend``'s pick for this kernel, if that backend
   serves the call; else "pallas". ``return_residuals``: the forward also writes
   mean/rstd (under jax.vjp: the tables' "fwd_stats"; else their "fwd"). ``fused``: FP8
-  x or a sharded hidden dim (which the rules do not cover). ``residual``: the fused residual add, whose rules were measured
-  with x, the residual and h in one dtype (others: "pallas"). Also "pallas" for
+  x or a sharded hidden dim (which the rules do not cover). ``residual``: the fused
+  residual add, whose rules were measured with x, the residual and h in one dtype
+  (others: "pallas"). Also "pallas" for
   scale/bias in another dtype than x's: the rules were measured with them in x's (the
   Pallas backend has its own float32-parameter tiles). A table's "xla" (the jnp math,
   which XLA fuses) is taken wherever nothing is fused and no ``axis_name`` is given."""

@@ -24,10 +24,10 @@ Timing, as the kernel bench does it: CUPTI kernel time (the sum of a call's kern
 inputs rotated over >= 4x L2, the median of ``--iters`` calls. "fwd" times the op's
 primal; "fwd_stats" the forward under ``jax.vjp`` (which also writes mean and rstd);
 "bwd" the forward and the backward in a training step's order (dy released once y
-exists), the forward's kernels left out by name (where a name is missing, the time less
-the forward alone's; never a 0 us entry); on XLA, whose fusions of the two passes
-cannot be told apart, the backward alone (jax.vjp's pullback timed on its residuals). Each
-candidate is traced afresh under ``tuning.forced`` (the ops' jit statics carry
+exists), the forward's kernels left out by name (a name missing or no kernel left: no
+time, never a 0 us entry); on XLA, whose fusions of the two passes cannot be told
+apart, the backward alone (jax.vjp's pullback timed on its residuals). Each candidate
+is traced afresh under ``tuning.forced`` (the ops' jit statics carry
 ``tuning.context()``).
 
 The table: one entry per (key, backend[, mode]) with its median us and ``default_us``
@@ -240,26 +240,13 @@ def _compile(cand: Candidate, fn, args):
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardKernels:
-  """What a "bwd" key's time leaves out: the names of the kernels the forward alone
-  launches, and its CUPTI time (us) for where they cannot be told apart."""
-  names: tuple = ()
-  us: float | None = None
-
-  def __bool__(self):
-    return bool(self.names) or self.us is not None
-
-
-def cupti_timer(cand: Candidate, exe, arg_sets, iters: int,
-                skip: ForwardKernels = ForwardKernels()) -> float | None:
+def cupti_timer(cand: Candidate, exe, arg_sets, iters: int, skip: tuple = ()) -> float | None:
   """The bench's timing (pallas_norm.bench.timing.cupti_time): the median us of a
-  call's kernels (each kernel's own median, summed), one kernel of each of the forward's
-  names left out (``skip``; wherever XLA scheduled them: a backward's zero fill, which
-  needs nothing from the forward, can run first). Where a name is not found or no kernel
-  is left (XLA's own fusions of the two passes are not the forward's alone), the call's
-  time less the forward alone's (``skip.us``) if that is positive; else None (never a
-  0 us entry)."""
+  call's kernels (each kernel's own median, summed), one kernel of each name in ``skip``
+  left out (the forward's, wherever XLA scheduled them: a backward's zero fill, which
+  needs nothing from the forward, can run first), or None (a name not found, or no
+  kernel left: never a 0 us entry; XLA's backward, whose fusions of the two passes are
+  not the forward's alone, is timed by itself, ``_step``)."""
   from pallas_norm.bench import timing
   del cand
   jax.block_until_ready(exe(*arg_sets[0]))
@@ -269,32 +256,25 @@ def cupti_timer(cand: Candidate, exe, arg_sets, iters: int,
   if not skip:
     return t["us"]
   kernels = list(zip(t["kernels"], t["kernel_us"]))
-  for name in skip.names:
+  for name in skip:
     at = next((i for i, (nm, _) in enumerate(kernels) if nm == name), None)
     if at is None:
-      break
+      return None
     del kernels[at]
-  else:
-    if kernels:
-      return float(sum(us for _, us in kernels))
-  fwd_us = skip.us
-  return t["us"] - fwd_us if fwd_us is not None and t["us"] > fwd_us else None
+  return float(sum(us for _, us in kernels)) if kernels else None
 
 
-def forward_kernels(key: tuning.Key, backend: str, arg_sets, iters: int = 30
-                    ) -> ForwardKernels:
-  """The forward under ``jax.vjp`` for ``key`` alone (the backward's timing leaves it
-  out): its kernels' names and CUPTI time, on the same rotated inputs; empty off a
-  GPU."""
+def forward_kernels(key: tuning.Key, backend: str, arg_sets) -> tuple:
+  """The names of the kernels the forward under ``jax.vjp`` launches for ``key`` (the
+  backward's timing leaves them out); () off a GPU."""
   if jax.default_backend() != "gpu":
-    return ForwardKernels()
+    return ()
   from pallas_norm.bench import timing
   prepare, fn = _step(dataclasses.replace(key, pass_="fwd_stats"), backend, None)
   exe = jax.jit(fn)
-  args = [prepare(a) for a in arg_sets]
+  args = [prepare(a) for a in arg_sets[:1]]
   jax.block_until_ready(exe(*args[0]))
-  t = timing.cupti_time(exe, args, iters)
-  return ForwardKernels(tuple(t.get("kernels", ())), t.get("us"))
+  return tuple(timing.cupti_time(exe, args, 3).get("kernels", ()))
 
 
 # --------------------------------------------------------------------------- search
@@ -399,8 +379,8 @@ class _Measurer:
   def __init__(self, key, backend, mode, arg_sets, timer, iters, workers, log):
     self.prepare, self.fn = _step(key, backend, mode)
     self.args = [self.prepare(a) for a in arg_sets]
-    self.skip = (forward_kernels(key, backend, arg_sets, iters)
-                 if key.pass_ == "bwd" and backend != "xla" else ForwardKernels())
+    self.skip = (forward_kernels(key, backend, arg_sets)
+                 if key.pass_ == "bwd" and backend != "xla" else ())
     self.timer, self.iters, self.workers, self.log = timer, iters, workers, log
     self.times: dict = {}
     self.exes: dict = {}
@@ -656,8 +636,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     device: the DeviceInfo (default: ``config.device_info()``).
     backends: the backends to try (each where it serves the key).
     timer: ``timer(candidate, executable, arg_sets, iters, skip) -> us or None`` (skip:
-      a ``ForwardKernels``, what a "bwd" key's time leaves out); default the CUPTI
-      kernel time (a GPU); tests inject a deterministic one.
+      the names of the forward's kernels, one of each left out of a "bwd" key's time);
+      default the CUPTI kernel time (a GPU); tests inject a deterministic one.
     iters: timed calls a candidate (the median is kept).
     workers: threads that compile candidates (default: the CPU count on a GPU, else 1).
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must

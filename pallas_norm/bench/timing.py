@@ -256,8 +256,8 @@ def version(dist: str) -> str | None:
 def git_commit(short: bool = False, cwd=None) -> str:
   """$PALLAS_NORM_GIT_COMMIT, else ``git rev-parse HEAD`` of this checkout (or of the one
   at ``cwd``; ``short``: 7 hex digits) with "-dirty" appended where a tracked file
-  differs from it, else "unknown". (The GPU machine gets a copy of the working tree whose git metadata can lag
-  it: results then read an older commit, "-dirty".)"""
+  differs from it, else "unknown". (The GPU machine gets a copy of the working tree
+  whose git metadata can lag it: results then read an older commit, "-dirty".)"""
   env = os.environ.get("PALLAS_NORM_GIT_COMMIT")
   if env:
     return env
