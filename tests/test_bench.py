@@ -216,8 +216,9 @@ def test_run_orchestration_on_cpu(tmp_path, monkeypatch, capsys):
 def test_rounds_alternate_implementations(tmp_path, monkeypatch):
   """--rounds: a cell's implementations all compile and pass --check first, then are timed
   round by round in turn (xla, flax, xla, flax, ...); a row's us is the median of all its
-  rounds' calls, rounds_us each round's median, the kernels the first round's. The timer
-  is faked (no CUPTI on CPU): call k returns k us for each of its calls."""
+  rounds' calls, rounds_us each round's median, the kernels the first round's, after one
+  untimed round (xla, flax). The timer is faked (no CUPTI on CPU): call k returns k us
+  for each of its calls."""
   monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
   monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
   steps = []
@@ -236,19 +237,19 @@ def test_rounds_alternate_implementations(tmp_path, monkeypatch):
   args = _args("--shapes", "16x256", "--ops", "rms", "--passes", "fwd,fwdbwd", "--impls",
                "xla,flax", "--iters", "2", "--rounds", "3", "--check", "--out", str(out))
   assert run.run_plan(args, bench.build_plan(args)) == 0
-  assert len(steps) == 12  # 2 cells x 2 implementations x 3 rounds
-  for cell in (steps[:6], steps[6:]):
-    assert cell[0] is cell[2] is cell[4] and cell[1] is cell[3] is cell[5]
+  assert len(steps) == 16  # 2 cells x 2 implementations x (1 untimed + 3 rounds)
+  for cell in (steps[:8], steps[8:]):
+    assert cell[0] is cell[2] is cell[4] is cell[6] and cell[1] is cell[3] is cell[5]
     assert cell[0] is not cell[1]
   doc = json.loads(out.read_text())
   by = {(r["impl"], r["pass"]): r for r in doc["rows"]}
   assert [by[("xla", "fwd")][k] for k in ("status", "us", "rounds_us", "kernels")] == [
-      "ok", 3.0, [1.0, 3.0, 5.0], ["k1"]]
+      "ok", 5.0, [3.0, 5.0, 7.0], ["k3"]]
   assert [by[("flax", "fwdbwd")][k] for k in ("us", "rounds_us", "kernels")] == [
-      10.0, [8.0, 10.0, 12.0], ["k8"]]
+      14.0, [12.0, 14.0, 16.0], ["k12"]]
   assert all(r["check"] == "ok" for r in doc["rows"])
   assert doc["meta"]["rounds"] == 3 and "3 rounds of 2 calls" in doc["meta"]["method"]
-  assert "1.000;3.000;5.000" in out.with_suffix(".csv").read_text()
+  assert "3.000;5.000;7.000" in out.with_suffix(".csv").read_text()
   with pytest.raises(SystemExit):
     cli.main(["--rounds", "0", "--dry-run"])
 

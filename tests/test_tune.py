@@ -122,6 +122,36 @@ def test_tune_searches_from_the_fastest_defaults_only(tmp_path):
   assert fwd["multi_wave_cached"].fields["num_warps"] == default.num_warps != 2
 
 
+@pytest.mark.parametrize("start_times,kept", [((1.248, 1.216), True), ((1.3,), False)])
+def test_confirm_keeps_the_start_within_a_timer_step(tmp_path, start_times, kept):
+  """A finalist replaces the start only with every confirm time below the start's
+  least. CUPTI's times move in 32 ns steps: a start at 1.216/1.248 us against a
+  finalist at 1.216 has medians 1.3% apart, one step of noise (the 8x4096 entry that
+  was 9% slower at 8x2048, H200 2026-11-29); a start at 1.3 loses."""
+  key = tune.keys_for([(8, 128)], ("rms",), ("fwd",))[0]
+  mode = "multi_wave_reload"
+  start = tune._default(key, "pallas", mode, CPU).config
+  calls = []
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    if cand.config != start:
+      return 1.216
+    calls.append(1)
+    return start_times[(len(calls) - 1) % len(start_times)]
+  path = tune.run([key], out=tmp_path / "cpu.json", device=CPU, backends=("pallas",),
+                  timer=timer, progress=False, rounds=1, search_top=3,
+                  log=lambda *a: None)
+  (e,) = [e for e in tuning.Table.load(path).groups["fwd", "rms", "bfloat16", "bfloat16"]
+          if e.mode == mode]
+  assert len(calls) > 1  # the start was confirmed
+  if kept:
+    assert tune._candidate(key, "pallas", mode, e.fields, CPU).config == start
+    assert e.us == 1.232  # the start's median
+  else:
+    assert tune._candidate(key, "pallas", mode, e.fields, CPU).config != start
+    assert e.us == 1.216
+
+
 def test_tune_budget_stops_before_a_key(tmp_path):
   calls = []
   path = _run(tmp_path, tune.keys_for([(8, 128)], ("rms",), ("fwd",)), calls, budget_s=0)
