@@ -620,10 +620,25 @@ def _git_commit() -> str:
   return timing.git_commit(short=True)
 
 
-def _read(path: pathlib.Path) -> list[tuning.Entry]:
+def _read(path: pathlib.Path) -> tuple[list[tuning.Entry], dict]:
+  """The table's entries and its meta ([], {} where there is no file)."""
   if not path.exists():
-    return []
-  return list(tuning.Table.load(path).entries())
+    return [], {}
+  t = tuning.Table.load(path)
+  return list(t.entries()), t.meta
+
+
+_RUN_FIELDS = ("made_by", "commit", "date", "jax")
+
+
+def _runs(old: dict, meta: dict, tuned: int) -> list[dict]:
+  """The table's run history (meta "runs"): the old table's, then this run with the
+  keys it tuned. A table from before the history was kept gives its own meta's run
+  first (the last command that wrote it)."""
+  runs = list(old.get("runs") or ())
+  if old and not runs and old.get("made_by"):
+    runs.append({k: old.get(k) for k in _RUN_FIELDS} | {"keys": None})
+  return runs + [{k: meta[k] for k in _RUN_FIELDS} | {"keys": tuned}]
 
 
 def _write(path: pathlib.Path, entries, meta: dict) -> None:
@@ -669,7 +684,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
   device = device or C.device_info()
   warnings.filterwarnings("ignore", "pallas_norm: no tuned table")
   path = pathlib.Path(out) if out else tuning.user_path(device.name)
-  entries = _read(path)
+  entries, old_meta = _read(path)
   done = {(e.key.group, e.key.n, e.key.m) for e in entries}
   if workers is None:
     workers = (os.cpu_count() or 1) if device.platform == "gpu" else 1
@@ -682,6 +697,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     bar = tqdm(total=len(todo), desc="tune", unit="key", file=sys.stderr)
   log = log or (bar.write if bar is not None else print)
   t0 = time.perf_counter()
+  run_meta = meta
   for i, key in enumerate(todo):
     if budget_s is not None and time.perf_counter() - t0 > budget_s:
       log(f"budget of {budget_s:.0f} s spent: {len(todo) - i} keys left (run the same "
@@ -695,7 +711,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
                    confirm_rounds=confirm_rounds, log=log)
     entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
                (key.group, key.n, key.m)] + new
-    _write(path, entries, meta)
+    run_meta = dict(meta, runs=_runs(old_meta, meta, i + 1))
+    _write(path, entries, run_meta)
     for e in new:
       log(f"  -> {e.backend}/{e.mode or '-'} {e.us} us (default {e.default_us} us)")
     log(f"  ({time.perf_counter() - tk:.1f} s)")
@@ -706,7 +723,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
   if bar is not None:
     bar.close()
   if not path.exists():
-    _write(path, entries, meta)
+    _write(path, entries, run_meta)
   return path
 
 

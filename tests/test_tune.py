@@ -110,6 +110,28 @@ def test_tune_is_deterministic_and_resumes(tmp_path):
   assert second == first
 
 
+def test_table_keeps_its_run_history(tmp_path):
+  """meta["runs"]: every run that tuned keys (command, commit, date, jax, keys tuned),
+  oldest first; a table written before the history gives its own last command first;
+  a run that tunes nothing (resumed) adds none."""
+  a, b = (tune.keys_for([(8, n)], ("rms",), ("fwd",)) for n in (128, 256))
+  path = tmp_path / "cpu.json"
+  _run(tmp_path, a, [], argv=["--shapes", "8x128"])
+  doc = json.loads(path.read_text())
+  doc.pop("runs")  # as a table from before the history
+  doc["made_by"] = "python -m pallas_norm.tune --old"
+  path.write_text(json.dumps(doc))
+  _run(tmp_path, b, [], argv=["--shapes", "8x256"])
+  _run(tmp_path, b, [], argv=["--shapes", "8x256", "--again"])  # resumed: nothing tuned
+  doc = json.loads(path.read_text())
+  assert [(r["made_by"], r["keys"]) for r in doc["runs"]] == [
+      ("python -m pallas_norm.tune --old", None),
+      ("python -m pallas_norm.tune --shapes 8x256", 1)]
+  assert doc["made_by"] == "python -m pallas_norm.tune --shapes 8x256"
+  assert all(set(r) == {"made_by", "commit", "date", "jax", "keys"} for r in doc["runs"])
+  assert len(tuning.Table.load(path).groups["fwd", "rms", "bfloat16", "bfloat16"]) == 6
+
+
 def test_tune_searches_from_the_fastest_defaults_only(tmp_path):
   """search_top=1: only the fastest default's (backend, mode) is searched; the other
   modes' entries are their defaults."""

@@ -159,8 +159,8 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-  """A loaded table: ``meta`` (device kind, SM count, the command, commit, date) and
-  its entries grouped by ``Key.group``."""
+  """A loaded table: ``meta`` (device kind, SM count, the last command, commit, date,
+  and "runs": every run's, ``tune._runs``) and its entries grouped by ``Key.group``."""
 
   path: str
   meta: dict
