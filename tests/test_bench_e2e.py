@@ -60,6 +60,27 @@ def test_classify_and_norm_fusions():
   assert bench_e2e.classify("cudnn_generated_fort_native_sdpa", names) == "attention"
 
 
+def test_breakdown_counts_launches(monkeypatch):
+  """The breakdown of one step from a faked CUPTI profile (no CUPTI on CPU): time by
+  category (median of the iterations), the launches of one step by category."""
+  from pallas_norm.bench import timing
+  step_kernels = [("pallas_norm_fwd_cached", 0.002), ("sm90_xmma_gemm_bf16", 0.010),
+                  ("pallas_norm_fwd_cached", 0.003), ("loop_add_fusion_3", 0.001),
+                  ("input_concatenate_fusion", 0.004)]
+
+  class Profiler:
+    @staticmethod
+    def measure(fn, aggregate, iterations):
+      return lambda: (None, [list(step_kernels) for _ in range(iterations)])
+  monkeypatch.setattr(timing, "profiler", lambda: Profiler)
+  hlo = '  %loop_add_fusion.3 = bf16[4] fusion(%a), metadata={op_name="x/pn_norm/add"}'
+  b = bench_e2e._breakdown(lambda *a: None, (), hlo)
+  assert b["launches"] == {"norm": 3, "gemm": 1, "attention": 0, "other": 1, "total": 5}
+  assert b["norm"] == pytest.approx(6.0) and b["gemm"] == pytest.approx(10.0)
+  assert b["norm_kernels"] == ["loop_add_fusion_3", "pallas_norm_fwd_cached"]
+  assert b["other_top"] == [["input_concatenate_fusion", 4.0]]
+
+
 def test_smoke_run_on_cpu(tmp_path):
   """The Qwen3 and Gemma styles train a few toy steps with flax's norms and with the fused
   residual (the drop-in variant is the same layers without ``residual=``, covered by the

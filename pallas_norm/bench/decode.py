@@ -372,10 +372,10 @@ def _cell(b: dict, k: str) -> str:
 def format_table(rows: list[dict], meta: dict) -> str:
   w = max([11] + [len(r["config"]) for r in rows])
   lines = [f"{meta['device']}  {meta['date']}  commit {str(meta['git_commit'])[:10]}  "
-           f"(step: median wall us; CUPTI us of one step by category)",
+           f"(step: median wall us; CUPTI us of one step by category; kernels: launched a step)",
            f"{'config':<{w}} {'B':>4} {'variant':<17} {'step us':>8} {'p10':>8} {'p90':>8} "
            f"{'speedup':>7} {'paired':>7} {'norm us':>8} {'gemm us':>8} {'attn us':>8} "
-           f"{'other us':>8} {'wt GB/s':>7} {'max|dy|':>7}"]
+           f"{'other us':>8} {'kernels':>7} {'wt GB/s':>7} {'max|dy|':>7}"]
   for r in rows:
     b = r.get("breakdown", {})
     sp = (f"{r['speedup']:7.3f} {r['speedup_paired']:7.3f}" if r.get("speedup")
@@ -384,6 +384,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
     lines.append(f"{r['config']:<{w}} {r['batch']:>4} {r['variant']:<17} {r['us']:8.1f} "
                  f"{r['us_p10']:8.1f} {r['us_p90']:8.1f} {sp} "
                  + " ".join(_cell(b, k) for k in ("norm", "gemm", "attention", "other"))
+                 + f" {b.get('launches', {}).get('total', '-'):>7}"
                  + f" {r['weight_gbs']:7.0f} {diff}")
   return "\n".join(lines)
 

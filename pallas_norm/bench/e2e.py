@@ -397,9 +397,10 @@ _OTHER_TOP = 12  # the breakdown's "other_top": that many [kernel, us], the long
 
 
 def _breakdown(step, args, hlo_text: str) -> dict:
-  """CUPTI kernel time of one step by category (us), the norm kernels' names, and the
+  """CUPTI kernel time of one step by category (us), the norm kernels' names, the
   longest "other" kernels (``other_top``: [name, us] summed over a name's launches in one
-  step)."""
+  step), and ``launches``: the kernels launched in one step by category and in all (a
+  host-bound step's wall time follows its launches more than its kernel time)."""
   from pallas_norm.bench import timing
   norm_names = norm_fusions(hlo_text)
   rot = timing.rotating_step(step, [args])
@@ -421,6 +422,10 @@ def _breakdown(step, args, hlo_text: str) -> dict:
       other[kname] = other.get(kname, 0.0) + ms * 1e3
   out["other_top"] = sorted(([k, round(v, 1)] for k, v in other.items()),
                             key=lambda kv: -kv[1])[:_OTHER_TOP]
+  launches = dict.fromkeys(per_cat[0], 0)
+  for kname, _ in calls[0]:
+    launches[classify(kname, norm_names)] += 1
+  out["launches"] = dict(launches, total=len(calls[0]))
   return out
 
 
