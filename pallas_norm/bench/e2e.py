@@ -417,14 +417,14 @@ def _breakdown(step, args, hlo_text: str) -> dict:
   out["total"] = float(np.median([sum(c.values()) for c in per_cat]))
   out["norm_kernels"] = sorted({k for k, _ in calls[0] if classify(k, norm_names) == "norm"})
   other: dict[str, float] = {}  # the "other" kernels of the first call, by name
+  launches = dict.fromkeys(per_cat[0], 0)
   for kname, ms in calls[0]:
-    if classify(kname, norm_names) == "other":
+    cat = classify(kname, norm_names)
+    launches[cat] += 1
+    if cat == "other":
       other[kname] = other.get(kname, 0.0) + ms * 1e3
   out["other_top"] = sorted(([k, round(v, 1)] for k, v in other.items()),
                             key=lambda kv: -kv[1])[:_OTHER_TOP]
-  launches = dict.fromkeys(per_cat[0], 0)
-  for kname, _ in calls[0]:
-    launches[classify(kname, norm_names)] += 1
   out["launches"] = dict(launches, total=len(calls[0]))
   return out
 

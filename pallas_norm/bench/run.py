@@ -179,12 +179,7 @@ def _time_rounds(pending: list, args, copy_gbs) -> None:
   calls: list[list[float]] = [[] for _ in pending]
   medians: list[list[float]] = [[] for _ in pending]
   result: list[dict | None] = [None] * len(pending)
-  for _, step, arg_sets in pending:
-    try:
-      timing.cupti_time(step, arg_sets, args.iters, per_call=True)
-    except Exception:  # noqa: BLE001, S110 - the timed rounds report it
-      pass
-  for _ in range(args.rounds):
+  for r in range(args.rounds + 1):  # round 0 untimed
     for i, (_, step, arg_sets) in enumerate(pending):
       if result[i] is not None and "us" not in result[i]:
         continue  # n/a or an error once: no more rounds
@@ -193,9 +188,10 @@ def _time_rounds(pending: list, args, copy_gbs) -> None:
       except Exception as e:  # noqa: BLE001 - one failure must not stop the run
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         t = {"status": "error", "reason": msg[:2000]}
-      if result[i] is None or "us" not in t:
+      if "us" not in t:
         result[i] = t
-      if "us" in t:
+      elif r > 0:
+        result[i] = result[i] or t
         calls[i] += t["per_call_us"]
         medians[i].append(t["us"])
   for i, (row, _, _) in enumerate(pending):
