@@ -193,21 +193,53 @@ class RMSNorm(_Norm):
       ``{"sharding": ("model",)}`` under a mesh).
   """
 
-  def __call__(self, x, residual=None, *, mask=None):
+  def __call__(self, x, residual=None, *, mask=None, post_norm=None):
     """Normalises ``x: [..., num_features]``; returns the same shape.
 
     With ``residual`` (x's shape), the fused residual add of a pre-norm block: returns
     ``(y, h)``, h = x + residual (in ``residual_dtype``) and y = the norm of h
     (``pallas_norm.rms_norm(..., residual=)``). ``mask`` (flax's) is not supported:
     anything but None raises NotImplementedError.
+
+    ``post_norm`` (with a residual): another ``RMSNorm`` of the same configuration
+    (epsilon, dtype, param_dtype, scale_offset, cast, backend, mode, axes, promote_dtype)
+    applied to x first: ``layer(x, h, post_norm=post)`` returns what ``layer(post(x),
+    h)`` returns, Gemma 2/3's post-norm, residual add and pre-norm in one kernel
+    (``pallas_norm.rms_norm(..., post_norm_scale=)``); post's scale gets its gradient.
+    ValueError for a post_norm without a residual, not an RMSNorm, without a scale, or
+    configured otherwise.
     """
     scale = None if self.scale is None else self.scale[...]
-    x, scale, param_cast = self._inputs(x, residual, mask, scale)
+    if post_norm is None:
+      x, scale, param_cast = self._inputs(x, residual, mask, scale)
+      extra = {}
+    else:
+      self._check_post_norm(post_norm, residual)
+      x, scale, post_scale, param_cast = self._inputs(x, residual, mask, scale,
+                                                      post_norm.scale[...])
+      extra = dict(post_norm_scale=post_scale)
     return _ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                          param_cast=param_cast,
                          scale_offset=float(self.scale_offset), mode=self.mode,
                          backend=self.backend, axis_name=self.axis_name,
-                         axis_index_groups=self.axis_index_groups, **_residual(self, residual))
+                         axis_index_groups=self.axis_index_groups, **_residual(self, residual),
+                         **extra)
+
+  _POST_NORM_FIELDS = ("num_features", "epsilon", "dtype", "param_dtype", "scale_offset",
+                       "cast", "backend", "mode", "reduction_axes", "feature_axes",
+                       "axis_name", "axis_index_groups", "promote_dtype")
+
+  def _check_post_norm(self, post_norm, residual) -> None:
+    if residual is None:
+      raise ValueError("post_norm normalises x before the residual add: pass a residual")
+    if not isinstance(post_norm, RMSNorm) or post_norm.scale is None:
+      raise ValueError(f"post_norm must be a pallas_norm.RMSNorm with a scale, got "
+                       f"{type(post_norm).__name__}"
+                       + (" without a scale" if isinstance(post_norm, RMSNorm) else ""))
+    diff = [f for f in self._POST_NORM_FIELDS if getattr(post_norm, f) != getattr(self, f)]
+    if diff:
+      raise ValueError(f"post_norm must be configured as this layer (one kernel runs "
+                       f"both norms); it differs in {diff}")
 
 
 class LayerNorm(_Norm):

@@ -67,6 +67,9 @@ class _Static:
   tables: tuple = ()
   # param_cast: the dtype name the Pallas kernels round scale/bias to as they load them
   param_cast: str | None = None
+  # post_norm_scale= (RMSNorm with a residual): the forward launchers take the post-norm's
+  # scale in bias's place (spmd lays it out as scale; RMSNorm has no bias)
+  post_norm: bool = False
 
 
 # --------------------------------------------------------------------------- checks
@@ -245,6 +248,27 @@ def _check_cast(op: str, cast: str, scale, scale_offset) -> float:
   return scale_offset
 
 
+def _check_post_norm(op: str, x, post_norm_scale, residual, cast) -> None:
+  """post_norm_scale's errors: it needs a residual, a float x, cast "torch" or "gemma",
+  and a float [N] array."""
+  if residual is None:
+    raise ValueError(f"{op}: post_norm_scale normalises x before the residual add: it "
+                     f"needs a residual")
+  if cast == "llama":
+    raise ValueError(f"{op}: post_norm_scale is for cast='torch' or 'gemma', not "
+                     f"cast='llama'")
+  if jnp.result_type(x) in [jnp.dtype(d) for d in _FP8_DTYPES]:
+    raise ValueError(f"{op}: post_norm_scale needs a float x, not x.dtype={jnp.result_type(x)}")
+  _check_array(op, "post_norm_scale", post_norm_scale)
+  if jnp.result_type(post_norm_scale) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{op}: post_norm_scale.dtype={jnp.result_type(post_norm_scale)} must be "
+                    f"float32, bfloat16 or float16")
+  n = jnp.shape(x)[-1]
+  if tuple(jnp.shape(post_norm_scale)) != (n,):
+    raise ValueError(f"{op}: post_norm_scale.shape={tuple(jnp.shape(post_norm_scale))} must "
+                     f"be ({n},) to match x.shape[-1] (x.shape={tuple(jnp.shape(x))})")
+
+
 def _check_mosaic(op: str, mode, out_dtype) -> None:
   """NotImplementedError for what backend="mosaic" does not serve yet (before any
   kernel runs). Its kernels' own limits (N a multiple of 128, shared memory) are
@@ -348,6 +372,8 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   fused add, normalising h = x2 + residual (h in ``st.residual_dtype``). ``x_scale``
   ([M, N // G] f32 or None): FP8 x2's scales, y in ``st.out_dtype``.
   """
+  if st.post_norm:
+    return _post_norm_forward(x2, scale, bias, st, return_residuals, combine_stats, residual)
   m, n = x2.shape
   backend = _auto_backend("fwd", x2, scale, bias, st,
                           fused=combine_stats is not None or x_scale is not None,
@@ -379,6 +405,48 @@ def _forward(x2, scale, bias, st: _Static, return_residuals: bool = True,
   with _params_cast_to(st):
     return _forward_launch(fwd, x2, scale, bias, st, cfg, return_residuals, combine_stats,
                            residual, res, fp8, y_dtype)
+
+
+def _post_norm_statics(st: _Static) -> tuple[_Static, _Static]:
+  """(the post-norm's statics, the residual norm's) of a ``post_norm_scale=`` call."""
+  res = dataclasses.replace(st, post_norm=False)
+  return dataclasses.replace(res, residual_dtype=None, x_dtype=None,
+                             residual_in_dtype=None), res
+
+
+def _post_norm_forward(x2, scale, post_scale, st: _Static, return_residuals, combine_stats,
+                       residual):
+  """``post_norm_scale=``'s forward on [M, N] rows: h = residual + rms_norm(x2,
+  post_scale) (rounded to x's dtype), y = rms_norm(h, scale); (y, None, rstd | None, h).
+
+  One kernel (forward.norm_forward's ``post_norm_scale``) where the Pallas backend serves
+  the residual norm, nothing else is fused, no residuals are wanted (outside jax.vjp)
+  and the cached mode's config holds a row in one program (the tables' or the default's
+  ``multi_wave_cached`` config for the residual norm, its column splits dropped: the
+  post-norm needs the whole row); else the post-norm and the residual norm launched one
+  after the other (the same values)."""
+  m, n = x2.shape
+  post, res = _post_norm_statics(st)
+  if combine_stats is None and not return_residuals and st.mode in (None, "multi_wave_cached"):
+    backend = _auto_backend("fwd", x2, scale, None, res, fused=False, residual=True,
+                            return_residuals=False)
+    params = [p.dtype for p in (scale, post_scale) if p is not None]
+    if st.param_cast is not None:
+      params = [jnp.dtype(st.param_cast)] * len(params)
+    cfg = _config.forward_config(m, n, x2.dtype, "multi_wave_cached", backend="pallas",
+                                 residual=True, param_dtype=params[0],
+                                 return_residuals=False)
+    cfg = dataclasses.replace(cfg, column_splits=1)
+    from pallas_norm.kernels import forward
+    if backend == "pallas" and forward.post_norm_fits(cfg, n):
+      with _params_cast_to(st):
+        y, _, _, h = forward.norm_forward(
+            x2, scale, None, eps=st.eps, scale_offset=st.scale_offset, subtract_mean=False,
+            config=cfg, interpret=st.interpret, return_residuals=False, residual=residual,
+            residual_dtype=jnp.dtype(st.residual_dtype), post_norm_scale=post_scale)
+      return y, None, None, h
+  y1 = _forward(x2, post_scale, None, post, False, combine_stats)[0]
+  return _forward(y1, scale, None, res, return_residuals, combine_stats, residual)
 
 
 def _params_cast_to(st: _Static):
@@ -653,10 +721,40 @@ def _norm_res_nd_bwd(st: _Static, res, cts):
 
 
 _norm_res_nd.defvjp(_norm_res_nd_fwd, _norm_res_nd_bwd)
+
+
+# The post-norm before the fused residual add (post_norm_scale=): (y, h) =
+# (rms_norm(h, scale), h) with h = residual + rms_norm(x, post_norm_scale). The primal is
+# one kernel where it can be (_post_norm_forward); under jax.vjp the forward is the two
+# ops' forwards and the backward their backwards (the residual norm's, then the
+# post-norm's): the same kernels, saves and determinism as the two calls.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _post_norm_res_nd(x, residual, scale, post_scale, st: _Static):
+  y, _, _, h = spmd.forward(_forward, x, scale, post_scale, st, False, residual)
+  return y, h
+
+
+def _post_norm_res_nd_fwd(x, residual, scale, post_scale, st: _Static):
+  post, res = _post_norm_statics(st)
+  y1, saved1 = _norm_nd_fwd(x, None, post_scale, None, post)
+  (y, h), saved2 = _norm_res_nd_fwd(y1, residual, scale, None, res)
+  return (y, h), (saved1, saved2)
+
+
+def _post_norm_res_nd_bwd(st: _Static, saved, cts):
+  post, res = _post_norm_statics(st)
+  saved1, saved2 = saved
+  dy1, dres, dscale, _ = _norm_res_nd_bwd(res, saved2, cts)
+  dx, _, dpost, _ = _norm_nd_bwd(post, saved1, dy1)
+  return dx, dres, dscale, dpost
+
+
+_post_norm_res_nd.defvjp(_post_norm_res_nd_fwd, _post_norm_res_nd_bwd)
 # Jitted, so that an eager call on sharded arrays is partitioned as it is under the
 # caller's jit (custom_partitioning runs its rule only when XLA compiles it).
 _norm_nd_jit = jax.jit(_norm_nd, static_argnums=(4,))
 _norm_res_nd_jit = jax.jit(_norm_res_nd, static_argnums=(4,))
+_post_norm_res_nd_jit = jax.jit(_post_norm_res_nd, static_argnums=(4,))
 
 
 def _axis_groups(axis_name, axis_index_groups):
@@ -720,9 +818,17 @@ def _check_concrete_shape(op: str, x, backend) -> None:
 
 def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend, interpret,
           axis_name, axis_index_groups, residual=None, residual_dtype=None, cast="torch",
-          x_scale=None, group_size=16, out_dtype=None, param_cast=None):
+          x_scale=None, group_size=16, out_dtype=None, param_cast=None,
+          post_norm_scale=None):
   _check_args(op, x, scale, bias, eps, mode, backend, allow_fp8=True)
-  scale, bias, param_cast = _param_cast(op, scale, bias, param_cast, backend, x_scale, cast)
+  if post_norm_scale is not None:
+    _check_post_norm(op, x, post_norm_scale, residual, cast)
+    # the post-norm's scale travels in bias's place (RMSNorm has none): cast alike
+    scale, post_norm_scale, param_cast = _param_cast(op, scale, post_norm_scale, param_cast,
+                                                     backend, x_scale, cast)
+  else:
+    scale, bias, param_cast = _param_cast(op, scale, bias, param_cast, backend, x_scale,
+                                          cast)
   scale_offset = _check_cast(op, cast, scale, scale_offset)
   res_in_dtype, h_dtype = _check_residual(op, x, residual, residual_dtype)
   out_dtype = _check_fp8(op, x, x_scale, group_size, out_dtype, cast, residual)
@@ -738,6 +844,10 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, False,
                  names, groups, out_dtype=out_dtype)
     return _xla_fp8(x, x_scale, scale, bias, st)
+  if backend == "xla" and post_norm_scale is not None:  # the post-norm, then the rest
+    x = reference.norm(x, post_norm_scale, None, eps=eps, scale_offset=scale_offset,
+                       subtract_mean=False, axis_name=names,
+                       axis_index_groups=groups)[0].astype(x.dtype)
   if backend == "xla":
     y, _, _, h = _xla_forward(x, residual, scale, bias, eps=eps, scale_offset=scale_offset,
                               subtract_mean=subtract_mean, names=names, groups=groups,
@@ -756,8 +866,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
     return y, (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(h_dtype)
   # inside a shard_map with check_vma=True: one set of varying axes for the kernels'
   # operands (a replicated scale's cotangent is then psummed by JAX's transpose)
-  axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias)
-                             if a is not None))
+  axes = frozenset().union(*(varying_axes(a) for a in (x, x_scale, residual, scale, bias,
+                                                      post_norm_scale) if a is not None))
   interpret = _resolve_interpret(interpret, op)
   # backend=None in interpret mode (CPU): the Pallas backend, or a table's "xla"
   if axes and interpret and backend in ("pallas", None):
@@ -773,8 +883,8 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
         f"several devices (under custom_partitioning it cannot lower its callbacks; "
         f"under shard_map the backward's barriers collide across devices). Run it on "
         f"one device, on a GPU (interpret=False), or use backend='pallas'")
-  x, x_scale, residual, scale, bias = (to_varying(a, axes)
-                                       for a in (x, x_scale, residual, scale, bias))
+  x, x_scale, residual, scale, bias, post_norm_scale = (
+      to_varying(a, axes) for a in (x, x_scale, residual, scale, bias, post_norm_scale))
   tables = _tuning.context()
   if residual is None:
     st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
@@ -786,7 +896,12 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
     return _norm_nd_jit(x, x_scale, scale, bias, st)
   st = _Static(float(eps), float(scale_offset), subtract_mean, mode, backend, interpret,
                names, groups, h_dtype, x.dtype.name, res_in_dtype, llama, tables=tables,
-               param_cast=param_cast)
+               param_cast=param_cast, post_norm=post_norm_scale is not None)
+  if post_norm_scale is not None:
+    lead = x.ndim == 1
+    y, h = _post_norm_res_nd_jit(x[None] if lead else x, residual[None] if lead else residual,
+                                 scale, post_norm_scale, st)
+    return (y[0], h[0]) if lead else (y, h)
   if x.ndim == 1:
     y, h = _norm_res_nd_jit(x[None], residual[None], scale, bias, st)
     return y[0], h[0]
@@ -797,9 +912,9 @@ def _norm(op, x, scale, bias, *, eps, scale_offset, subtract_mean, mode, backend
 
 
 def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, residual=None,
-             residual_dtype=None, eps=None, scale_offset=0.0, cast="torch", mode=None,
-             backend="pallas", interpret=None, axis_name=None, axis_index_groups=None,
-             param_cast=None):
+             residual_dtype=None, post_norm_scale=None, eps=None, scale_offset=0.0,
+             cast="torch", mode=None, backend="pallas", interpret=None, axis_name=None,
+             axis_index_groups=None, param_cast=None):
   """Root-mean-square normalisation over the last axis (Zhang & Sennrich, 2019,
   https://arxiv.org/abs/1910.07467). Matches ``torch.nn.functional.rms_norm``.
 
@@ -832,6 +947,15 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       Every backend.
     residual_dtype: h's dtype (default: residual's); ``jnp.float32`` keeps an fp32
       residual stream (flash-attention's ``residual_in_fp32``).
+    post_norm_scale: None, or an [N] float array, with a residual: x is first
+      RMS-normalised with it (the same eps, scale_offset and cast) and rounded to x's
+      dtype, then added: ``h = residual + rms_norm(x, post_norm_scale)``, ``y =
+      rms_norm(h, scale)``. Gemma 2/3's post-norm of a sublayer's output, residual add
+      and next pre-norm (flax Gemma's ``post_attention_norm`` then ``pre_ffw_norm``;
+      HF ``Gemma3DecoderLayer``), the same values as the two calls. Outside ``jax.vjp``
+      one kernel reads x and the residual once (Pallas backend, the row in one program);
+      under it, and elsewhere, the two ops' kernels (the same backward). Differentiable
+      in post_norm_scale too. No FP8 x, no cast="llama".
     eps: added to the mean square; None means ``jnp.finfo(jnp.float32).eps``, as torch
       does for fp16/bf16/fp32 inputs.
     scale_offset: y = x_hat * (scale_offset + scale); 1.0 gives Gemma's zero-centred gamma.
@@ -880,7 +1004,9 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       than x's (or a residual_dtype without a residual), an unknown cast, cast="gemma"
       without a scale or with a scale_offset other than 0 or 1, cast="llama" with a
       scale_offset, eps < 0 or not finite, a scale_offset that is not finite or is not
-      0 without a scale; FP8 x without x_scale, with a residual or with cast="llama",
+      0 without a scale; a post_norm_scale without a residual, with cast="llama" or
+      FP8 x, or of a shape other than (N,); FP8 x without x_scale, with a residual or
+      with cast="llama",
       x_scale, out_dtype or a group_size other than 16 with a float x, a group_size not one
       of the above or does not divide N, an x_scale shape other than
       ``x.shape[:-1] + (N // group_size,)``; an unknown
@@ -890,8 +1016,8 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
       unevenly over a mesh axis (before any kernel: at trace time on an Explicit mesh;
       on an Auto mesh XLA's compilation reports it as a jax.errors.JaxRuntimeError
       carrying the same message).
-    TypeError: x, scale, bias, residual or x_scale not an array (a list, a Python
-      number); integer or complex x, scale or residual, an FP8 x other than
+    TypeError: x, scale, residual, post_norm_scale or x_scale not an array (a list, a
+      Python number); integer or complex x, scale, residual or post_norm_scale, an FP8 x other than
       float8_e4m3fn / float8_e5m2; a residual_dtype or out_dtype that is not float32,
       bfloat16 or float16, or scale/bias in another dtype (FP8 included); an x_scale
       that is not float32; a group_size not an int; an eps or scale_offset that is not a
@@ -913,7 +1039,7 @@ def rms_norm(x, scale=None, *, x_scale=None, group_size=16, out_dtype=None, resi
                axis_name=axis_name, axis_index_groups=axis_index_groups,
                residual=residual, residual_dtype=residual_dtype, cast=cast,
                x_scale=x_scale, group_size=group_size, out_dtype=out_dtype,
-               param_cast=param_cast)
+               param_cast=param_cast, post_norm_scale=post_norm_scale)
 
 
 def layer_norm(x, scale=None, bias=None, *, x_scale=None, group_size=16, out_dtype=None,

@@ -8,9 +8,10 @@ with each norm variant, in one process, the variants alternated round by round:
                      ``h = h + delta`` before each norm;
   pallas_norm        ``pallas_norm.RMSNorm`` as a drop-in, the same code;
   pallas_norm_fused  pallas_norm with its fusions: the residual add,
-                     ``y, h = norm(delta, residual=h)``, and the QK-norm read from the
-                     packed projection in place (``pallas_norm.qk_norm``, Qwen3 and
-                     Gemma; no slice copies).
+                     ``y, h = norm(delta, residual=h)`` (Gemma: with the post-norm of
+                     delta in the same kernel, ``post_norm=``), and the QK-norm read
+                     from the packed projection in place (``pallas_norm.qk_norm``,
+                     Qwen3 and Gemma; no slice copies).
 
 The norm layers are those of the train-step bench (``e2e._norm_cls``). The step is
 ``step(params, cache, x) -> y``: x [B, d] bf16 through ``layers`` blocks of
@@ -194,9 +195,11 @@ def _model_cls():
           else jax.nn.silu
       return self.w_down(act(self.w_gate(y)) * self.w_up(y))
 
-    def __call__(self, delta, h, kv):
-      """(delta, h) -> (delta, h): h the residual stream, delta the last sublayer's
-      output not yet added (None before the first block)."""
+    def __call__(self, delta, h, kv, pending=None):
+      """(delta, h, pending) -> (delta, h, pending): h the residual stream, delta the
+      last sublayer's output not yet added (None before the first block), pending the
+      post-norm still to apply to it (the fused variant's Gemma post-norms, run in the
+      next norm's kernel: ``norm(delta, residual=h, post_norm=pending)``)."""
       subs = ((self.attn_norm, self.post_attn_norm, lambda y: self.attention(y, kv)),
               (self.mlp_norm, self.post_mlp_norm, self.mlp))
       for norm, post, sub in subs:
@@ -204,15 +207,17 @@ def _model_cls():
           if delta is None:
             y = norm(h)
           elif self.fused:
-            y, h = norm(delta, residual=h)
+            y, h = norm(delta, residual=h, post_norm=pending)
           else:
             h = h + delta
             y = norm(h)
-        delta = sub(y)
-        if post is not None:
+        delta, pending = sub(y), None
+        if post is not None and self.fused:
+          pending = post
+        elif post is not None:
           with jax.named_scope("pn_norm"):
             delta = post(delta)
-      return delta, h
+      return delta, h, pending
 
   class Decoder(nnx.Module):
     def __init__(self, cfg: Config, variant: str, *, rngs):
@@ -222,12 +227,12 @@ def _model_cls():
 
     def __call__(self, x, cache):
       """x: [B, d]; cache: one (keys, values) a layer, [B, S, kv_heads, head_dim] each."""
-      h, delta = x, None
+      h, delta, pending = x, None, None
       for block, kv in zip(self.blocks, cache):
-        delta, h = block(delta, h, kv)
+        delta, h, pending = block(delta, h, kv, pending)
       with jax.named_scope("pn_norm"):
         if self.fused:
-          y, _ = self.final_norm(delta, residual=h)
+          y, _ = self.final_norm(delta, residual=h, post_norm=pending)
         else:
           y = self.final_norm(h + delta)
       return y

@@ -58,6 +58,7 @@ from pallas_norm.config import (RELOAD_UNROLL_MAX_CHUNKS, ForwardConfig, cdiv, d
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 
 __all__ = ["norm_forward", "norm_forward_stats", "norm_forward_apply", "fp8_group_size",
+           "post_norm_fits",
            "FP8_DTYPES"]
 
 _F32 = jnp.float32
@@ -130,6 +131,22 @@ class _Sum:
   @property
   def shape(self):
     return self.x.shape
+
+
+class _PostSum(_Sum):
+  """post_norm(x) + residual as a kernel's input (``post_norm_scale=``: Gemma 2/3's
+  post-norm of a sublayer's output, the residual add and the next pre-norm in one pass).
+
+  ``_load_x`` of it returns the float32 sum ``h`` of the residual tile and x's RMSNorm
+  with the scale ``p`` (``scale_offset + p``, the same ``eps``), rounded to x's dtype:
+  the value a separate ``rms_norm(x, p)`` would have written. The tile must hold whole
+  rows (multi_wave_cached, block_n >= N: the launcher checks it); with ``first`` it
+  stores h as _Sum does.
+  """
+
+  def __init__(self, x_ref, r_ref, h_ref, p_ref, eps: float, scale_offset: float):
+    super().__init__(x_ref, r_ref, h_ref)
+    self.p, self.eps, self.scale_offset = p_ref, eps, scale_offset
 
 
 class _Fp8:
@@ -239,8 +256,13 @@ def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
     return _dequantise(src, rows, cols, mask, eviction_policy)
   if not isinstance(src, _Sum):
     return _load_stream(src.at[idx], mask, eviction_policy)
-  h = (_load_stream(src.x.at[idx], mask, eviction_policy).astype(_F32)
-       + _load_stream(src.r.at[idx], mask, eviction_policy).astype(_F32))
+  x = _load_stream(src.x.at[idx], mask, eviction_policy).astype(_F32)
+  if isinstance(src, _PostSum):  # x's post-norm, rounded to x's dtype, then the add
+    n = src.x.shape[1]
+    _, rstd, _ = _tile_stats(x, mask, n=n, eps=src.eps, subtract_mean=False)
+    w, _ = _load_params(src.p, None, cols, cols < n, src.scale_offset)
+    x = _round(_affine(x * rstd[:, None], w, None), src.x.dtype)
+  h = x + _load_stream(src.r.at[idx], mask, eviction_policy).astype(_F32)
   if first:
     plgpu.store(src.h.at[idx], h.astype(src.h.dtype), mask=mask)
   return h
@@ -628,18 +650,22 @@ def _split_store(x, mask, rows, cols, row_mask, k, mean, rstd, y_ref, mean_ref, 
 
 
 def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
-                has_residual=False, cast_dtype=None, group_size=0):
-  """(x, x_scale, residual, scale, bias) inputs then (y, h, mean, rstd) outputs; absent
-  ones are None. With a residual, x_ref is the _Sum of x and residual (storing h); with
-  a ``group_size``, the _Fp8 of x and x_scale."""
+                has_residual=False, cast_dtype=None, group_size=0, post_norm=None):
+  """(x, x_scale, residual, post_norm_scale, scale, bias) inputs then (y, h, mean, rstd)
+  outputs; absent ones are None. With a residual, x_ref is the _Sum of x and residual
+  (storing h), with ``post_norm`` = (eps, scale_offset) the _PostSum; with a
+  ``group_size``, the _Fp8 of x and x_scale."""
   refs = list(refs)
   x_ref = _x_src(refs.pop(0), refs, group_size, _fwd_kernel(return_residuals),
                  subtract_mean)
   r_ref = refs.pop(0) if has_residual else None
+  p_ref = refs.pop(0) if post_norm else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   y_ref = _y_out(refs.pop(0), cast_dtype)
-  if has_residual:
+  if post_norm:
+    x_ref = _PostSum(x_ref, r_ref, refs.pop(0), p_ref, *post_norm)
+  elif has_residual:
     x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref = refs.pop(0) if subtract_mean and return_residuals else None
   rstd_ref = refs.pop(0) if return_residuals else None
@@ -648,10 +674,12 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
-                   block_m, block_n, hoist_params=False, x_rows=None, column_splits=1):
+                   block_m, block_n, hoist_params=False, x_rows=None, column_splits=1,
+                   post_norm=False):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
-                                               group_size)
+                                               group_size,
+                                               (eps, scale_offset) if post_norm else None)
   if column_splits > 1:  # ForwardConfig.column_splits programs a row block
     pid = pl.program_id(0)
     _column_split_tile(pid // column_splits, pid % column_splits, io, scale_ref, bias_ref,
@@ -1034,12 +1062,12 @@ def _split_persistent_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, 
 
 
 def _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
-        y_dtype=None, x_scale=None, rows=None):
-  """The kernels' inputs (x, x_scale, residual, scale, bias; the present ones) and
-  outputs (y, h, mean, rstd; the wanted ones), of ``rows`` rows (default x's)."""
+        y_dtype=None, x_scale=None, rows=None, post_norm_scale=None):
+  """The kernels' inputs (x, x_scale, residual, post_norm_scale, scale, bias; the present
+  ones) and outputs (y, h, mean, rstd; the wanted ones), of ``rows`` rows (default x's)."""
   m, n = x.shape
   m = m if rows is None else rows
-  inputs = [a for a in (x, x_scale, residual, scale, bias) if a is not None]
+  inputs = [a for a in (x, x_scale, residual, post_norm_scale, scale, bias) if a is not None]
   outs = [out_struct((m, n), y_dtype or x.dtype, x)]
   if residual is not None:
     outs.append(out_struct((m, n), residual_dtype, x))
@@ -1060,7 +1088,7 @@ def _results(outs, has_residual, return_residuals, subtract_mean):
 def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,
                  config: ForwardConfig, interpret: bool, return_residuals: bool = True,
                  residual=None, residual_dtype=None, cast: str = "torch", x_scale=None,
-                 y_dtype=None, x_rows=None):
+                 y_dtype=None, x_rows=None, post_norm_scale=None):
   """Launch the forward kernel that ``config.mode`` names.
 
   Args:
@@ -1086,6 +1114,12 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
       range of each token's packed q|k|v: ``pallas_norm.qk_norm``), read in place; y,
       mean and rstd have ``rows`` rows. multi_wave_cached with block_n >= N only, no
       residual, no FP8 x.
+    post_norm_scale: None, or [N] float: with a residual, the kernel first RMS-normalises
+      x with it (``scale_offset + post_norm_scale``, the same eps; in float32, rounded to
+      x's dtype: Gemma 2/3's post-norm of a sublayer's output), then adds the residual
+      and normalises that sum: one pass for ``h = residual + rms_norm(x,
+      post_norm_scale)``, ``y = norm(h)``. Needs whole rows a program
+      (``post_norm_fits(config, N)``), cast="torch", a plain float x.
 
   Returns:
     (y [M, N] y_dtype, mean [M] f32 or None, rstd [M] f32 or None), and h [M, N] last
@@ -1109,7 +1143,15 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
     residual_dtype = residual.dtype
   io = _io(x, residual, residual_dtype, scale, bias, return_residuals, subtract_mean,
            llama_dtype(x, scale, bias) if cast == "llama" else _y_dtype(x, y_dtype),
-           x_scale, rows=None if x_rows is None else x_rows[3])
+           x_scale, rows=None if x_rows is None else x_rows[3],
+           post_norm_scale=post_norm_scale)
+  if post_norm_scale is not None:
+    if (residual is None or not post_norm_fits(cfg, n) or cast != "torch"
+        or x_scale is not None or x_rows is not None):
+      raise ValueError(f"post_norm_scale needs a residual, whole rows a program "
+                       f"(multi_wave_cached, block_n >= N={n}, column_splits 1: {cfg}), "
+                       f"cast='torch' and a float x without x_rows")
+    statics = dict(statics, post_norm=True)
   if x_rows is not None:
     if (cfg.mode != "multi_wave_cached" or cfg.block_n < n or residual is not None
         or x_scale is not None):
@@ -1128,6 +1170,14 @@ def norm_forward(x, scale, bias, *, eps: float, scale_offset: float, subtract_me
   else:
     outs = _whole_rows_forward(*io, statics, cfg, num_row_blocks, interpret)
   return _results(outs, residual is not None, return_residuals, subtract_mean)
+
+
+def post_norm_fits(config: ForwardConfig, n: int) -> bool:
+  """Whether ``norm_forward(..., post_norm_scale=)`` serves ``config`` at rows of ``n``:
+  the cached mode with each row whole in one program (its post-norm's statistics are
+  the row's own)."""
+  return (config.mode == "multi_wave_cached" and config.block_n >= n
+          and config.column_splits == 1)
 
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

@@ -292,6 +292,47 @@ def test_llama_cast_sharded(layout, op, axis_type):
   assert _collectives(step.lower(*args).compile().as_text())["all-gather"] == 0
 
 
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_post_norm_sharded(layout, axis_type):
+  """post_norm_scale= sharded (rows: the one-kernel forward on each device's rows;
+  hidden: the two norms, each combining its statistics): the forward alone and under
+  jax.vjp against the unsharded jnp formula; y and h keep x's sharding; no all-gather."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 32)
+  hidden = spec[-1]
+  x, scale, post, dy = _inputs(shape, jnp.bfloat16, seed=41)
+  r = jax.random.normal(jax.random.key(42), shape, jnp.bfloat16)
+
+  def f(backend):
+    def norm(x, r, s, p):
+      return pallas_norm.rms_norm(x, s, residual=r, post_norm_scale=p, eps=1e-6,
+                                  cast="gemma", backend=backend)
+    def step(x, r, s, p, dy):
+      out, pull = jax.vjp(norm, x, r, s, p)
+      return (*out, *pull((dy, dy)))
+    return jax.jit(norm), jax.jit(step)
+
+  put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+  args = (put(x, spec), put(r, spec), put(scale, P(hidden)), put(post, P(hidden)))
+  (fwd, step), (fwd_x, step_x) = f("pallas"), f("xla")
+  got = (*fwd(*args), *step(*args, put(dy, spec)))
+  want = (*fwd_x(x, r, scale, post), *step_x(x, r, scale, post, dy))
+  tol = 2e-4 * math.sqrt(math.prod(shape[:-1]))
+  for name, g, w in zip(("y", "h", "y_vjp", "h_vjp", "dx", "dres", "dscale", "dpost"),
+                        got, want):
+    t = 5e-2 if name not in ("dscale", "dpost") else tol + 5e-2
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=t, rtol=2**-6, err_msg=name)
+  x_spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  same = lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), a.ndim)
+  for g in got[:6]:
+    assert same(g, x_spec), g.sharding
+  for fn, a in ((fwd, args), (step, (*args, put(dy, spec)))):
+    assert _collectives(fn.lower(*a).compile().as_text())["all-gather"] == 0
+
+
 def test_residual_sharded_differently_is_an_error():
   mesh = jax.make_mesh((NDEV,), ("data",), axis_types=(AxisType.Explicit,))
   x = jax.device_put(jnp.ones((NDEV, 2 * NDEV)), NamedSharding(mesh, P("data")))
