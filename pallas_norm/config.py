@@ -343,9 +343,9 @@ def dtype_name(dtype) -> str:
 
 def table_key(pass_: str, m: int, n: int, dtype, *, subtract_mean: bool,
               residual: bool = False, llama: bool = False,
-              param_dtype=None) -> _tuning.Key:
+              param_dtype=None, post_norm: bool = False) -> _tuning.Key:
   """The tuning key of one kernel call (pallas_norm.tuning's docstring)."""
-  return _tuning.Key(pass_, _tuning.family(subtract_mean, residual, llama),
+  return _tuning.Key(pass_, _tuning.family(subtract_mean, residual, llama, post_norm),
                      dtype_name(dtype), dtype_name(param_dtype), int(n), int(max(m, 1)))
 
 
@@ -446,13 +446,13 @@ def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
 
 def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: str,
            mode: str | None, subtract_mean: bool, residual: bool, llama: bool,
-           param_dtype):
+           param_dtype, post_norm: bool = False):
   """The tables' config for this call (``from_entry``), or None: no entry, or it does
   not fit. An entry measured at another shape that is its (backend, mode)'s default
   there (the tuner kept the default) gives this shape's default of that mode: it says
   "the default", not "this tile" (measured: docs/tuning.md, "The lookup")."""
   key = table_key(pass_, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
-                  llama=llama, param_dtype=param_dtype)
+                  llama=llama, param_dtype=param_dtype, post_norm=post_norm)
   found = _tuning.lookup(key, device.name, backend=backend, mode=mode,
                          gpu=device.platform == "gpu")
   if found is None:
@@ -462,7 +462,7 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
     kw = dict(subtract_mean=subtract_mean, backend=backend, residual=residual,
               param_dtype=param_dtype, llama=llama, tuned=False)
     if pass_ != "bwd":
-      kw.update(return_residuals=pass_ == "fwd_stats")
+      kw.update(return_residuals=pass_ == "fwd_stats", post_norm=post_norm)
     def default_at(m, n):
       try:
         if pass_ == "bwd":
@@ -476,14 +476,18 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
 
 
 def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str,
-                 mode: str | None, subtract_mean: bool) -> dict[str, tuple]:
+                 mode: str | None, subtract_mean: bool,
+                 post_norm: bool = False) -> dict[str, tuple]:
   """Each tunable field's domain for one key (the tuner's coordinate search, one field at
   a time, in this order: the kernel's structure first, then tiles, warps and programs,
   then the flags). Values are table fields (``entry_fields``); combinations that do not
-  fit are pruned by ``from_entry``."""
+  fit are pruned by ``from_entry``. ``post_norm``: the one-kernel forward of
+  ``post_norm_scale=`` (multi_wave_cached, a row a program: no column splits)."""
   bn_full = next_power_of_2(n)
   rows = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_power_of_2(m))
   warps = (1, 2, 4, 8, 16, 32)
+  if post_norm:
+    return dict(hoist_params=(False, True), block_m=rows, num_warps=warps)
   per_sm = (1, 2, 3, 4, 6, 8)
   chunks = tuple(c for c in (1024, 2048, 4096, 8192, 16384) if c < bn_full)
   pallas = backend == "pallas"
@@ -1122,7 +1126,7 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
                    subtract_mean: bool = False, backend: str = "pallas",
                    residual: bool = False, param_dtype=None,
                    return_residuals: bool = True, llama: bool = False,
-                   tuned: bool = True) -> ForwardConfig:
+                   tuned: bool = True, post_norm: bool = False) -> ForwardConfig:
   """The forward launch config for x viewed as [m, n] of ``dtype``: the tuning tables'
   entry for the call (``pallas_norm.tuning``), else the default.
 
@@ -1145,6 +1149,11 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
       < N <= 16384 the split-row one (``_FP8_RMS_VJP_SPLIT_H100``).
     llama: ``cast="llama"`` (a key of its own in the tables).
     tuned: look the tables up (False: the default alone).
+    post_norm: the one-kernel forward of ``post_norm_scale=`` (with ``residual``; mode
+      multi_wave_cached whatever ``mode`` says): the tables' "rms_res_post" entry, else
+      the residual norm's cached config (its table entry or its default) with its column
+      splits dropped (the post-norm needs the whole row in one program). Whether it
+      holds the row is the caller's check (``kernels.forward.post_norm_fits``).
 
   Returns:
     A ForwardConfig (block sizes in elements).
@@ -1158,6 +1167,16 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
   device = device or device_info()
   if mode is not None and mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
+  if post_norm:
+    kw = dict(subtract_mean=subtract_mean, backend=backend, residual=True,
+              param_dtype=param_dtype, return_residuals=return_residuals, llama=llama)
+    cfg = tuned and _tuned("fwd", m, n, dtype, device, mode="multi_wave_cached",
+                           post_norm=True, **{k: v for k, v in kw.items()
+                                              if k != "return_residuals"})
+    if cfg:
+      return cfg
+    cfg = forward_config(m, n, dtype, "multi_wave_cached", device, tuned=tuned, **kw)
+    return dataclasses.replace(cfg, column_splits=1)
   cfg = tuned and _tuned("fwd_stats" if return_residuals else "fwd", m, n, dtype, device,
                          backend=backend, mode=mode, subtract_mean=subtract_mean,
                          residual=residual, llama=llama, param_dtype=param_dtype)

@@ -421,10 +421,10 @@ def _post_norm_forward(x2, scale, post_scale, st: _Static, return_residuals, com
 
   One kernel (forward.norm_forward's ``post_norm_scale``) where the Pallas backend serves
   the residual norm, nothing else is fused, no residuals are wanted (outside jax.vjp)
-  and the cached mode's config holds a row in one program (the tables' or the default's
-  ``multi_wave_cached`` config for the residual norm, its column splits dropped: the
-  post-norm needs the whole row); else the post-norm and the residual norm launched one
-  after the other (the same values)."""
+  and its config (``config.forward_config(post_norm=True)``: the tables' "rms_res_post"
+  entry, else the residual norm's cached config without column splits) holds a row in
+  one program; else the post-norm and the residual norm launched one after the other
+  (the same values)."""
   m, n = x2.shape
   post, res = _post_norm_statics(st)
   if combine_stats is None and not return_residuals and st.mode in (None, "multi_wave_cached"):
@@ -437,8 +437,7 @@ def _post_norm_forward(x2, scale, post_scale, st: _Static, return_residuals, com
     try:
       cfg = _config.forward_config(m, n, x2.dtype, "multi_wave_cached", backend="pallas",
                                    residual=True, param_dtype=params[0],
-                                   return_residuals=False)
-      cfg = dataclasses.replace(cfg, column_splits=1)
+                                   return_residuals=False, post_norm=True)
     except NotImplementedError:  # a row too long for the cached mode at all
       cfg = None
     if backend == "pallas" and cfg is not None and forward.post_norm_fits(cfg, n):

@@ -74,7 +74,12 @@ TABLE_NS = (1024, 2048, 4096, 8192, 16384, 65536)
 TABLE_MS = (32768, 4096, 512, 64, 8, 1)
 TABLE_SHAPES = tuple((m, n) for m in TABLE_MS for n in TABLE_NS if m * n <= 1 << 26)
 PRESETS = {"bench": DEFAULT_SHAPES, "table": TABLE_SHAPES}
-FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama")
+FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama",
+            "rms_res_post")
+# rms_res_post: ``rms_norm(x, s, residual=r, post_norm_scale=p)``'s one-kernel forward
+# (Gemma's post-norm, residual add and pre-norm); "fwd" only: under jax.vjp that op runs
+# the rms and rms_res kernels, whose own keys tune them.
+POST_FAMILIES = ("rms_res_post",)
 TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
 # The FP8-output kernels (rms_norm_fp8 / layer_norm_fp8; families rms and layer): delayed
 # scaling's one pass with and without y_t; current scaling's statistics pass and its
@@ -112,9 +117,12 @@ class Candidate:
 
 def keys_for(shapes, families=("rms", "layer"), passes=TUNED_PASSES,
              dtypes=("bfloat16",), params=(None,)) -> list[tuning.Key]:
-  """Every key of the product; ``params`` None means x's dtype."""
+  """Every key of the product; ``params`` None means x's dtype. A post-norm family
+  (``POST_FAMILIES``) has "fwd" keys only."""
   out = []
   for (m, n), fam, p, dt, pd in itertools.product(shapes, families, passes, dtypes, params):
+    if fam in POST_FAMILIES and p != "fwd":
+      continue
     out.append(tuning.Key(p, fam, dt, pd or dt, int(n), int(m)))
   return out
 
@@ -122,7 +130,7 @@ def keys_for(shapes, families=("rms", "layer"), passes=TUNED_PASSES,
 def _parts(key: tuning.Key) -> dict:
   fam = key.family
   return dict(subtract_mean=fam.startswith("layer"), residual="_res" in fam,
-              llama="_llama" in fam)
+              llama="_llama" in fam, post_norm=fam.endswith("_post"))
 
 
 # --------------------------------------------------------------------------- the op
@@ -157,6 +165,10 @@ def _op(key: tuning.Key, backend: str, mode: str | None):
   if p["subtract_mean"]:
     def f(x, s, b, r, xs):
       return pallas_norm.layer_norm(x, s, b, residual=r, x_scale=xs, **kw)
+  elif p["post_norm"]:  # b: the post-norm's scale
+    def f(x, s, b, r, xs):
+      del xs
+      return pallas_norm.rms_norm(x, s, residual=r, post_norm_scale=b, **kw)
   else:
     def f(x, s, b, r, xs):
       del b
@@ -166,14 +178,18 @@ def _op(key: tuning.Key, backend: str, mode: str | None):
 
 def _inputs(key: tuning.Key, rotations: int, seed: int = 0) -> list[tuple]:
   """Argument sets (x, scale, bias, residual, dy, x_scale) for the key, ``rotations``
-  copies: x of N(0, 1) values (FP8 x: with scales uniform in [0.5, 2] a group)."""
+  copies: x of N(0, 1) values (FP8 x: with scales uniform in [0.5, 2] a group); a
+  post-norm key's "bias" is the post-norm's scale (1 + N(0, 0.01))."""
   m, n = key.m, key.n
   dt, pdt = jnp.dtype(key.x), jnp.dtype(key.params)
   p = _parts(key)
   k = jax.random.split(jax.random.key(seed), 3)
   scale = (1.0 + 0.1 * jax.random.normal(k[0], (n,), jnp.float32)).astype(pdt)
-  bias = (0.1 * jax.random.normal(k[1], (n,), jnp.float32)).astype(pdt) if p[
-      "subtract_mean"] else None
+  bias = None
+  if p["subtract_mean"]:
+    bias = (0.1 * jax.random.normal(k[1], (n,), jnp.float32)).astype(pdt)
+  elif p["post_norm"]:
+    bias = (1.0 + 0.1 * jax.random.normal(k[1], (n,), jnp.float32)).astype(pdt)
   dy_dt = pdt if _fp8(key) else dt
   sets = []
   for i in range(rotations):
@@ -363,9 +379,14 @@ def _default(key, backend, mode, device) -> Candidate | None:
                              subtract_mean=p["subtract_mean"], backend=backend,
                              residual=p["residual"], param_dtype=params,
                              return_residuals=key.pass_ == "fwd_stats",
-                             llama=p["llama"], tuned=False)
+                             llama=p["llama"], tuned=False,
+                             post_norm=p["post_norm"] and backend != "xla")
   except (ValueError, NotImplementedError):
     return None
+  if p["post_norm"] and backend != "xla":
+    from pallas_norm.kernels import forward
+    if not forward.post_norm_fits(cfg, key.n):  # the op runs two norms: nothing to tune
+      return None
   if backend == "xla":  # no launch config: one candidate, an empty entry
     return Candidate(tuning.Entry(key, "xla", "", ()), cfg)
   mode = getattr(cfg, "mode", None)
@@ -443,8 +464,9 @@ def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Meas
   """Times ``start`` and its coordinate neighbours into ``meas`` (its ``times`` and
   ``cands`` then hold every candidate the search measured). ``seeds``: more starting
   points, timed with ``start``; the search moves from the fastest of them."""
+  p = _parts(key)
   space = C.search_space(key.pass_, key.m, key.n, device, backend=backend, mode=mode,
-                         subtract_mean=_parts(key)["subtract_mean"])
+                         subtract_mean=p["subtract_mean"], post_norm=p["post_norm"])
   meas.measure([start, *seeds])
   best = start if meas.times.get(start.config) is not None else None
   for c in seeds:
@@ -500,6 +522,8 @@ def _check_candidate(key, meas: _Measurer, cand: Candidate, ref) -> str | None:
 
 
 def _modes(key: tuning.Key, backend: str) -> tuple:
+  if _parts(key)["post_norm"]:  # the one kernel (Pallas, cached), and XLA's fusion
+    return {"pallas": ("multi_wave_cached",), "xla": (None,)}.get(backend, ())
   if key.pass_ == "bwd" or _fp8_out(key):
     return (None,)
   if backend == "xla":

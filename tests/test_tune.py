@@ -96,6 +96,39 @@ def test_tune_end_to_end(tmp_path, monkeypatch):
   assert seen["fwd"][0].mode == "multi_wave_cached"
 
 
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
+def test_tune_post_norm_family(tmp_path, monkeypatch):
+  """rms_res_post (``post_norm_scale=``'s one-kernel forward): "fwd" keys only; its
+  search moves the cached kernel's tile and warps (no column splits); from the user's
+  table the op launches that kernel with the entry's config, and the plain residual
+  norm does not take it."""
+  assert [k.pass_ for k in tune.keys_for([(16, 256)], ("rms_res_post",))] == ["fwd"]
+  seen = _spy(monkeypatch)
+  calls = []
+  keys = tune.keys_for([(16, 256)], ("rms_res_post",), ("fwd",))
+  path = _run(tmp_path, keys, calls)
+  (e,) = tuning.Table.load(path).groups["fwd", "rms_res_post", "bfloat16", "bfloat16"]
+  assert e.mode == "multi_wave_cached" and e.fields["num_warps"] == 2 and e.us == 13.0
+  assert e.fields["column_splits"] == 1
+  assert len({c.num_warps for c in seen["fwd"]}) >= 4
+  (tmp_path / "user").mkdir()
+  path.rename(tmp_path / "user" / "cpu.json")
+  tuning.clear_cache()
+  seen["fwd"].clear()
+  rng = np.random.default_rng(0)
+  x, r = (jnp.asarray(rng.standard_normal((16, 256)), jnp.bfloat16) for _ in range(2))
+  s = jnp.ones((256,), jnp.bfloat16)
+  y, h = pallas_norm.rms_norm(x, s, residual=r, post_norm_scale=s)
+  want = config.from_entry(e, 16, 256, CPU, "pallas")
+  assert seen["fwd"] == [want] and want.num_warps == 2
+  seen["fwd"].clear()  # the two calls (first traced here): their own keys, not this one
+  y2, h2 = pallas_norm.rms_norm(pallas_norm.rms_norm(x, s), s, residual=r)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y2, np.float32))
+  assert len(seen["fwd"]) == 2 and want not in seen["fwd"]
+  assert seen["fwd"][1] == config.forward_config(16, 256, jnp.bfloat16, None, CPU,
+                                                 residual=True, return_residuals=False)
+
+
 def test_tune_is_deterministic_and_resumes(tmp_path):
   keys = tune.keys_for([(8, 128)], ("layer",), ("fwd",))
   calls = []

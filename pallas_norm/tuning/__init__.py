@@ -12,7 +12,8 @@ for the forward, one mode):
                     or an FP8-output kernel: "fp8_stats", "fp8_delayed",
                     "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t"
           family    "rms" or "layer", then "_res" with ``residual=``, "_llama" with
-                    ``cast="llama"``
+                    ``cast="llama"``, "_post" with ``post_norm_scale=`` ("rms_res_post":
+                    the one-kernel forward, "fwd" only)
           x         x's dtype name (an FP8 name: FP8 input, ``x_scale=``)
           params    scale's dtype name, "none" without scale
           n         the row length N
@@ -110,10 +111,12 @@ class Key:
     return self.pass_, self.family, self.x, self.params
 
 
-def family(subtract_mean: bool, residual: bool = False, llama: bool = False) -> str:
-  """A key's op family: "rms"/"layer", "_res" with the residual add, "_llama"."""
+def family(subtract_mean: bool, residual: bool = False, llama: bool = False,
+           post_norm: bool = False) -> str:
+  """A key's op family: "rms"/"layer", "_res" with the residual add, "_llama", "_post"
+  (the post-norm before the residual add, ``post_norm_scale=``: its one-kernel forward)."""
   return ("layer" if subtract_mean else "rms") + ("_res" if residual else "") + (
-      "_llama" if llama else "")
+      "_llama" if llama else "") + ("_post" if post_norm else "")
 
 
 @dataclasses.dataclass(frozen=True)
