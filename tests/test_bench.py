@@ -275,6 +275,29 @@ def test_residual_ops_on_cpu(tmp_path, monkeypatch):
   assert "dresidual" in layer_bwd["check_detail"] and "dbias" in layer_bwd["check_detail"]
 
 
+def test_post_norm_op_on_cpu(tmp_path, monkeypatch):
+  """rms_post_res (Gemma's post-norm before the fused residual add): pallas, xla and flax
+  planned; --check passes forward and backward (y, h, dx, dresidual, dscale); the
+  residual's bytes model; its own title."""
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
+  out = tmp_path / "post.json"
+  args = _args("--shapes", "8x256", "--ops", "rms_post_res", "--impls",
+               "pallas,xla,flax,torch", "--iters", "2", "--check", "--out", str(out))
+  plan = bench.build_plan(args)
+  assert {c.impl for c in plan} == {"pallas", "xla", "flax"}
+  assert run.run_plan(args, plan) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 6
+  for r in rows:
+    assert r["check"] == "ok", r
+    assert r["bytes"] == {"fwd": 4, "fwdbwd": 8}[r["pass"]] * 8 * 256 * 2
+  bwd = [r for r in rows if r["pass"] == "fwdbwd" and r["impl"] == "pallas"][0]
+  assert "dresidual" in bwd["check_detail"] and "dscale" in bwd["check_detail"]
+  from pallas_norm.bench import report
+  assert report._title("rms_post_res") == "RMSNorm post-norm +residual"
+
+
 def test_fwdbwd_dep_pass_on_cpu(tmp_path, monkeypatch):
   """--passes fwdbwd_dep: the same outputs as fwdbwd (--check against the reference, the
   same bytes), its step holds dy back behind an optimization_barrier on (y, dy), and

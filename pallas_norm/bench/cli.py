@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
                                   "N=2048,4096,8192, DECODE_SHAPES)")
   p.add_argument("--ops", default="rms,layer",
                  help="rms,layer (default both); rms_res,layer_res: the fused residual add "
-                      "(pallas, xla and flax only); FP8 output, forward only, pallas "
+                      "(pallas, xla and flax only); rms_post_res: with Gemma's post-norm "
+                      "of x first (post_norm_scale=); FP8 output, forward only, pallas "
                       "against the jnp chain (xla): rms_fp8,layer_fp8 (current scaling), "
                       "*_fp8_delayed (delayed), suffix _t with the transposed copy "
                       "(rms_fp8_delayed_t); 'fp8' for all eight; rms_fp8_static,layer_fp8_static "

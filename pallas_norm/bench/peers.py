@@ -218,7 +218,10 @@ def _fp8_input_fn(impl: Impl, op: str, eps: float):
 
 
 def _residual_fn(impl: Impl, op: str, eps: float):
-  """f((x, r), scale, bias) -> (y, h) for the fused residual add."""
+  """f((x, r), scale, bias) -> (y, h) for the fused residual add ("rms_post": with
+  Gemma's post-norm of x first, its scale the same ``scale``)."""
+  if op == "rms_post":
+    return _post_norm_fn(impl, eps)
   layer = op == "layer"
   if impl.family == "pallas_norm":
     import pallas_norm
@@ -240,6 +243,30 @@ def _residual_fn(impl: Impl, op: str, eps: float):
       return norm(h, s, b), h
     return g
   raise NotImplementedError(f"{impl.name} has no fused residual add")
+
+
+def _post_norm_fn(impl: Impl, eps: float):
+  """f((x, r), scale, None) -> (y, h): h = r + rms_norm(x, scale) (in x's dtype), y =
+  rms_norm(h, scale)."""
+  if impl.family == "pallas_norm":
+    import pallas_norm
+    return lambda xr, s, b: pallas_norm.rms_norm(xr[0], s, residual=xr[1], post_norm_scale=s,
+                                                 eps=eps, mode=impl.mode, backend=impl.backend)
+  if impl.name == "xla":  # the same formula, jnp under jit: XLA fuses it
+    def f(xr, s, b):
+      x, r = xr
+      d = reference.norm(x, s, None, eps=eps, subtract_mean=False)[0].astype(x.dtype)
+      h = d.astype(jnp.float32) + r.astype(jnp.float32)
+      y = reference.norm(h, s, None, eps=eps, subtract_mean=False)[0]
+      return y.astype(x.dtype), h.astype(r.dtype)
+    return f
+  if impl.name == "flax":  # flax Gemma's block: post-norm, the add, the next norm
+    norm = _flax_fn("rms", eps)
+    def g(xr, s, b):
+      h = norm(xr[0], s, b) + xr[1]
+      return norm(h, s, b), h
+    return g
+  raise NotImplementedError(f"{impl.name} has no post-norm")
 
 
 def _flax_fn(op: str, eps: float):

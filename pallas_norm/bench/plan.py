@@ -46,14 +46,20 @@ FP8_INPUT_GROUP = 16  # COAT's QB
 # W8A8 serving's static scale (vLLM's static-scale FP8 norms): y_scale given, y alone
 # (no amax, no statistics: the serving step reads y only; the kernel is the delayed one).
 FP8_STATIC_OPS = ("rms_fp8_static", "layer_fp8_static")
-KERNEL_OPS = OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS  # the kernel bench's (--sharded: OPS)
+# Gemma's post-norm before the fused residual add (rms_norm(x, s, residual=r,
+# post_norm_scale=s): h = r + rms_norm(x, s), y = rms_norm(h, s); the bench passes the one
+# scale as both): ours in one kernel outside jax.vjp, XLA's fusion of the jnp, and what
+# flax's Gemma writes (its norm, the add, its norm). The "*_res" bytes model and inputs.
+POST_OPS = ("rms_post_res",)
+KERNEL_OPS = (OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS
+              + POST_OPS)  # the kernel bench's (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 # fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
 # order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.
 PASSES = ("fwd", "fwdbwd", "fwdbwd_dep")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
-EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5,
+EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5, "rms_post_res": 1e-6,
        **{op: 1e-6 if op.startswith("rms") else 1e-5
           for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5, "fwdbwd_dep": 5}

@@ -190,6 +190,8 @@ def _title(op: str) -> str:
   name = "LayerNorm" if op.startswith("layer") else "RMSNorm"
   if op.endswith("_fp8in"):
     return f"{name} FP8 input"
+  if op == "rms_post_res":
+    return f"{name} post-norm +residual"
   if op.endswith("_res"):
     return f"{name} +residual"
   fp8 = fp8_variant(op)
