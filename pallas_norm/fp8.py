@@ -126,6 +126,7 @@ class _Fp8Static:
   interpret: bool
   yt_lead: bool = False  # y_t as [N, *x.shape[:-1]] (the FP8 dense layer's), not [N, M]
   tables: tuple = ()  # tuning.context(): a change of the tables' answers traces again
+  residual_dtype: str | None = None  # residual=: h's dtype name (None: no residual)
 
 
 def _check_backend(op: str, mode, backend: str) -> None:
@@ -184,22 +185,35 @@ def _check_y_scale(op: str, y_scale):
   return y_scale
 
 
-def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, backend):
+def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, backend,
+           residual=None, residual_dtype=None):
+  """(fp8 dtype, y_scale, h's dtype name or None): every error before any kernel."""
   _check_backend(op, mode, backend)
   ops._check_args(op, x, scale, bias, eps, None, "pallas")
   dt = _check_fp8_dtype(op, fp8_dtype)
   if not isinstance(transpose, (bool, np.bool_)):
     raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__}")
+  _, h_dtype = ops._check_residual(op, x, residual, residual_dtype)
+  y_scale = _check_y_scale(op, y_scale)
+  if residual is not None and y_scale is None:
+    raise ValueError(f"{op}: residual= is served with a given y_scale (delayed or static "
+                     f"scaling: one pass); current scaling (y_scale=None) reads x twice: "
+                     f"pass y_scale, or call rms_norm / layer_norm with residual= first")
   if backend != "xla":
     ops._check_concrete_shape(op, x, backend)
-  return dt, _check_y_scale(op, y_scale)
+  return dt, y_scale, h_dtype
 
 
 # --------------------------------------------------------------------------- backends
 
 
-def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
-  """The jnp chain: reference norm in float32, amax, scale, quantise, transpose."""
+def _xla(x, scale, bias, y_scale, st: _Fp8Static, residual=None):
+  """The jnp chain: reference norm in float32, amax, scale, quantise, transpose; with a
+  residual, of h = x + residual in float32, and h (in its dtype) after the Fp8Norm."""
+  if residual is not None:
+    h = x.astype(_F32) + residual.astype(_F32)
+    return _xla(h, scale, bias, y_scale, dataclasses.replace(st, residual_dtype=None)), \
+        h.astype(st.residual_dtype)
   n = x.shape[-1]
   dt = jnp.dtype(st.fp8_dtype)
   y, mean, rstd = reference.norm(x.astype(_F32), scale, bias, eps=st.eps,
@@ -215,14 +229,24 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
   return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
 
 
-def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8Norm:
+def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residual=None):
   """The kernels on x [..., n] (one device's shard). ``rows``: the mesh axes that shard
   x's rows; ``hidden``: those that shard its last dim (tensor parallel: x, scale and
   bias hold the shard's n columns). The tensor amax is a ``pmax`` over both (of the
   amax's int32 bits, so that a NaN on any device wins, as in ``reduce_amax``) before
-  current scaling uses it."""
+  current scaling uses it. With a residual (delayed scaling; rows only): (Fp8Norm, h).
+
+  Raises:
+    NotImplementedError: a residual with the hidden dim sharded.
+  """
   from pallas_norm.kernels import fp8 as _kernels
   n, lead = x.shape[-1], x.shape[:-1]
+  if residual is not None and hidden:
+    op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
+    raise NotImplementedError(
+        f"{op}(residual=) with x's last dim sharded over {tuple(hidden)} (tensor "
+        f"parallel) is not served yet: shard the rows, or call rms_norm / layer_norm "
+        f"with residual= and quantise its y")
   dt = jnp.dtype(st.fp8_dtype)
   x2 = x.reshape(-1, n)
   kw = dict(scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
@@ -256,12 +280,19 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=()) -> Fp8N
         st.interpret, x2.shape, x2.dtype, st.subtract_mean,
         None if scale is None and bias is None else (scale if scale is not None
                                                      else bias).dtype)
-    y, y_t, mean, rstd, row_amax = _kernels.fp8_norm_delayed(
+    res = {} if residual is None else dict(residual=residual.reshape(-1, n),
+                                           residual_dtype=jnp.dtype(st.residual_dtype))
+    y, y_t, mean, rstd, row_amax, *h = _kernels.fp8_norm_delayed(
         x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw,
-        fp8_dtype=dt, transpose=st.transpose and not sep)
+        fp8_dtype=dt, transpose=st.transpose and not sep, **res)
     if sep:
       y_t = y.T
     amax = amax_of(row_amax)
+    if h:
+      if y_t is not None and st.yt_lead:
+        y_t = y_t.reshape(n, *lead)
+      return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
+                     rstd.reshape(lead)), h[0].reshape(x.shape)
   if y_t is not None and st.yt_lead:  # [N, M] -> [N, *lead]: the same bytes
     y_t = y_t.reshape(n, *lead)
   return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
@@ -312,27 +343,45 @@ def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
   return spec, row_spec, p_spec, yt_spec, rows, hidden
 
 
-def _fp8_out_specs(spec, row_spec, yt_spec):
-  return (spec, P(), P(), yt_spec, row_spec, row_spec)
+def _fp8_out_specs(spec, row_spec, yt_spec, st: _Fp8Static):
+  """The outputs' specs: Fp8Norm's, then h's (laid out like x) with a residual."""
+  return (spec, P(), P(), yt_spec, row_spec, row_spec) + (
+      (spec,) if st.residual_dtype else ())
 
 
-def _fp8_cp_impl(x, scale, bias, y_scale, st):
-  return tuple(_pallas(x, scale, bias, y_scale, st))
+def _flat(out) -> tuple:
+  """``_pallas``'s result as a flat tuple: Fp8Norm's fields, then h with a residual."""
+  return (*out[0], out[1]) if isinstance(out, tuple) and not isinstance(out, Fp8Norm) \
+      else tuple(out)
+
+
+def _unflat(outs, st: _Fp8Static):
+  """``_flat``'s inverse: Fp8Norm, or (Fp8Norm, h) with a residual."""
+  if st.residual_dtype:
+    return Fp8Norm(*outs[:6]), outs[6]
+  return Fp8Norm(*outs)
+
+
+def _fp8_cp_impl(x, scale, bias, y_scale, residual, st):
+  return _flat(_pallas(x, scale, bias, y_scale, st, residual=residual))
 
 
 def _fp8_cp_partition(st, mesh, arg_shapes, result_shape):
   del result_shape
-  x_shape, scale, bias, y_scale = arg_shapes
+  x_shape, scale, bias, y_scale, residual = arg_shapes
   spec, row_spec, p_spec, yt_spec, rows, hidden = _fp8_plan(mesh, x_shape.shape,
                                                             x_shape.sharding, st)
   named = lambda s: None if s is None else NamedSharding(mesh, s)
+  if residual is not None:
+    spmd._same_layout(mesh, x_shape, residual, "residual")
 
-  def lower(x, scale, bias, y_scale):
-    return tuple(_pallas(x, scale, bias, y_scale, st, rows, hidden))
+  def lower(x, scale, bias, y_scale, residual):
+    return _flat(_pallas(x, scale, bias, y_scale, st, rows, hidden, residual))
 
   args = (named(spec), named(None if scale is None else p_spec),
-          named(None if bias is None else p_spec), named(None if y_scale is None else P()))
-  return mesh, lower, tuple(map(named, _fp8_out_specs(spec, row_spec, yt_spec))), args
+          named(None if bias is None else p_spec), named(None if y_scale is None else P()),
+          named(None if residual is None else spec))
+  return mesh, lower, tuple(map(named, _fp8_out_specs(spec, row_spec, yt_spec, st))), args
 
 
 def _fp8_cp_infer(st, mesh, arg_shapes, result_shape):
@@ -340,74 +389,79 @@ def _fp8_cp_infer(st, mesh, arg_shapes, result_shape):
   spec, row_spec, _, yt_spec, _, _ = _fp8_plan(mesh, arg_shapes[0].shape,
                                                arg_shapes[0].sharding, st)
   return tuple(None if s is None else NamedSharding(mesh, s)
-               for s in _fp8_out_specs(spec, row_spec, yt_spec))
+               for s in _fp8_out_specs(spec, row_spec, yt_spec, st))
 
 
 def _fp8_cp_rule(st, mesh, operand_types, result_types):
   del mesh, result_types
   lead = spmd._letters(len(operand_types[0].shape))
-  ops = [f"{lead} n"] + ["n" if len(t.shape) == 1 else "" for t in operand_types[1:]]
+  ops = [f"{lead} n"] + [f"{lead} n" if len(t.shape) > 1 else "n" if len(t.shape) == 1
+                         else "" for t in operand_types[1:]]
   rows = f"({lead})" if " " in lead else lead  # y_t's M: the leading dims flattened
   yt = f"n {lead}" if st.yt_lead else f"n {rows}"
-  res = [f"{lead} n", "", ""] + ([yt] if st.transpose else []) + [lead, lead]
+  res = [f"{lead} n", "", ""] + ([yt] if st.transpose else []) + [lead, lead] + (
+      [f"{lead} n"] if st.residual_dtype else [])
   return f"{', '.join(ops)} -> {', '.join(res)}"
 
 
-_fp8_cp = custom_partitioning(_fp8_cp_impl, static_argnums=(4,))
+_fp8_cp = custom_partitioning(_fp8_cp_impl, static_argnums=(5,))
 _fp8_cp.def_partition(partition=_fp8_cp_partition, infer_sharding_from_operands=_fp8_cp_infer,
                       sharding_rule=_fp8_cp_rule)
 
 
-def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static, residual=None):
   """``_pallas`` wherever x lives: one device, an Explicit mesh or an Auto mesh."""
   if x.ndim < 2:  # one row
-    return _pallas(x, scale, bias, y_scale, st)
+    return _pallas(x, scale, bias, y_scale, st, residual=residual)
   explicit = spmd._explicit_sharding(x)
   if explicit is not None:
     mesh, sharding = explicit
     spec, row_spec, p_spec, yt_spec, rows, hidden = _fp8_plan(mesh, x.shape, sharding, st)
     scale, bias = (spmd._reshard(p, mesh, p_spec) for p in (scale, bias))
     y_scale = spmd._reshard(y_scale, mesh, P())
-    out = spmd._shard_map(lambda *a: tuple(_pallas(*a, st, rows, hidden)), mesh,
-                          (x, scale, bias, y_scale),
-                          (spec, p_spec, p_spec, P()),
-                          _fp8_out_specs(spec, row_spec, yt_spec))
-    return Fp8Norm(*out)
+    residual = spmd._explicit_like(residual, mesh, spec, "residual")
+    out = spmd._shard_map(
+        lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, rows, hidden, r)), mesh,
+        (x, scale, bias, y_scale, residual), (spec, p_spec, p_spec, P(), spec),
+        _fp8_out_specs(spec, row_spec, yt_spec, st))
+    return _unflat(out, st)
   if jax.device_count() > 1:
-    out = spmd._unbatched(lambda x, s, b, ys: _fp8_cp(x, s, b, ys, st),
-                          lambda x, s, b, ys: tuple(_pallas(x, s, b, ys, st)),
-                          x, scale, bias, y_scale)
-    return Fp8Norm(*out)
-  return _pallas(x, scale, bias, y_scale, st)
+    out = spmd._unbatched(lambda x, s, b, ys, r: _fp8_cp(x, s, b, ys, r, st),
+                          lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, residual=r)),
+                          x, scale, bias, y_scale, residual)
+    return _unflat(out, st)
+  return _pallas(x, scale, bias, y_scale, st, residual=residual)
 
 
-def _empty(x, y_scale, st: _Fp8Static) -> Fp8Norm:
+def _empty(x, y_scale, st: _Fp8Static, residual=None):
   """M == 0: empty y (and y_t [N, 0], or [N, *lead]); amax 0, y_scale 1 (current) or
-  the given one."""
+  the given one; an empty h with a residual."""
   n, lead = x.shape[-1], x.shape[:-1]
   dt = jnp.dtype(st.fp8_dtype)
   amax = jnp.zeros((), _F32)
   yt_shape = (n, *lead) if st.yt_lead else (n, 0)
-  return Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
-                 else y_scale, amax, jnp.zeros(yt_shape, dt) if st.transpose else None,
-                 jnp.zeros(lead, _F32), jnp.zeros(lead, _F32))
+  out = Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
+                else y_scale, amax, jnp.zeros(yt_shape, dt) if st.transpose else None,
+                jnp.zeros(lead, _F32), jnp.zeros(lead, _F32))
+  return out if residual is None else (out, jnp.zeros(x.shape, st.residual_dtype))
 
 
-def _dispatch(x, scale, bias, y_scale, st: _Fp8Static) -> Fp8Norm:
+def _dispatch(x, scale, bias, y_scale, residual, st: _Fp8Static):
   if math.prod(x.shape[:-1]) == 0:
-    return _empty(x, y_scale, st)
-  return (_xla if st.backend == "xla" else _pallas_sharded)(x, scale, bias, y_scale, st)
+    return _empty(x, y_scale, st, residual)
+  return (_xla if st.backend == "xla" else _pallas_sharded)(x, scale, bias, y_scale, st,
+                                                             residual=residual)
 
 
 # Not differentiable: FP8 values have no useful cotangent. A fused layer (item 3 of the
 # issue) owns the vjp of norm -> quantise -> matmul and calls norm_backward.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_norm(x, scale, bias, y_scale, st: _Fp8Static):
-  return _dispatch(x, scale, bias, y_scale, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_norm(x, scale, bias, y_scale, residual, st: _Fp8Static):
+  return _dispatch(x, scale, bias, y_scale, residual, st)
 
 
-def _fp8_norm_fwd(x, scale, bias, y_scale, st: _Fp8Static):
-  return _dispatch(x, scale, bias, y_scale, st), None
+def _fp8_norm_fwd(x, scale, bias, y_scale, residual, st: _Fp8Static):
+  return _dispatch(x, scale, bias, y_scale, residual, st), None
 
 
 def _fp8_norm_bwd(st: _Fp8Static, res, ct):
@@ -421,20 +475,25 @@ def _fp8_norm_bwd(st: _Fp8Static, res, ct):
 
 
 _fp8_norm.defvjp(_fp8_norm_fwd, _fp8_norm_bwd)
-_fp8_norm_jit = jax.jit(_fp8_norm, static_argnums=(4,))
+_fp8_norm_jit = jax.jit(_fp8_norm, static_argnums=(5,))
 
 
 def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_offset,
-              subtract_mean, mode, backend, interpret, yt_lead=False) -> Fp8Norm:
+              subtract_mean, mode, backend, interpret, yt_lead=False, residual=None,
+              residual_dtype=None):
   """The public ops' body. ``yt_lead`` (the FP8 dense layer's): y_t as [N, *lead], the
   bytes of [N, M] with x's row dims kept, so that it is served for every row sharding
-  (sequence parallel too) and contracted over those dims by the weight-gradient GEMM."""
-  dt, y_scale = _check(op, x, scale, bias, eps=eps, y_scale=y_scale, fp8_dtype=fp8_dtype,
-                       transpose=transpose, mode=mode, backend=backend)
+  (sequence parallel too) and contracted over those dims by the weight-gradient GEMM.
+  Returns an Fp8Norm, or (Fp8Norm, h) with a residual."""
+  dt, y_scale, h_dtype = _check(op, x, scale, bias, eps=eps, y_scale=y_scale,
+                                fp8_dtype=fp8_dtype, transpose=transpose, mode=mode,
+                                backend=backend, residual=residual,
+                                residual_dtype=residual_dtype)
   st = _Fp8Static(float(eps), float(scale_offset), subtract_mean, dt.name, bool(transpose),
                   y_scale is not None, backend, ops._resolve_interpret(interpret),
-                  bool(yt_lead), tuning.context())
-  return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale, st)
+                  bool(yt_lead), tuning.context(), h_dtype)
+  return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale,
+                       None if residual is None else jnp.asarray(residual), st)
 
 
 # --------------------------------------------------------------------------- public ops
@@ -442,7 +501,7 @@ def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_o
 
 def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
                  transpose=False, eps=None, scale_offset=0.0, mode=None, backend="pallas",
-                 interpret=None) -> Fp8Norm:
+                 interpret=None, residual=None, residual_dtype=None):
   """RMSNorm over the last axis with its output quantised to FP8 (COAT's
   ``fp8_rmsnorm_forward``; TransformerEngine's RMSNorm with an FP8 output).
 
@@ -468,10 +527,17 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       raises NotImplementedError.
     backend: "pallas" (default: kernels/fp8.py) or "xla" (the jnp chain).
     interpret: None runs Pallas interpret mode when there is no GPU; True/False force it.
+    residual: None, or an array of x's shape (float32, bfloat16 or float16), with a
+      given ``y_scale``: the fused residual add before the quantising norm (vLLM's
+      ``fused_add_rms_norm_static_fp8_quant``, W8A8 serving): the op normalises and
+      quantises ``h = x + residual`` (summed in float32; y from that sum) and also
+      returns h, in ``residual_dtype`` (default: residual's), from the same one pass
+      (Pallas: one program a row block). Rows may be sharded, not the hidden dim.
+    residual_dtype: h's dtype (float32, bfloat16 or float16); only with a residual.
 
   Returns:
     Fp8Norm(y [..., N] fp8_dtype, y_scale () f32, amax () f32, y_t [N, M] fp8_dtype or
-    None, mean [...] f32 (zeros), rstd [...] f32).
+    None, mean [...] f32 (zeros), rstd [...] f32); ``(Fp8Norm, h)`` with a residual.
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
@@ -480,22 +546,25 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       every axis that shards x; docs/fp8.md "Multi-device"), a dimension sharded
       unevenly, or transpose=True with a row dimension other than the first sharded
       (on an Auto mesh XLA's compilation reports these as a jax.errors.JaxRuntimeError
-      carrying the same message).
+      carrying the same message); a residual without y_scale, of another shape than x,
+      or sharded unlike x; a residual_dtype without a residual.
     TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
       not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad
       through it.
-    NotImplementedError: a mode name, or backend="triton".
+    NotImplementedError: a mode name, or backend="triton"; a residual with x's hidden
+      dim sharded (tensor parallel).
   """
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
   return _norm_fp8("rms_norm_fp8", x, scale, None, eps=eps, y_scale=y_scale,
                    fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
-                   subtract_mean=False, mode=mode, backend=backend, interpret=interpret)
+                   subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
+                   residual=residual, residual_dtype=residual_dtype)
 
 
 def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
                    transpose=False, eps=1e-5, scale_offset=0.0, mode=None, backend="pallas",
-                   interpret=None) -> Fp8Norm:
+                   interpret=None, residual=None, residual_dtype=None):
   """LayerNorm over the last axis with its output quantised to FP8 (TransformerEngine's
   LayerNorm with an FP8 output).
 
@@ -503,13 +572,14 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
   (as ``pallas_norm.layer_norm``), quantised as in ``rms_norm_fp8``.
 
   Args:
-    x, scale, y_scale, fp8_dtype, transpose, scale_offset, mode, backend, interpret: as
-      in ``rms_norm_fp8``.
+    x, scale, y_scale, fp8_dtype, transpose, scale_offset, mode, backend, interpret,
+      residual, residual_dtype: as in ``rms_norm_fp8``.
     bias: [N] float array or None.
     eps: added to the variance (default 1e-5, torch's; None means the same).
 
   Returns:
-    Fp8Norm, as in ``rms_norm_fp8``; mean is the rows' mean.
+    Fp8Norm, as in ``rms_norm_fp8``; mean is the rows' mean; ``(Fp8Norm, h)`` with a
+    residual.
 
   Raises:
     ValueError, TypeError, NotImplementedError: as in ``rms_norm_fp8``.
@@ -518,7 +588,8 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
     eps = 1e-5
   return _norm_fp8("layer_norm_fp8", x, scale, bias, eps=eps, y_scale=y_scale,
                    fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
-                   subtract_mean=True, mode=mode, backend=backend, interpret=interpret)
+                   subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
+                   residual=residual, residual_dtype=residual_dtype)
 
 
 # --------------------------------------------------------------------------- backward

@@ -366,6 +366,30 @@ def test_fp8_static_ops_on_cpu(tmp_path, monkeypatch):
   assert y.shape == (16, 256) and y.dtype == jnp.float8_e4m3fn
 
 
+def test_fp8_static_residual_ops_on_cpu(tmp_path, monkeypatch):
+  """*_fp8_static_res (vLLM's fused_add_rms_norm_static_fp8_quant): (x, r) in, y and h
+  out, checked against the jnp chain; bytes (3 * itemsize + 1) * M * N; pallas and xla
+  planned, forward only."""
+  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
+  assert bench_plan.fp8_variant("rms_fp8_static_res") == ("rms", True, False)
+  assert bench.bytes_model(8, 16, 2, "fwd", "rms_fp8_static_res") == 7 * 128
+  out = tmp_path / "static_res.json"
+  args = _args("--shapes", "8x256", "--ops", "rms_fp8_static_res,layer_fp8_static_res",
+               "--impls", "pallas,xla,flax", "--iters", "2", "--check", "--out", str(out))
+  plan = bench.build_plan(args)
+  assert {c.impl for c in plan} == {"pallas", "xla"} and {c.pass_ for c in plan} == {"fwd"}
+  assert run.run_plan(args, plan) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 4
+  for r in rows:
+    assert r["check"] == "ok" and "h:rel=" in r["check_detail"], r
+  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], "rms_fp8_static_res")
+  x = jnp.ones((8, 256), jnp.bfloat16)
+  y, h = f((x, x), jnp.ones((256,), jnp.float32), None)
+  assert y.dtype == jnp.float8_e4m3fn and h.dtype == jnp.bfloat16 and float(h[0, 0]) == 2.0
+
+
 @pytest.mark.parametrize("op", ["layer_fp8_t", "rms_fp8_delayed_t"])
 def test_fp8_ops_on_cpu(tmp_path, monkeypatch, op):
   """An FP8-output op through the run loop (interpret mode): --check against the jnp

@@ -46,10 +46,10 @@ def jax_fn(impl: Impl, op: str):
   eps = EPS[op]
   if fp8_input(op):
     return _fp8_input_fn(impl, op, eps)
-  if op.endswith("_res"):
-    return _residual_fn(impl, op[:-len("_res")], eps)
   if fp8_variant(op) is not None:
     return _fp8_fn(impl, op, eps)
+  if op.endswith("_res"):
+    return _residual_fn(impl, op[:-len("_res")], eps)
   layer = op == "layer"
   if impl.family == "pallas_norm":
     import pallas_norm
@@ -182,8 +182,14 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
   y_scale = jnp.float32(FP8_DELAYED_SCALE) if delayed else None
 
   def fn(x, s, b):
+    res = {}
+    if op.endswith("_res"):  # (x, r): the fused residual add; y and h returned
+      x, rr = x
+      res = dict(residual=rr)
     r = f(x, s, *extra(b), y_scale=y_scale, transpose=transpose, eps=eps,
-          backend=impl.name)
+          backend=impl.name, **res)
+    if res:
+      return r[0].y, r[1]
     # Delayed scaling hands the given y_scale back. Here it is a constant of the jitted
     # step, which XLA copies into an output buffer with a MemcpyD2D (1.2-1.3 us on the
     # H100, not in the CUPTI kernel time: benchmarks/kernel_clock_gaps.py at fd31e12); a caller's

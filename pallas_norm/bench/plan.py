@@ -46,13 +46,16 @@ FP8_INPUT_GROUP = 16  # COAT's QB
 # W8A8 serving's static scale (vLLM's static-scale FP8 norms): y_scale given, y alone
 # (no amax, no statistics: the serving step reads y only; the kernel is the delayed one).
 FP8_STATIC_OPS = ("rms_fp8_static", "layer_fp8_static")
+# The same with the fused residual add before it (vLLM's
+# fused_add_rms_norm_static_fp8_quant): (x, r) in, y and h out.
+FP8_STATIC_RES_OPS = ("rms_fp8_static_res", "layer_fp8_static_res")
 # Gemma's post-norm before the fused residual add (rms_norm(x, s, residual=r,
 # post_norm_scale=s): h = r + rms_norm(x, s), y = rms_norm(h, s); the bench passes the one
 # scale as both): ours in one kernel outside jax.vjp, XLA's fusion of the jnp, and what
 # flax's Gemma writes (its norm, the add, its norm). The "*_res" bytes model and inputs.
 POST_OPS = ("rms_post_res",)
 KERNEL_OPS = (OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS
-              + POST_OPS)  # the kernel bench's (--sharded: OPS)
+              + POST_OPS + FP8_STATIC_RES_OPS)  # the kernel bench's (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 # fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
 # order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.
@@ -61,7 +64,7 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
 EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5, "rms_post_res": 1e-6,
        **{op: 1e-6 if op.startswith("rms") else 1e-5
-          for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS}}
+          for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS + FP8_STATIC_RES_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5, "fwdbwd_dep": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
@@ -135,7 +138,7 @@ class Case:
 def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
   """(norm, delayed, transpose) of an FP8-output op ("layer_fp8_delayed_t" ->
   ("layer", True, True); a static-scale op is delayed, no y_t); None for the others."""
-  if op in FP8_STATIC_OPS:
+  if op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS:
     return op.split("_fp8")[0], True, False
   if op not in FP8_OPS:
     return None
@@ -145,7 +148,7 @@ def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
 
 def fp8_static(op: str) -> bool:
   """Whether ``op`` is a static-scale FP8-output op (its step returns y alone)."""
-  return op in FP8_STATIC_OPS
+  return op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS
 
 
 def fp8_input(op: str) -> bool:
@@ -170,6 +173,8 @@ def bytes_model(m: int, n: int, itemsize: int, pass_: str, op: str = "rms") -> i
   if fp8 is not None:
     if pass_ != "fwd":
       raise ValueError(f"{op} is forward only (the FP8-output norms are not differentiable)")
+    if op.endswith("_res"):  # x and r in, y (FP8) and h out
+      return (3 * itemsize + 1) * m * n
     return (itemsize + 1 + int(fp8[2])) * m * n
   if fp8_input(op):
     fwd = (1 + itemsize) * m * n + 4 * m * (n // FP8_INPUT_GROUP)
@@ -182,6 +187,8 @@ def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
   """What pallas_norm's FP8 kernels move: delayed scaling the bytes model (one pass),
   current scaling x read twice (statistics and amax, then quantise; docs/fp8.md)."""
   _, delayed, transpose = fp8_variant(op)
+  if op.endswith("_res"):
+    return (3 * itemsize + 1) * m * n
   return ((1 if delayed else 2) * itemsize + 1 + int(transpose)) * m * n
 
 

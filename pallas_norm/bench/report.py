@@ -198,7 +198,7 @@ def _title(op: str) -> str:
   if fp8 is None:
     return name
   if fp8_static(op):
-    return f"{name} FP8 static scale (y only)"
+    return f"{name} FP8 static scale (y only)" + (" +residual" if op.endswith("_res") else "")
   return f"{name} FP8 {'delayed' if fp8[1] else 'current'}{' +y_t' if fp8[2] else ''}"
 
 

@@ -291,7 +291,7 @@ def _fp8_names(op: str) -> list[str]:
   y_scale under delayed scaling (the given one, left out: peers._fp8_fn); y alone for a
   static-scale op."""
   if fp8_static(op):
-    return ["y"]
+    return ["y", "h"] if op.endswith("_res") else ["y"]
   _, delayed, transpose = fp8_variant(op)
   return ["y"] + ([] if delayed else ["y_scale"]) + ["amax"] + (
       ["y_t"] if transpose else []) + ["mean", "rstd"]

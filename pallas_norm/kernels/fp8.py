@@ -63,10 +63,11 @@ from pallas_norm.config import (_COLUMN_SPLIT_MAX_M, _COLUMN_SPLIT_MIN_BLOCK_N,
 from pallas_norm.fp8 import quantise
 from pallas_norm.kernels._compat import out_struct, stream_cache_modifier
 from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _load,
-                                         _load_params, _load_tile, _tile_index, _tile_stats,
-                                         _where0)
+                                         _load_params, _load_tile, _Sum, _tile_index,
+                                         _tile_stats, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
+           "residual_config",
            "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
@@ -610,11 +611,15 @@ def _walk(num_chunks, body, init):
   return lax.fori_loop(0, num_chunks, lambda j, c: body(num_chunks - 1 - j, c), init)
 
 
-def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat):
+def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat,
+               has_residual=False):
   """(x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref) of a row-block kernel;
-  q as in _emit (None for the statistics kernel), the absent refs None."""
+  q as in _emit (None for the statistics kernel), the absent refs None. With a residual
+  (inputs x, residual, ...; outputs y[, y_t], h, ...) x_ref is forward.py's _Sum of x and
+  the residual, which stores h at the first load of each element."""
   refs = list(refs)
   x_ref = refs.pop(0)
+  r_ref = refs.pop(0) if has_residual else None
   scale_ref = refs.pop(0) if has_scale else None
   bias_ref = refs.pop(0) if has_bias else None
   q = None
@@ -622,6 +627,8 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
     inv_ref, y_ref = refs.pop(0), refs.pop(0)
     y_t_ref = refs.pop(0) if transpose else None
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
+  if has_residual:
+    x_ref = _Sum(x_ref, r_ref, refs.pop(0))
   mean_ref, rstd_ref, amax_ref = refs  # RMSNorm's mean_ref: its zeros (_store_row_stats)
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
@@ -652,15 +659,16 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                  fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n,
-                 column_splits=1):
+                 column_splits=1, has_residual=False):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling). With ``column_splits`` (whole rows), program p is split
   p % column_splits of row block p // column_splits: the whole row's statistics, its
   share of the columns quantised, an amax partial a row and split (amax_ref
-  [M x column_splits]); split 0 stores mean/rstd."""
+  [M x column_splits]); split 0 stores mean/rstd. ``has_residual`` (one program a row
+  block, no column splits): x + residual normalised, h stored (``_norm_refs``)."""
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat, has_residual)
   m = x_ref.shape[0]
   rb, k = pl.program_id(0), 0
   if column_splits > 1:
@@ -672,7 +680,7 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
   t0 = tile(rb, 0)
   rows, _, row_mask, _, mask = t0
   if cdiv(n, block_n) == 1:  # the row block stays in registers: x is read once
-    x = _load_tile(x_ref, rows, t0[1], mask)  # [block_m, block_n] f32, 0 outside
+    x = _load_tile(x_ref, rows, t0[1], mask, first=True)  # [block_m, block_n] f32, 0 outside
     mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
     if column_splits > 1:  # this split's columns, reloaded (L1/L2)
       tk = _chunk_index(rb, k, m, n, block_m=block_m, block_n=block_n,  # masked past N
@@ -1008,9 +1016,15 @@ def _inv(inv):
   return jnp.asarray(inv, _F32).reshape(1)
 
 
+def residual_config(cfg: Fp8Config) -> Fp8Config:
+  """``cfg`` as the delayed kernel runs it with a residual: one program a row block
+  (``_norm_kernel``: no persistent programs, no packed x, no column splits)."""
+  return dataclasses.replace(cfg, num_programs=0, packed=False, column_splits=1)
+
+
 def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
                      subtract_mean: bool, fp8_dtype, transpose: bool, interpret: bool,
-                     config: Fp8Config | None = None):
+                     config: Fp8Config | None = None, residual=None, residual_dtype=None):
   """Delayed scaling, one pass: the norm of x quantised with ``inv`` = 1 / y_scale.
 
   Args:
@@ -1019,11 +1033,16 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     eps, scale_offset, subtract_mean: as in ``pallas_norm.layer_norm``.
     fp8_dtype: float8_e4m3fn or float8_e5m2; transpose: also write y_t.
     interpret: Pallas interpret mode. config: Fp8Config (default ``fp8_config``).
+    residual: None, or [M, N] float: the fused residual add (vLLM's
+      ``fused_add_rms_norm_static_fp8_quant``): the kernel normalises h = x + residual
+      (summed in float32), quantises that, and writes h in ``residual_dtype`` (default
+      the residual's). The config runs as ``residual_config`` makes it.
 
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
     f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
-    |y_f32| (config.num_programs == 0), or [G], each persistent program's max).
+    |y_f32| (config.num_programs == 0), or [G], each persistent program's max), and
+    h [M, N] last with a residual.
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -1032,12 +1051,17 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias))
+  h_outs, extra_statics = [], {}
+  if residual is not None:
+    cfg = residual_config(cfg)
+    h_outs = [out_struct((m, n), jnp.dtype(residual_dtype or residual.dtype), x)]
+    extra_statics = dict(has_residual=True)
   kernel, grid, extra, num_amax = _row_launch(m, n, cfg)
   xp = _packed_x(x, cfg, transpose)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
-  extra.update(pp)
-  outs = _call(kernel, [xp, scale, bias, _inv(inv)],
-               _y_outs(x, fp8_dtype, transpose, cfg.packed)
+  extra.update(pp, **extra_statics)
+  outs = _call(kernel, [xp, residual, scale, bias, _inv(inv)],
+               _y_outs(x, fp8_dtype, transpose, cfg.packed) + h_outs
                + _row_outs(x, num_amax),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
@@ -1049,7 +1073,9 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   if cfg.packed:  # [M, N / 2] int16 -> [M, N / 2, 2] FP8, the even column first
     y = lax.bitcast_convert_type(y, jnp.dtype(fp8_dtype)).reshape(m, n)
   y_t = outs.pop(0) if transpose else None
-  return (y, y_t, *outs)  # + (mean, rstd, amax bits): _row_outs
+  h = outs.pop(0) if residual is not None else None
+  # + (mean, rstd, amax bits): _row_outs; h last with a residual
+  return (y, y_t, *outs) + ((h,) if residual is not None else ())
 
 
 def fp8_stats(x, scale, bias, *, eps: float, scale_offset: float, subtract_mean: bool,

@@ -795,6 +795,45 @@ def test_fp8_output_sharded(layout, axis_type, op, delayed, transpose, rank):
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+@pytest.mark.parametrize("layout,op", [("dp", "rms"), ("dp_sp", "layer")])
+def test_fp8_output_residual_sharded(layout, axis_type, op):
+  """residual= with the rows sharded (static scale): y within one FP8 step of the
+  unsharded call and mostly equal, h bitwise, amax global; y and h keep x's sharding;
+  no all-gather. The hidden dim sharded: NotImplementedError before any kernel (on an
+  Auto mesh from inside XLA's compilation)."""
+  mesh_shape, names, _ = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
+  shape, spec = _shape(layout, 3, 40)
+  x, scale, bias, _ = _inputs(shape, jnp.bfloat16, seed=51)
+  r = jax.random.normal(jax.random.key(52), shape, jnp.float32)
+  fn = pallas_norm.layer_norm_fp8 if op == "layer" else pallas_norm.rms_norm_fp8
+  params = (scale, bias) if op == "layer" else (scale,)
+  call = jax.jit(lambda x, r, *p: fn(x, *p, y_scale=jnp.float32(0.05), residual=r))
+  (want, want_h) = call(x, r, *params)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+  compiled = call.lower(put(x), put(r), *params).compile()
+  got, h = compiled(put(x), put(r), *params)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+  g, w = np.asarray(got.y.astype(jnp.float32)), np.asarray(want.y.astype(jnp.float32))
+  np.testing.assert_allclose(g, w, rtol=2.0**-3, atol=2.0**-9)
+  assert np.mean(g == w) > 0.99
+  np.testing.assert_allclose(float(got.amax), float(want.amax), rtol=1e-6)
+  for a in (got.y, h):
+    assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), len(shape)), a.sharding
+  assert _collectives(compiled.as_text())["all-gather"] == 0
+  tp_mesh_shape, tp_names, tp_spec = LAYOUTS["tp"]
+  tp = jax.make_mesh(tp_mesh_shape, tp_names,
+                     axis_types=(AXIS_TYPES[axis_type],) * len(tp_names))
+  tshape, _ = _shape("tp", 3, 40)
+  xt, rt = (jax.device_put(jnp.ones(tshape, jnp.bfloat16), NamedSharding(tp, tp_spec))
+            for _ in range(2))
+  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
+                     match="tensor parallel"):
+    jax.block_until_ready(jax.jit(lambda x, r: pallas_norm.rms_norm_fp8(
+        x, y_scale=jnp.float32(0.05), residual=r))(xt, rt))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 def test_fp8_output_unserved_layouts_are_errors(axis_type):
   """y_t with a non-leading row dim sharded: a ValueError naming the sharding, not a
   gather."""
