@@ -137,3 +137,23 @@ def test_not_differentiable():
     jax.grad(lambda x: jnp.sum(pallas_norm.rms_norm_fp8(
         x, s, y_scale=_Y_SCALE, residual=r)[1]))(x)
   assert fp8.Fp8Norm._fields[-1] == "rstd"  # the result type is unchanged
+
+
+@pytest.mark.cpu_only
+def test_lowers_for_cuda():
+  """The residual variants lower through JAX's Pallas Triton lowering for CUDA (on a
+  CPU-only machine too): the whole-row and the chunked row-block kernel, with y_t, one
+  custom call each."""
+  sds = jax.ShapeDtypeStruct
+  for m, n, layer, transpose in [(8, 4096, False, False), (512, 2048, True, True),
+                                 (4, 65536, False, False)]:
+    op = OPS["layer" if layer else "rms"]
+    args = (sds((m, n), jnp.bfloat16), sds((m, n), jnp.bfloat16), sds((n,), F32))
+
+    def call(x, r, s, op=op, layer=layer, transpose=transpose):
+      extra = (s,) if layer else ()
+      return op(x, s, *extra, y_scale=jnp.float32(_Y_SCALE), residual=r,
+                transpose=transpose, interpret=False)
+
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, (m, n)
