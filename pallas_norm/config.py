@@ -477,12 +477,14 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
 
 def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str,
                  mode: str | None, subtract_mean: bool,
-                 post_norm: bool = False) -> dict[str, tuple]:
+                 post_norm: bool = False, residual: bool = False) -> dict[str, tuple]:
   """Each tunable field's domain for one key (the tuner's coordinate search, one field at
   a time, in this order: the kernel's structure first, then tiles, warps and programs,
   then the flags). Values are table fields (``entry_fields``); combinations that do not
   fit are pruned by ``from_entry``. ``post_norm``: the one-kernel forward of
-  ``post_norm_scale=`` (multi_wave_cached, a row a program: no column splits)."""
+  ``post_norm_scale=`` (multi_wave_cached, a row a program: no column splits).
+  ``residual`` with an FP8-output pass: the delayed kernel's residual variant (a row
+  block a program: its tile, warps and ``tile_params``)."""
   bn_full = next_power_of_2(n)
   rows = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_power_of_2(m))
   warps = (1, 2, 4, 8, 16, 32)
@@ -493,6 +495,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
   pallas = backend == "pallas"
   space: dict[str, tuple] = {}
   if pass_.startswith("fp8_"):  # kernels/fp8.py's Fp8Config, and its kernel's flag
+    if residual:  # the row-block kernel alone (kernels.fp8.residual_config)
+      return dict(block_m=rows, num_warps=warps, tile_params=(False, True))
     if pass_.startswith("fp8_quantise"):
       return dict(block_n=(128, 256, 512, 1024), block_m=rows, num_warps=warps,
                   bottom_up=(False, True))

@@ -155,9 +155,10 @@ def _op(key: tuning.Key, backend: str, mode: str | None):
     op = pallas_norm.layer_norm_fp8 if p["subtract_mean"] else pallas_norm.rms_norm_fp8
     extra = (lambda b: (b,)) if p["subtract_mean"] else (lambda b: ())
 
-    def f8(x, s, b, r, xs):
-      del r, xs
-      return op(x, s, *extra(b), y_scale=ys, transpose=transpose, backend=backend)
+    def f8(x, s, b, r, xs):  # with a residual family: (Fp8Norm, h)
+      del xs
+      res = {} if r is None else dict(residual=r)
+      return op(x, s, *extra(b), y_scale=ys, transpose=transpose, backend=backend, **res)
     return f8
   kw = dict(mode=mode, backend=backend, cast="llama" if p["llama"] else "torch")
   if _fp8(key):
@@ -322,6 +323,8 @@ def _fp8_rebuild(e: tuning.Entry, device):
   kernel, transpose = _fp8_kernel(e.key)
   cfg = kfp8.fp8_from_entry(e, e.key.m, e.key.n, jnp.dtype(e.key.x), transpose,
                             device.platform != "gpu")
+  if cfg is not None and _parts(e.key)["residual"]:  # what the residual variant runs
+    cfg = kfp8.residual_config(cfg)
   flags = tuple(sorted((k, bool(v)) for k, v in e.fields.items() if k in kfp8.FP8_FLAGS))
   return None if cfg is None else (cfg, flags)
 
@@ -360,7 +363,7 @@ def _default(key, backend, mode, device) -> Candidate | None:
     cfg = kfp8.fp8_config(key.m, key.n, jnp.dtype(key.x), kernel=kernel,
                           subtract_mean=p["subtract_mean"], transpose=transpose,
                           interpret=interpret, param_dtype=jnp.dtype(key.params),
-                          tuned=False)
+                          tuned=False, residual=p["residual"])
     flags = ()
     if kernel == "delayed" and transpose:
       flags = (("separate", kfp8.transpose_separately(interpret)),)
@@ -466,7 +469,8 @@ def _coordinate_search(start: Candidate, key, backend, mode, device, meas: _Meas
   points, timed with ``start``; the search moves from the fastest of them."""
   p = _parts(key)
   space = C.search_space(key.pass_, key.m, key.n, device, backend=backend, mode=mode,
-                         subtract_mean=p["subtract_mean"], post_norm=p["post_norm"])
+                         subtract_mean=p["subtract_mean"], post_norm=p["post_norm"],
+                         residual=p["residual"] and _fp8_out(key))
   meas.measure([start, *seeds])
   best = start if meas.times.get(start.config) is not None else None
   for c in seeds:

@@ -336,6 +336,36 @@ def test_tune_fp8_output_passes(tmp_path):
 
 
 @pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
+def test_tune_fp8_residual_family(tmp_path):
+  """The static-scale FP8 op with residual= (family rms_res, pass fp8_delayed): its row
+  block kernel's tile and warps are searched (no persistent programs, no packing) and
+  read back by kernels/fp8.py for residual calls only; current scaling's passes are not
+  served with a residual (skipped, not an error)."""
+  from pallas_norm.kernels import fp8 as kfp8
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    return 10.0 + abs(cand.entry.fields["num_warps"] - 2)
+  keys = tune.keys_for([(16, 256)], ("rms_res",), ("fp8_delayed", "fp8_stats"))
+  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
+                  backends=("pallas",), timer=timer, progress=False, rounds=1,
+                  log=lambda *a: None)
+  table = tuning.Table.load(path)
+  assert set(table.groups) == {("fp8_delayed", "rms_res", "bfloat16", "bfloat16")}
+  (e,) = table.groups["fp8_delayed", "rms_res", "bfloat16", "bfloat16"]
+  assert e.fields["num_warps"] == 2 and e.fields["programs_per_sm"] == 0
+  assert not e.fields["packed"] and e.fields["column_splits"] == 1
+  tuning.clear_cache()
+  kw = dict(kernel="delayed", interpret=True, param_dtype=jnp.bfloat16)
+  assert kfp8.fp8_config(16, 256, jnp.bfloat16, residual=True, **kw).num_warps == 2
+  plain = kfp8.fp8_config(16, 256, jnp.bfloat16, **kw)
+  assert plain == kfp8.fp8_config(16, 256, jnp.bfloat16, tuned=False, **kw)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((16, 256)), jnp.bfloat16)
+  s = jnp.ones((256,), jnp.bfloat16)
+  out, h = pallas_norm.rms_norm_fp8(x, s, y_scale=jnp.float32(8 / 448), residual=x)
+  np.testing.assert_array_equal(np.asarray(h, np.float32), 2 * np.asarray(x, np.float32))
+
+
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_cli(capsys, tmp_path):
   assert tune.main(["--dry-run", "--shapes", "1x4096,64x1000", "--families", "rms,layer_res",
                     "--passes", "fwd,bwd"]) == 0

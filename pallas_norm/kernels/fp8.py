@@ -290,16 +290,17 @@ def table_pass(kernel: str, transpose: bool) -> str:
 
 
 def _tuned_entry(kernel: str, m: int, n: int, dtype, subtract_mean: bool,
-                 transpose: bool, param_dtype, interpret: bool):
+                 transpose: bool, param_dtype, interpret: bool, residual: bool = False):
   """The tables' entry for this FP8 kernel call, or None (interpret mode: the CPU's
-  tables only)."""
+  tables only). ``residual``: the fused residual add's family ("rms_res", "layer_res")."""
   from pallas_norm import config as _config
   from pallas_norm import tuning
   device = device_info()
   if interpret != (device.platform != "gpu"):
     return None  # compiled from a CPU or interpreted on a GPU: no table of that device
   key = _config.table_key(table_pass(kernel, transpose), m, n, dtype,
-                          subtract_mean=subtract_mean, param_dtype=param_dtype)
+                          subtract_mean=subtract_mean, param_dtype=param_dtype,
+                          residual=residual)
   found = tuning.lookup(key, device.name, backend="pallas", gpu=device.platform == "gpu")
   return None if found is None else found[0]
 
@@ -424,7 +425,8 @@ _FP8_COLUMN_SPLITS = 8
 
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
-               interpret: bool = False, param_dtype=None, tuned: bool = True) -> Fp8Config:
+               interpret: bool = False, param_dtype=None, tuned: bool = True,
+               residual: bool = False) -> Fp8Config:
   """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N]:
   the tuning tables' entry for the call (``tuned``; ``fp8_from_entry``), else the
   default below.
@@ -444,11 +446,24 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   even N, ``_BF16_ROWS_H100`` / ``_BF16_ROWS_H100_2B``: the packed kernel, x loaded
   without .cg).
 
+  ``residual`` (delayed scaling with ``residual=``): the tables' entry of the residual
+  family ("rms_res" / "layer_res"), else this function's config without it; either as
+  ``residual_config`` makes it (one program a row block).
+
   Raises:
     ValueError: an unknown kernel name.
   """
   if kernel not in KERNELS:
     raise ValueError(f"{kernel=} is not an FP8 kernel; valid: {KERNELS}")
+  if residual:
+    e = tuned and _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype,
+                               interpret, residual=True)
+    cfg = fp8_from_entry(e, m, n, dtype, transpose, interpret) if e else None
+    if cfg is None:
+      cfg = fp8_config(m, n, dtype, kernel=kernel, subtract_mean=subtract_mean,
+                       transpose=transpose, interpret=interpret, param_dtype=param_dtype,
+                       tuned=tuned)
+    return residual_config(cfg)
   if tuned:
     e = _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype, interpret)
     cfg = None if e is None else fp8_from_entry(e, m, n, dtype, transpose, interpret)
@@ -1050,7 +1065,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   m, n = x.shape
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
-                             param_dtype=_param_dtype(scale, bias))
+                             param_dtype=_param_dtype(scale, bias),
+                             residual=residual is not None)
   h_outs, extra_statics = [], {}
   if residual is not None:
     cfg = residual_config(cfg)
