@@ -1173,13 +1173,13 @@ def forward_config(m: int, n: int, dtype, mode: str | None = None,
     raise ValueError(f"{mode=} must be one of {MODES}")
   if post_norm:
     kw = dict(subtract_mean=subtract_mean, backend=backend, residual=True,
-              param_dtype=param_dtype, return_residuals=return_residuals, llama=llama)
+              param_dtype=param_dtype, llama=llama)
     cfg = tuned and _tuned("fwd", m, n, dtype, device, mode="multi_wave_cached",
-                           post_norm=True, **{k: v for k, v in kw.items()
-                                              if k != "return_residuals"})
+                           post_norm=True, **kw)
     if cfg:
       return cfg
-    cfg = forward_config(m, n, dtype, "multi_wave_cached", device, tuned=tuned, **kw)
+    cfg = forward_config(m, n, dtype, "multi_wave_cached", device, tuned=tuned,
+                         return_residuals=return_residuals, **kw)
     return dataclasses.replace(cfg, column_splits=1)
   cfg = tuned and _tuned("fwd_stats" if return_residuals else "fwd", m, n, dtype, device,
                          backend=backend, mode=mode, subtract_mean=subtract_mean,

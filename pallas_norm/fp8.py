@@ -241,6 +241,7 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residua
   """
   from pallas_norm.kernels import fp8 as _kernels
   n, lead = x.shape[-1], x.shape[:-1]
+  h = None
   if residual is not None and hidden:
     op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
     raise NotImplementedError(
@@ -282,21 +283,18 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residua
                                                      else bias).dtype)
     res = {} if residual is None else dict(residual=residual.reshape(-1, n),
                                            residual_dtype=jnp.dtype(st.residual_dtype))
-    y, y_t, mean, rstd, row_amax, *h = _kernels.fp8_norm_delayed(
+    y, y_t, mean, rstd, row_amax, *hs = _kernels.fp8_norm_delayed(
         x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw,
         fp8_dtype=dt, transpose=st.transpose and not sep, **res)
+    h = hs[0] if hs else None
     if sep:
       y_t = y.T
     amax = amax_of(row_amax)
-    if h:
-      if y_t is not None and st.yt_lead:
-        y_t = y_t.reshape(n, *lead)
-      return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
-                     rstd.reshape(lead)), h[0].reshape(x.shape)
   if y_t is not None and st.yt_lead:  # [N, M] -> [N, *lead]: the same bytes
     y_t = y_t.reshape(n, *lead)
-  return Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
-                 rstd.reshape(lead))
+  out = Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
+                rstd.reshape(lead))
+  return out if h is None else (out, h.reshape(x.shape))
 
 
 def _tp_stats(x2, st: _Fp8Static, hidden):
@@ -349,10 +347,9 @@ def _fp8_out_specs(spec, row_spec, yt_spec, st: _Fp8Static):
       (spec,) if st.residual_dtype else ())
 
 
-def _flat(out) -> tuple:
+def _flat(out, st: _Fp8Static) -> tuple:
   """``_pallas``'s result as a flat tuple: Fp8Norm's fields, then h with a residual."""
-  return (*out[0], out[1]) if isinstance(out, tuple) and not isinstance(out, Fp8Norm) \
-      else tuple(out)
+  return (*out[0], out[1]) if st.residual_dtype else tuple(out)
 
 
 def _unflat(outs, st: _Fp8Static):
@@ -363,7 +360,7 @@ def _unflat(outs, st: _Fp8Static):
 
 
 def _fp8_cp_impl(x, scale, bias, y_scale, residual, st):
-  return _flat(_pallas(x, scale, bias, y_scale, st, residual=residual))
+  return _flat(_pallas(x, scale, bias, y_scale, st, residual=residual), st)
 
 
 def _fp8_cp_partition(st, mesh, arg_shapes, result_shape):
@@ -376,7 +373,7 @@ def _fp8_cp_partition(st, mesh, arg_shapes, result_shape):
     spmd._same_layout(mesh, x_shape, residual, "residual")
 
   def lower(x, scale, bias, y_scale, residual):
-    return _flat(_pallas(x, scale, bias, y_scale, st, rows, hidden, residual))
+    return _flat(_pallas(x, scale, bias, y_scale, st, rows, hidden, residual), st)
 
   args = (named(spec), named(None if scale is None else p_spec),
           named(None if bias is None else p_spec), named(None if y_scale is None else P()),
@@ -421,13 +418,14 @@ def _pallas_sharded(x, scale, bias, y_scale, st: _Fp8Static, residual=None):
     y_scale = spmd._reshard(y_scale, mesh, P())
     residual = spmd._explicit_like(residual, mesh, spec, "residual")
     out = spmd._shard_map(
-        lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, rows, hidden, r)), mesh,
+        lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, rows, hidden, r), st), mesh,
         (x, scale, bias, y_scale, residual), (spec, p_spec, p_spec, P(), spec),
         _fp8_out_specs(spec, row_spec, yt_spec, st))
     return _unflat(out, st)
   if jax.device_count() > 1:
     out = spmd._unbatched(lambda x, s, b, ys, r: _fp8_cp(x, s, b, ys, r, st),
-                          lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, residual=r)),
+                          lambda x, s, b, ys, r: _flat(_pallas(x, s, b, ys, st, residual=r),
+                                                       st),
                           x, scale, bias, y_scale, residual)
     return _unflat(out, st)
   return _pallas(x, scale, bias, y_scale, st, residual=residual)

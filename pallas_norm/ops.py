@@ -433,7 +433,7 @@ def _post_norm_forward(x2, scale, post_scale, st: _Static, return_residuals, com
     params = [p.dtype for p in (scale, post_scale) if p is not None]
     if st.param_cast is not None:
       params = [jnp.dtype(st.param_cast)] * len(params)
-    from pallas_norm.kernels import forward
+    forward, _ = _backend_module("pallas")
     try:
       cfg = _config.forward_config(m, n, x2.dtype, "multi_wave_cached", backend="pallas",
                                    residual=True, param_dtype=params[0],

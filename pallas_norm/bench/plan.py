@@ -187,8 +187,8 @@ def fp8_design_bytes(m: int, n: int, itemsize: int, op: str) -> int:
   """What pallas_norm's FP8 kernels move: delayed scaling the bytes model (one pass),
   current scaling x read twice (statistics and amax, then quantise; docs/fp8.md)."""
   _, delayed, transpose = fp8_variant(op)
-  if op.endswith("_res"):
-    return (3 * itemsize + 1) * m * n
+  if op.endswith("_res"):  # delayed scaling: one pass, the bytes model
+    return bytes_model(m, n, itemsize, "fwd", op)
   return ((1 if delayed else 2) * itemsize + 1 + int(transpose)) * m * n
 
 
