@@ -508,9 +508,9 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       space["separate"] = (False, True)
     return space
   if pass_ == "bwd":
-    # few rows (Pallas) may hold N' 16384 as one tile, as the default does from 8 rows
-    one_tile = bn_full <= (_FEW_ROWS_MAX_BLOCK_N if pallas and m <= _FEW_ROWS_M
-                           else _BWD_SINGLE_TILE_MAX)
+    # Pallas may hold N' 16384 as one tile a row, as the default does from 8 to 64 rows;
+    # past 64 rows the tuner measures it (its seed: tune.py's few-row default)
+    one_tile = bn_full <= (_FEW_ROWS_MAX_BLOCK_N if pallas else _BWD_SINGLE_TILE_MAX)
     if bn_full > _BWD_SINGLE_TILE_MAX:
       space["block_n"] = (tuple(c for c in (512,) + chunks if c < bn_full)
                           + ((bn_full,) if one_tile else ()))

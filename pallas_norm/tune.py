@@ -396,6 +396,18 @@ def _default(key, backend, mode, device) -> Candidate | None:
   return Candidate(_entry(key, backend, mode, cfg, device), cfg)
 
 
+def _few_row_seed(key, backend, mode, device) -> Candidate | None:
+  """Past the few-row bucket (M > 64), that bucket's default rebuilt for ``key``'s rows,
+  or None: the one-tile backward of N' 16384 is the default up to 64 rows only, and the
+  many-row default's split row cannot reach it one field at a time (block_n and
+  split_rows at once)."""
+  if key.m <= C._FEW_ROWS_M:
+    return None
+  few = _default(dataclasses.replace(key, m=C._FEW_ROWS_M), backend, mode, device)
+  return None if few is None else _candidate(key, backend, mode, dict(few.entry.fields),
+                                             device)
+
+
 class _Measurer:
   """Compiles (on a pool) and times candidates of one key and backend/mode; memoised
   by the rebuilt config."""
@@ -597,6 +609,7 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
       seeds = [_candidate(key, backend, mode, dict(other.entry.fields), device)
                for _, b, _, other in starts if b not in ("mosaic", "xla")
                and other is not start]
+      seeds.append(_few_row_seed(key, backend, mode, device))
       _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain,
                          seeds=[c for c in seeds if c is not None])
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),

@@ -2,6 +2,7 @@
 deterministic timer. The kernels run (every candidate is traced, compiled and checked);
 only the time is made up, as a function of the candidate's config."""
 
+import dataclasses
 import itertools
 import json
 
@@ -400,8 +401,9 @@ def test_search_space_candidates_fit():
 
 
 def test_search_space_holds_the_few_row_one_tile_backward():
-  """Few rows of N' 16384: the default's one-tile backward (one kernel, fused_reduce)
-  and its column tiles are in the search space, as they are not for many rows."""
+  """Rows of N' 16384: the few-row default's one-tile backward (one kernel,
+  fused_reduce) and its column tiles are in the Pallas search space at 64 rows and past
+  them; other backends keep the split."""
   gpu = config.DeviceInfo("gpu", "some GPU", 132)
   few = config.search_space("bwd", 64, 16384, gpu, backend="pallas", mode=None,
                             subtract_mean=False)
@@ -409,7 +411,10 @@ def test_search_space_holds_the_few_row_one_tile_backward():
   assert "column_block_n" in few and "prefetch_stats" in few
   many = config.search_space("bwd", 512, 16384, gpu, backend="pallas", mode=None,
                              subtract_mean=False)
-  assert 16384 not in many["block_n"] and "fused_reduce" not in many
+  assert 16384 in many["block_n"] and many["fused_reduce"] == (False, True)
+  triton = config.search_space("bwd", 512, 16384, gpu, backend="triton", mode=None,
+                               subtract_mean=False)
+  assert 16384 not in triton["block_n"] and "fused_reduce" not in triton
 
 
 def test_cupti_timer_leaves_out_the_forwards_kernels_by_name(monkeypatch):
@@ -480,3 +485,17 @@ def test_coordinate_search_moves_from_a_seed():
   assert seed.config not in search(())  # the start's neighbours only
   times = search([seed])
   assert times[seed.config] == 1.0 == min(t for t in times.values() if t is not None)
+
+
+def test_few_row_default_seeds_the_search_past_64_rows():
+  """512 rows of N' 16384: the many-row default backward splits the row; the few-row
+  default (one tile a row) rebuilt for 512 rows is a seed, as no one-field move from
+  the split reaches it. At 64 rows there is none (it is the default)."""
+  gpu = config.DeviceInfo("gpu", "some GPU", 132)
+  key = tuning.Key("bwd", "rms", "bfloat16", "bfloat16", 16384, 512)
+  start = tune._default(key, "pallas", None, gpu)
+  assert start.config.split_rows
+  seed = tune._few_row_seed(key, "pallas", None, gpu)
+  assert seed is not None and seed.config.block_n == 16384 and not seed.config.split_rows
+  assert seed.config.num_programs > 64  # rebuilt for 512 rows, not 64 programs
+  assert tune._few_row_seed(dataclasses.replace(key, m=64), "pallas", None, gpu) is None
