@@ -396,16 +396,24 @@ def _default(key, backend, mode, device) -> Candidate | None:
   return Candidate(_entry(key, backend, mode, cfg, device), cfg)
 
 
-def _few_row_seed(key, backend, mode, device) -> Candidate | None:
+def _few_row_seeds(key, backend, mode, device) -> list[Candidate]:
   """Past the few-row bucket (M > 64), that bucket's default rebuilt for ``key``'s rows,
-  or None: the one-tile backward of N' 16384 is the default up to 64 rows only, and the
-  many-row default's split row cannot reach it one field at a time (block_n and
-  split_rows at once)."""
+  and with ``fused_reduce`` it also without (the few-row backward's one kernel re-reads
+  every row for dscale; past 64 rows stage 2 may sum partials faster): none at M <= 64.
+  The one-tile backward of N' 16384 is the default up to 64 rows only, and the many-row
+  default's split row cannot reach it one field at a time (block_n and split_rows at
+  once). H200, 2026-11-29, RMSNorm 512x16384: the seed with fused_reduce 36.0 us against
+  the split's 19.9 (h200_2026-11-29_tune_bwd16384_a41d150.log)."""
   if key.m <= C._FEW_ROWS_M:
-    return None
+    return []
   few = _default(dataclasses.replace(key, m=C._FEW_ROWS_M), backend, mode, device)
-  return None if few is None else _candidate(key, backend, mode, dict(few.entry.fields),
-                                             device)
+  if few is None:
+    return []
+  fields = dict(few.entry.fields)
+  variants = [fields] + ([dict(fields, fused_reduce=False)] if fields.get("fused_reduce")
+                         else [])
+  return [c for c in (_candidate(key, backend, mode, f, device) for f in variants)
+          if c is not None]
 
 
 class _Measurer:
@@ -609,7 +617,7 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
       seeds = [_candidate(key, backend, mode, dict(other.entry.fields), device)
                for _, b, _, other in starts if b not in ("mosaic", "xla")
                and other is not start]
-      seeds.append(_few_row_seed(key, backend, mode, device))
+      seeds += _few_row_seeds(key, backend, mode, device)
       _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain,
                          seeds=[c for c in seeds if c is not None])
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),

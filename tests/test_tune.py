@@ -495,7 +495,9 @@ def test_few_row_default_seeds_the_search_past_64_rows():
   key = tuning.Key("bwd", "rms", "bfloat16", "bfloat16", 16384, 512)
   start = tune._default(key, "pallas", None, gpu)
   assert start.config.split_rows
-  seed = tune._few_row_seed(key, "pallas", None, gpu)
-  assert seed is not None and seed.config.block_n == 16384 and not seed.config.split_rows
-  assert seed.config.num_programs > 64  # rebuilt for 512 rows, not 64 programs
-  assert tune._few_row_seed(dataclasses.replace(key, m=64), "pallas", None, gpu) is None
+  seeds = tune._few_row_seeds(key, "pallas", None, gpu)
+  assert [s.config.fused_reduce for s in seeds] == [True, False]
+  for seed in seeds:
+    assert seed.config.block_n == 16384 and not seed.config.split_rows
+    assert seed.config.num_programs > 64  # rebuilt for 512 rows, not 64 programs
+  assert tune._few_row_seeds(dataclasses.replace(key, m=64), "pallas", None, gpu) == []
