@@ -579,3 +579,16 @@ def test_git_commit_says_dirty(tmp_path, monkeypatch):
   assert timing.git_commit(cwd=tmp_path / "nowhere") == "abc"
   monkeypatch.delenv("PALLAS_NORM_GIT_COMMIT")
   assert timing.git_commit(cwd=tmp_path.parent / "not-a-repo-") == "unknown"
+
+
+def test_pallas_untuned_serves_the_fp8_ops():
+  """``pallas-untuned`` runs the FP8-output ops on the Pallas kernels (the tuned against
+  untuned bench of their table entries); its run refused them before (2026-11-29)."""
+  impl = bench_plan.IMPL_BY_NAME["pallas-untuned"]
+  assert bench_plan.serves(impl, "rms_fp8_static") and bench_plan.serves(impl, "layer_fp8_static_res")
+  f = peers.jax_fn(impl, "rms_fp8_static")
+  x = jnp.ones((8, 256), jnp.bfloat16)
+  y = f(x, jnp.ones((256,), jnp.float32), None)
+  assert y.dtype == jnp.float8_e4m3fn and y.shape == x.shape
+  with pytest.raises(NotImplementedError):
+    peers.jax_fn(bench_plan.IMPL_BY_NAME["flax"], "rms_fp8_static")(x, x[0], None)

@@ -175,7 +175,8 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
   (reference.norm in float32, amax, quantise, transpose; backend="xla") under jit."""
   import pallas_norm
   norm, delayed, transpose = fp8_variant(op)
-  if impl.name not in ("pallas", "xla"):
+  backend = impl.backend or impl.name  # pallas-untuned: "pallas", traced without tables
+  if impl.mode is not None or backend not in ("pallas", "xla"):
     raise NotImplementedError(f"{impl.name} has no FP8 output")
   f = pallas_norm.layer_norm_fp8 if norm == "layer" else pallas_norm.rms_norm_fp8
   extra = (lambda b: (b,)) if norm == "layer" else (lambda b: ())
@@ -187,7 +188,7 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
       x, rr = x
       res = dict(residual=rr)
     r = f(x, s, *extra(b), y_scale=y_scale, transpose=transpose, eps=eps,
-          backend=impl.name, **res)
+          backend=backend, **res)
     if res:
       return r[0].y, r[1]
     # Delayed scaling hands the given y_scale back. Here it is a constant of the jitted
