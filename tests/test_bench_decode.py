@@ -77,8 +77,12 @@ def test_smoke_run_on_cpu(tmp_path, call_main):
   rc, stdout, err = call_main(
       bench.main, "--decode", "--allow-cpu", "--configs", "", "--config", _TOY["qwen3"],
       "--config", _TOY["gemma"], "--batches", "1,3", "--rounds", "1", "--samples", "2",
-      "--chain", "1", "--warmup", "0", "--out", str(out))
+      "--chain", "1", "--warmup", "0", "--out", str(out), "--hlo-dir", str(tmp_path / "hlo"))
   assert rc == 0, err
+  hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+  assert len(hlo) == 2 * 2 * len(decode.VARIANTS)  # (config, B) x variant
+  fused = next((tmp_path / "hlo").glob("decode_*_B3_pallas_norm_fused.hlo.txt")).read_text()
+  assert fused.startswith("HloModule") and "pallas_norm_fwd" in fused
   rows = json.loads(out.read_text())["rows"]
   assert [(r["style"], r["batch"], r["variant"]) for r in rows] == [
       (s, b, v) for s in ("qwen3", "gemma") for b in (1, 3) for v in decode.VARIANTS]

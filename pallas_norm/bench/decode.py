@@ -462,6 +462,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
   p.add_argument("--out", help="JSON path (PNG beside it); default "
                                "benchmarks/results/decode_<commit>.json")
+  p.add_argument("--hlo-dir", help="also write each case's optimised HLO, one file a "
+                                   "variant: DIR/decode_<config>_B<b>_<variant>.hlo.txt "
+                                   "(which fusion a kernel of the breakdown is)")
   return p
 
 
@@ -501,6 +504,22 @@ def _parse(argv):
     if getattr(args, name) < 1:
       parser.error(f"--{name}={getattr(args, name)} must be >= 1")
   return args, _configs(args, parser)
+
+
+def write_hlo(cfg: Config, b: int, steps: dict, params, directory, seed: int = 0) -> list:
+  """Each variant's step at batch ``b`` compiled as timed, its optimised HLO written to
+  ``directory/decode_<config>_B<b>_<variant>.hlo.txt`` (the fusions the CUPTI breakdown
+  names: ``loop_reduce_fusion_11`` and the like); returns the paths."""
+  import pathlib
+  d = pathlib.Path(directory)
+  d.mkdir(parents=True, exist_ok=True)
+  cache, x = inputs(cfg, b, seed)
+  paths = []
+  for v, step in steps.items():
+    path = d / f"decode_{cfg.name}_B{b}_{v}.hlo.txt"
+    path.write_text(step.lower(params, cache, x).compile().as_text())
+    paths.append(path)
+  return paths
 
 
 def print_plan(configs: list[Config], args) -> None:
@@ -546,6 +565,8 @@ def main(argv=None) -> int:
         skipped.append(f"{cfg.name} B={b}")
         continue
       case = run_case(cfg, b, steps, params, args)
+      if args.hlo_dir:
+        write_hlo(cfg, b, steps, params, args.hlo_dir, args.seed)
       for r in case:
         print(format_table([r], meta).splitlines()[-1], flush=True)
       rows += case
