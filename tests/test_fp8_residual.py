@@ -50,7 +50,9 @@ def _fp8_ulps(a, b):
     ((1, 256), jnp.bfloat16, None, False),
     ((7, 384), jnp.float32, None, True),
     ((2, 3, 512), jnp.bfloat16, jnp.float32, False),
-    ((64, 128), jnp.bfloat16, None, True)])
+    ((64, 128), jnp.bfloat16, None, True),
+    ((2, 256), jnp.bfloat16, None, False),  # the issue's M in {1, 2, 7, 64, 511}
+    ((511, 128), jnp.bfloat16, jnp.float32, False)])
 def test_matches_xla_and_the_sum(op, shape, rd, residual_dtype, transpose):
   """One kernel; h = x + r in its dtype bit for bit; y, amax and y_t as the FP8 op of
   the float32 sum (the same kernel config) and within one FP8 code of backend="xla"."""
