@@ -64,6 +64,8 @@ class Fp8Norm(NamedTuple):
     y_t: [N, M] fp8_dtype, ``y.reshape(M, N).T`` (``transpose=True``), else None.
     mean: x.shape[:-1] float32 (zeros for RMSNorm), for a fused layer's backward.
     rstd: x.shape[:-1] float32.
+
+  With ``stats=False`` (static scaling's y alone) amax, mean and rstd are None.
   """
 
   y: jax.Array
@@ -127,6 +129,7 @@ class _Fp8Static:
   yt_lead: bool = False  # y_t as [N, *x.shape[:-1]] (the FP8 dense layer's), not [N, M]
   tables: tuple = ()  # tuning.context(): a change of the tables' answers traces again
   residual_dtype: str | None = None  # residual=: h's dtype name (None: no residual)
+  stats: bool = True  # False: y (y_t, h) alone; amax, mean and rstd None
 
 
 def _check_backend(op: str, mode, backend: str) -> None:
@@ -186,7 +189,7 @@ def _check_y_scale(op: str, y_scale):
 
 
 def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, backend,
-           residual=None, residual_dtype=None):
+           residual=None, residual_dtype=None, stats=True):
   """(fp8 dtype, y_scale, h's dtype name or None): every error before any kernel."""
   _check_backend(op, mode, backend)
   ops._check_args(op, x, scale, bias, eps, None, "pallas")
@@ -195,6 +198,11 @@ def _check(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, mode, back
     raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__}")
   _, h_dtype = ops._check_residual(op, x, residual, residual_dtype)
   y_scale = _check_y_scale(op, y_scale)
+  if not isinstance(stats, (bool, np.bool_)):
+    raise TypeError(f"{op}: stats must be a bool, got {type(stats).__name__}")
+  if not stats and y_scale is None:
+    raise ValueError(f"{op}: stats=False (y alone: no amax, mean or rstd) needs a given "
+                     f"y_scale; current scaling (y_scale=None) scales y by its amax")
   if residual is not None and y_scale is None:
     raise ValueError(f"{op}: residual= is served with a given y_scale (delayed or static "
                      f"scaling: one pass); current scaling (y_scale=None) reads x twice: "
@@ -226,6 +234,8 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static, residual=None):
   y_t = None
   if st.transpose:
     y_t = jnp.moveaxis(q, -1, 0) if st.yt_lead else q.reshape(-1, n).T
+  if not st.stats:
+    return Fp8Norm(q, y_scale, None, y_t, None, None)
   return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
 
 
@@ -236,18 +246,22 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residua
   amax's int32 bits, so that a NaN on any device wins, as in ``reduce_amax``) before
   current scaling uses it. With a residual (delayed scaling; rows only): (Fp8Norm, h).
 
+  Without ``st.stats``: y (y_t, h) alone from the one-pass kernel, no amax (no pmax).
+
   Raises:
-    NotImplementedError: a residual with the hidden dim sharded.
+    NotImplementedError: a residual, or stats=False, with the hidden dim sharded.
   """
   from pallas_norm.kernels import fp8 as _kernels
   n, lead = x.shape[-1], x.shape[:-1]
   h = None
-  if residual is not None and hidden:
+  if (residual is not None or not st.stats) and hidden:
     op = "layer_norm_fp8" if st.subtract_mean else "rms_norm_fp8"
+    what = "residual=" if residual is not None else "stats=False"
     raise NotImplementedError(
-        f"{op}(residual=) with x's last dim sharded over {tuple(hidden)} (tensor "
-        f"parallel) is not served yet: shard the rows, or call rms_norm / layer_norm "
-        f"with residual= and quantise its y")
+        f"{op}({what}) with x's last dim sharded over {tuple(hidden)} (tensor "
+        f"parallel) is not served yet: shard the rows"
+        + (", or call rms_norm / layer_norm with residual= and quantise its y"
+           if residual is not None else ", or pass stats=True"))
   dt = jnp.dtype(st.fp8_dtype)
   x2 = x.reshape(-1, n)
   kw = dict(scale_offset=st.scale_offset, subtract_mean=st.subtract_mean,
@@ -283,17 +297,22 @@ def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residua
                                                      else bias).dtype)
     res = {} if residual is None else dict(residual=residual.reshape(-1, n),
                                            residual_dtype=jnp.dtype(st.residual_dtype))
-    y, y_t, mean, rstd, row_amax, *hs = _kernels.fp8_norm_delayed(
+    outs = _kernels.fp8_norm_delayed(
         x2, scale, bias, _F32(1.0) / y_scale, eps=st.eps, **kw,
-        fp8_dtype=dt, transpose=st.transpose and not sep, **res)
+        fp8_dtype=dt, transpose=st.transpose and not sep, stats=st.stats, **res)
+    if st.stats:
+      y, y_t, mean, rstd, row_amax, *hs = outs
+      amax = amax_of(row_amax)
+    else:
+      (y, y_t, *hs), mean, rstd, amax = outs, None, None, None
     h = hs[0] if hs else None
     if sep:
       y_t = y.T
-    amax = amax_of(row_amax)
   if y_t is not None and st.yt_lead:  # [N, M] -> [N, *lead]: the same bytes
     y_t = y_t.reshape(n, *lead)
-  out = Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t, mean.reshape(lead),
-                rstd.reshape(lead))
+  out = Fp8Norm(y.reshape(x.shape), y_scale, amax, y_t,
+                None if mean is None else mean.reshape(lead),
+                None if rstd is None else rstd.reshape(lead))
   return out if h is None else (out, h.reshape(x.shape))
 
 
@@ -342,8 +361,10 @@ def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
 
 
 def _fp8_out_specs(spec, row_spec, yt_spec, st: _Fp8Static):
-  """The outputs' specs: Fp8Norm's, then h's (laid out like x) with a residual."""
-  return (spec, P(), P(), yt_spec, row_spec, row_spec) + (
+  """The outputs' specs: Fp8Norm's (None for its absent fields), then h's (laid out like
+  x) with a residual."""
+  stat = (lambda s: s) if st.stats else (lambda s: None)
+  return (spec, P(), stat(P()), yt_spec, stat(row_spec), stat(row_spec)) + (
       (spec,) if st.residual_dtype else ())
 
 
@@ -396,8 +417,8 @@ def _fp8_cp_rule(st, mesh, operand_types, result_types):
                          else "" for t in operand_types[1:]]
   rows = f"({lead})" if " " in lead else lead  # y_t's M: the leading dims flattened
   yt = f"n {lead}" if st.yt_lead else f"n {rows}"
-  res = [f"{lead} n", "", ""] + ([yt] if st.transpose else []) + [lead, lead] + (
-      [f"{lead} n"] if st.residual_dtype else [])
+  res = ([f"{lead} n", ""] + ([""] if st.stats else []) + ([yt] if st.transpose else [])
+         + ([lead, lead] if st.stats else []) + ([f"{lead} n"] if st.residual_dtype else []))
   return f"{', '.join(ops)} -> {', '.join(res)}"
 
 
@@ -438,9 +459,10 @@ def _empty(x, y_scale, st: _Fp8Static, residual=None):
   dt = jnp.dtype(st.fp8_dtype)
   amax = jnp.zeros((), _F32)
   yt_shape = (n, *lead) if st.yt_lead else (n, 0)
+  stat = (lambda v: v) if st.stats else (lambda v: None)
   out = Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
-                else y_scale, amax, jnp.zeros(yt_shape, dt) if st.transpose else None,
-                jnp.zeros(lead, _F32), jnp.zeros(lead, _F32))
+                else y_scale, stat(amax), jnp.zeros(yt_shape, dt) if st.transpose else None,
+                stat(jnp.zeros(lead, _F32)), stat(jnp.zeros(lead, _F32)))
   return out if residual is None else (out, jnp.zeros(x.shape, st.residual_dtype))
 
 
@@ -478,7 +500,7 @@ _fp8_norm_jit = jax.jit(_fp8_norm, static_argnums=(5,))
 
 def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_offset,
               subtract_mean, mode, backend, interpret, yt_lead=False, residual=None,
-              residual_dtype=None):
+              residual_dtype=None, stats=True):
   """The public ops' body. ``yt_lead`` (the FP8 dense layer's): y_t as [N, *lead], the
   bytes of [N, M] with x's row dims kept, so that it is served for every row sharding
   (sequence parallel too) and contracted over those dims by the weight-gradient GEMM.
@@ -486,10 +508,10 @@ def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_o
   dt, y_scale, h_dtype = _check(op, x, scale, bias, eps=eps, y_scale=y_scale,
                                 fp8_dtype=fp8_dtype, transpose=transpose, mode=mode,
                                 backend=backend, residual=residual,
-                                residual_dtype=residual_dtype)
+                                residual_dtype=residual_dtype, stats=stats)
   st = _Fp8Static(float(eps), float(scale_offset), subtract_mean, dt.name, bool(transpose),
                   y_scale is not None, backend, ops._resolve_interpret(interpret),
-                  bool(yt_lead), tuning.context(), h_dtype)
+                  bool(yt_lead), tuning.context(), h_dtype, bool(stats))
   return _fp8_norm_jit(jnp.asarray(x), scale, bias, y_scale,
                        None if residual is None else jnp.asarray(residual), st)
 
@@ -499,7 +521,7 @@ def _norm_fp8(op, x, scale, bias, *, eps, y_scale, fp8_dtype, transpose, scale_o
 
 def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
                  transpose=False, eps=None, scale_offset=0.0, mode=None, backend="pallas",
-                 interpret=None, residual=None, residual_dtype=None):
+                 interpret=None, residual=None, residual_dtype=None, stats=True):
   """RMSNorm over the last axis with its output quantised to FP8 (COAT's
   ``fp8_rmsnorm_forward``; TransformerEngine's RMSNorm with an FP8 output).
 
@@ -532,10 +554,17 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       returns h, in ``residual_dtype`` (default: residual's), from the same one pass
       (Pallas: one program a row block). Rows may be sharded, not the hidden dim.
     residual_dtype: h's dtype (float32, bfloat16 or float16); only with a residual.
+    stats: True (default) also computes amax, mean and rstd; False, with a given
+      ``y_scale``: y (y_t, h) alone, amax, mean and rstd neither computed nor written
+      (None in the Fp8Norm): W8A8 serving's static quantisation, whose caller reads y
+      alone (vLLM's ``rms_norm_static_fp8_quant``; a kernel's outputs cannot be dropped
+      under jit). Pallas: one program a row block. Rows may be sharded, not the hidden
+      dim.
 
   Returns:
     Fp8Norm(y [..., N] fp8_dtype, y_scale () f32, amax () f32, y_t [N, M] fp8_dtype or
-    None, mean [...] f32 (zeros), rstd [...] f32); ``(Fp8Norm, h)`` with a residual.
+    None, mean [...] f32 (zeros), rstd [...] f32); ``(Fp8Norm, h)`` with a residual;
+    amax, mean and rstd None with ``stats=False``.
 
   Raises:
     ValueError: rank 0, N == 0, a scale shape other than (N,), eps < 0, a y_scale that is
@@ -545,24 +574,25 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       unevenly, or transpose=True with a row dimension other than the first sharded
       (on an Auto mesh XLA's compilation reports these as a jax.errors.JaxRuntimeError
       carrying the same message); a residual without y_scale, of another shape than x,
-      or sharded unlike x; a residual_dtype without a residual.
+      or sharded unlike x; a residual_dtype without a residual; stats=False without
+      y_scale.
     TypeError: integer or complex x or scale, x not float32/bfloat16/float16, fp8_dtype
-      not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose; jax.grad
-      through it.
-    NotImplementedError: a mode name, or backend="triton"; a residual with x's hidden
-      dim sharded (tensor parallel).
+      not float8_e4m3fn/float8_e5m2, y_scale not float32, a non-bool transpose or
+      stats; jax.grad through it.
+    NotImplementedError: a mode name, or backend="triton"; a residual or stats=False
+      with x's hidden dim sharded (tensor parallel).
   """
   if eps is None:
     eps = float(jnp.finfo(jnp.float32).eps)
   return _norm_fp8("rms_norm_fp8", x, scale, None, eps=eps, y_scale=y_scale,
                    fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
                    subtract_mean=False, mode=mode, backend=backend, interpret=interpret,
-                   residual=residual, residual_dtype=residual_dtype)
+                   residual=residual, residual_dtype=residual_dtype, stats=stats)
 
 
 def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
                    transpose=False, eps=1e-5, scale_offset=0.0, mode=None, backend="pallas",
-                   interpret=None, residual=None, residual_dtype=None):
+                   interpret=None, residual=None, residual_dtype=None, stats=True):
   """LayerNorm over the last axis with its output quantised to FP8 (TransformerEngine's
   LayerNorm with an FP8 output).
 
@@ -571,7 +601,7 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
 
   Args:
     x, scale, y_scale, fp8_dtype, transpose, scale_offset, mode, backend, interpret,
-      residual, residual_dtype: as in ``rms_norm_fp8``.
+      residual, residual_dtype, stats: as in ``rms_norm_fp8``.
     bias: [N] float array or None.
     eps: added to the variance (default 1e-5, torch's; None means the same).
 
@@ -587,7 +617,7 @@ def layer_norm_fp8(x, scale=None, bias=None, *, y_scale=None, fp8_dtype=jnp.floa
   return _norm_fp8("layer_norm_fp8", x, scale, bias, eps=eps, y_scale=y_scale,
                    fp8_dtype=fp8_dtype, transpose=transpose, scale_offset=scale_offset,
                    subtract_mean=True, mode=mode, backend=backend, interpret=interpret,
-                   residual=residual, residual_dtype=residual_dtype)
+                   residual=residual, residual_dtype=residual_dtype, stats=stats)
 
 
 # --------------------------------------------------------------------------- backward

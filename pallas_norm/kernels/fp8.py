@@ -67,7 +67,7 @@ from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _l
                                          _tile_stats, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
-           "residual_config",
+           "residual_config", "lean_config",
            "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
@@ -627,11 +627,12 @@ def _walk(num_chunks, body, init):
 
 
 def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat,
-               has_residual=False):
+               has_residual=False, stats=True):
   """(x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref) of a row-block kernel;
-  q as in _emit (None for the statistics kernel), the absent refs None. With a residual
-  (inputs x, residual, ...; outputs y[, y_t], h, ...) x_ref is forward.py's _Sum of x and
-  the residual, which stores h at the first load of each element."""
+  q as in _emit (None for the statistics kernel), the absent refs None (mean, rstd and
+  amax all three without ``stats``). With a residual (inputs x, residual, ...; outputs
+  y[, y_t], h, ...) x_ref is forward.py's _Sum of x and the residual, which stores h at
+  the first load of each element."""
   refs = list(refs)
   x_ref = refs.pop(0)
   r_ref = refs.pop(0) if has_residual else None
@@ -644,7 +645,8 @@ def _norm_refs(refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, h
     q = (inv_ref[0], jnp.dtype(fp8_dtype), y_ref, y_t_ref, hw_sat)
   if has_residual:
     x_ref = _Sum(x_ref, r_ref, refs.pop(0))
-  mean_ref, rstd_ref, amax_ref = refs  # RMSNorm's mean_ref: its zeros (_store_row_stats)
+  # RMSNorm's mean_ref: its zeros (_store_row_stats)
+  mean_ref, rstd_ref, amax_ref = refs if stats else (None, None, None)
   return x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref
 
 
@@ -674,16 +676,19 @@ def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
 
 def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                  fp8_dtype, transpose, hw_sat, hw_amax, tile_params, block_m, block_n,
-                 column_splits=1, has_residual=False):
+                 column_splits=1, has_residual=False, stats=True):
   """Row block ``program_id(0)``: statistics, y_f32, row amax; quantised and stored
   when ``fp8_dtype`` is given (delayed scaling), else only mean/rstd/amax (pass 1 of
   current scaling). With ``column_splits`` (whole rows), program p is split
   p % column_splits of row block p // column_splits: the whole row's statistics, its
   share of the columns quantised, an amax partial a row and split (amax_ref
   [M x column_splits]); split 0 stores mean/rstd. ``has_residual`` (one program a row
-  block, no column splits): x + residual normalised, h stored (``_norm_refs``)."""
+  block, no column splits): x + residual normalised, h stored (``_norm_refs``). Without
+  ``stats`` (static scaling's y alone) no mean, rstd or amax is stored (the amax's folds,
+  unused, are dead code)."""
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat, has_residual)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat, has_residual,
+      stats)
   m = x_ref.shape[0]
   rb, k = pl.program_id(0), 0
   if column_splits > 1:
@@ -702,11 +707,12 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
                         chunk_n=block_n // column_splits, rows_in_bounds=True)
       amax = _emit(_load_tile(x_ref, tk[0], tk[1], tk[4]), tk, mean, rstd, params, q,
                    None, hw_amax)
-      first = k == 0
-      _store_row_stats(mean_ref, rstd_ref, rows,
-                       first if row_mask is None else row_mask & first, mean, rstd)
-      plgpu.store(amax_ref.at[rows * column_splits + k], _amax_out(amax, (1,)),
-                  mask=row_mask)
+      if stats:
+        first = k == 0
+        _store_row_stats(mean_ref, rstd_ref, rows,
+                         first if row_mask is None else row_mask & first, mean, rstd)
+        plgpu.store(amax_ref.at[rows * column_splits + k], _amax_out(amax, (1,)),
+                    mask=row_mask)
       return
     amax = _emit(x, t0, mean, rstd, params, q, None, hw_amax)
   else:  # statistics over the chunks, then a second walk (from L2) that stores
@@ -714,8 +720,9 @@ def _norm_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias
                                       _amax_zeros((block_m, block_n), hw_amax), n=n,
                                       eps=eps, subtract_mean=subtract_mean,
                                       block_m=block_m, block_n=block_n, hw_amax=hw_amax)
-  _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
-  plgpu.store(amax_ref.at[rows], _amax_out(amax, (1,)), mask=row_mask)
+  if stats:
+    _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
+    plgpu.store(amax_ref.at[rows], _amax_out(amax, (1,)), mask=row_mask)
 
 
 def _row_block_loader(x_ref, *, n, block_m, block_n, stream):
@@ -1037,9 +1044,17 @@ def residual_config(cfg: Fp8Config) -> Fp8Config:
   return dataclasses.replace(cfg, num_programs=0, packed=False, column_splits=1)
 
 
+def lean_config(cfg: Fp8Config) -> Fp8Config:
+  """``cfg`` as the delayed kernel runs it without ``stats``: one program a row block
+  (``_norm_kernel``: no persistent programs, whose amax is their reason, no packed x);
+  column splits kept."""
+  return dataclasses.replace(cfg, num_programs=0, packed=False)
+
+
 def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
                      subtract_mean: bool, fp8_dtype, transpose: bool, interpret: bool,
-                     config: Fp8Config | None = None, residual=None, residual_dtype=None):
+                     config: Fp8Config | None = None, residual=None, residual_dtype=None,
+                     stats: bool = True):
   """Delayed scaling, one pass: the norm of x quantised with ``inv`` = 1 / y_scale.
 
   Args:
@@ -1052,12 +1067,15 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
       ``fused_add_rms_norm_static_fp8_quant``): the kernel normalises h = x + residual
       (summed in float32), quantises that, and writes h in ``residual_dtype`` (default
       the residual's). The config runs as ``residual_config`` makes it.
+    stats: False: y (y_t, h) alone, no mean, rstd or amax written (static scaling's
+      y-only kernel, vLLM's ``rms_norm_static_fp8_quant``); the config runs as
+      ``lean_config`` makes it.
 
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
     f32, amax bits int32, ``reduce_amax``'s input: [M], the bits of each row's max
     |y_f32| (config.num_programs == 0), or [G], each persistent program's max), and
-    h [M, N] last with a residual.
+    h [M, N] last with a residual; without ``stats`` (y, y_t) and h last.
 
   Raises:
     ValueError: a ``packed`` config that does not apply to x (``_packed_x``).
@@ -1072,13 +1090,16 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     cfg = residual_config(cfg)
     h_outs = [out_struct((m, n), jnp.dtype(residual_dtype or residual.dtype), x)]
     extra_statics = dict(has_residual=True)
+  if not stats:
+    cfg = lean_config(cfg)
+    extra_statics["stats"] = False
   kernel, grid, extra, num_amax = _row_launch(m, n, cfg)
   xp = _packed_x(x, cfg, transpose)  # (its checks first)
   scale, bias, pp = _packed_params(scale, bias, cfg)
   extra.update(pp, **extra_statics)
   outs = _call(kernel, [xp, residual, scale, bias, _inv(inv)],
                _y_outs(x, fp8_dtype, transpose, cfg.packed) + h_outs
-               + _row_outs(x, num_amax),
+               + (_row_outs(x, num_amax) if stats else []),
                (grid,), cfg, interpret, "pallas_norm_fp8_delayed", **extra,
                n=n, eps=float(eps), scale_offset=float(scale_offset),
                subtract_mean=subtract_mean, has_scale=scale is not None,
@@ -1090,7 +1111,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     y = lax.bitcast_convert_type(y, jnp.dtype(fp8_dtype)).reshape(m, n)
   y_t = outs.pop(0) if transpose else None
   h = outs.pop(0) if residual is not None else None
-  # + (mean, rstd, amax bits): _row_outs; h last with a residual
+  # + (mean, rstd, amax bits): _row_outs (none without stats); h last with a residual
   return (y, y_t, *outs) + ((h,) if residual is not None else ())
 
 

@@ -794,13 +794,14 @@ def test_fp8_output_sharded(layout, axis_type, op, delayed, transpose, rank):
   assert np.isnan(float(compiled(nan, *params)[2]))
 
 
+@pytest.mark.parametrize("stats", [True, False], ids=["stats", "y_only"])
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 @pytest.mark.parametrize("layout,op", [("dp", "rms"), ("dp_sp", "layer")])
-def test_fp8_output_residual_sharded(layout, axis_type, op):
+def test_fp8_output_residual_sharded(layout, axis_type, op, stats):
   """residual= with the rows sharded (static scale): y within one FP8 step of the
-  unsharded call and mostly equal, h bitwise, amax global; y and h keep x's sharding;
-  no all-gather. The hidden dim sharded: NotImplementedError before any kernel (on an
-  Auto mesh from inside XLA's compilation)."""
+  unsharded call and mostly equal, h bitwise, amax global (None with stats=False); y
+  and h keep x's sharding; no all-gather. The hidden dim sharded: NotImplementedError
+  before any kernel (on an Auto mesh from inside XLA's compilation)."""
   mesh_shape, names, _ = LAYOUTS[layout]
   mesh = jax.make_mesh(mesh_shape, names, axis_types=(AXIS_TYPES[axis_type],) * len(names))
   shape, spec = _shape(layout, 3, 40)
@@ -808,7 +809,8 @@ def test_fp8_output_residual_sharded(layout, axis_type, op):
   r = jax.random.normal(jax.random.key(52), shape, jnp.float32)
   fn = pallas_norm.layer_norm_fp8 if op == "layer" else pallas_norm.rms_norm_fp8
   params = (scale, bias) if op == "layer" else (scale,)
-  call = jax.jit(lambda x, r, *p: fn(x, *p, y_scale=jnp.float32(0.05), residual=r))
+  call = jax.jit(lambda x, r, *p: fn(x, *p, y_scale=jnp.float32(0.05), residual=r,
+                                     stats=stats))
   (want, want_h) = call(x, r, *params)
   put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
   compiled = call.lower(put(x), put(r), *params).compile()
@@ -817,7 +819,10 @@ def test_fp8_output_residual_sharded(layout, axis_type, op):
   g, w = np.asarray(got.y.astype(jnp.float32)), np.asarray(want.y.astype(jnp.float32))
   np.testing.assert_allclose(g, w, rtol=2.0**-3, atol=2.0**-9)
   assert np.mean(g == w) > 0.99
-  np.testing.assert_allclose(float(got.amax), float(want.amax), rtol=1e-6)
+  if stats:
+    np.testing.assert_allclose(float(got.amax), float(want.amax), rtol=1e-6)
+  else:
+    assert got.amax is None and got.mean is None and got.rstd is None
   for a in (got.y, h):
     assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), len(shape)), a.sharding
   assert _collectives(compiled.as_text())["all-gather"] == 0
@@ -830,7 +835,12 @@ def test_fp8_output_residual_sharded(layout, axis_type, op):
   with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
                      match="tensor parallel"):
     jax.block_until_ready(jax.jit(lambda x, r: pallas_norm.rms_norm_fp8(
-        x, y_scale=jnp.float32(0.05), residual=r))(xt, rt))
+        x, y_scale=jnp.float32(0.05), residual=r, stats=stats))(xt, rt))
+  if not stats:  # y alone, no residual: the same refusal
+    with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
+                       match="stats=False.*tensor parallel"):
+      jax.block_until_ready(jax.jit(lambda x: pallas_norm.rms_norm_fp8(
+          x, y_scale=jnp.float32(0.05), stats=False))(xt))
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
