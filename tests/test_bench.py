@@ -592,3 +592,34 @@ def test_pallas_untuned_serves_the_fp8_ops():
   assert y.dtype == jnp.float8_e4m3fn and y.shape == x.shape
   with pytest.raises(NotImplementedError):
     peers.jax_fn(bench_plan.IMPL_BY_NAME["flax"], "rms_fp8_static")(x, x[0], None)
+
+
+def _pallas_call_outputs(closed):
+  """Output counts of every pallas_call in a (closed) jaxpr, nested ones included."""
+  found = []
+
+  def walk(j):
+    j = getattr(j, "jaxpr", j)
+    for eqn in j.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(len(eqn.outvars))
+      for p in eqn.params.values():
+        for sub in p if isinstance(p, (tuple, list)) else (p,):
+          if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+            walk(sub)
+  walk(closed)
+  return found
+
+
+def test_static_ops_run_the_y_only_kernel():
+  """The W8A8 static ops time the serving op, stats=False (one kernel, y its one
+  output); *_fp8_static_stats the same op with stats=True (y and the mean, rstd and
+  amax outputs), the A/B of the two."""
+  impl = bench_plan.IMPL_BY_NAME["pallas"]
+  x = jnp.ones((8, 256), jnp.bfloat16)
+  s = jnp.ones((256,), jnp.float32)
+  lean = jax.make_jaxpr(peers.jax_fn(impl, "rms_fp8_static"))(x, s, None)
+  full = jax.make_jaxpr(peers.jax_fn(impl, "rms_fp8_static_stats"))(x, s, None)
+  assert _pallas_call_outputs(lean) == [1] and _pallas_call_outputs(full) == [4]
+  assert bench_plan.fp8_variant("layer_fp8_static_stats") == ("layer", True, False)
+  assert bench_plan.fp8_static("layer_fp8_static_stats")

@@ -187,8 +187,10 @@ def _fp8_fn(impl: Impl, op: str, eps: float):
     if op.endswith("_res"):  # (x, r): the fused residual add; y and h returned
       x, rr = x
       res = dict(residual=rr)
+    # the static ops: y alone, the y-only kernel (stats=False), but *_fp8_static_stats
+    lean = dict(stats=False) if fp8_static(op) and not op.endswith("_stats") else {}
     r = f(x, s, *extra(b), y_scale=y_scale, transpose=transpose, eps=eps,
-          backend=backend, **res)
+          backend=backend, **res, **lean)
     if res:
       return r[0].y, r[1]
     # Delayed scaling hands the given y_scale back. Here it is a constant of the jitted

@@ -44,18 +44,22 @@ FP8_OPS = tuple(f"{norm}_fp8{scaling}{t}" for norm in ("rms", "layer")
 FP8_INPUT_OPS = ("rms_fp8in", "layer_fp8in")
 FP8_INPUT_GROUP = 16  # COAT's QB
 # W8A8 serving's static scale (vLLM's static-scale FP8 norms): y_scale given, y alone
-# (no amax, no statistics: the serving step reads y only; the kernel is the delayed one).
+# (the serving step reads y only): ours with stats=False (no amax, mean or rstd written;
+# the delayed kernel's y-only variant, since 2026-11-29).
 FP8_STATIC_OPS = ("rms_fp8_static", "layer_fp8_static")
 # The same with the fused residual add before it (vLLM's
 # fused_add_rms_norm_static_fp8_quant): (x, r) in, y and h out.
 FP8_STATIC_RES_OPS = ("rms_fp8_static_res", "layer_fp8_static_res")
+# The static ops with stats=True (amax, mean and rstd written, y read alone): what the
+# static ops ran before stats=False existed, for the A/B of the two kernels.
+FP8_STATIC_STATS_OPS = ("rms_fp8_static_stats", "layer_fp8_static_stats")
 # Gemma's post-norm before the fused residual add (rms_norm(x, s, residual=r,
 # post_norm_scale=s): h = r + rms_norm(x, s), y = rms_norm(h, s); the bench passes the one
 # scale as both): ours in one kernel outside jax.vjp, XLA's fusion of the jnp, and what
 # flax's Gemma writes (its norm, the add, its norm). The "*_res" bytes model and inputs.
 POST_OPS = ("rms_post_res",)
 KERNEL_OPS = (OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS
-              + POST_OPS + FP8_STATIC_RES_OPS)  # the kernel bench's (--sharded: OPS)
+              + POST_OPS + FP8_STATIC_RES_OPS + FP8_STATIC_STATS_OPS)  # the kernel bench's (--sharded: OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 # fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
 # order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.
@@ -64,7 +68,8 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # The same eps for every implementation.
 EPS = {"rms": 1e-6, "layer": 1e-5, "rms_res": 1e-6, "layer_res": 1e-5, "rms_post_res": 1e-6,
        **{op: 1e-6 if op.startswith("rms") else 1e-5
-          for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS + FP8_STATIC_RES_OPS}}
+          for op in FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS + FP8_STATIC_RES_OPS
+          + FP8_STATIC_STATS_OPS}}
 _BYTES_FACTOR = {"fwd": 2, "fwdbwd": 5, "fwdbwd_dep": 5}
 # With a residual: forward reads x and r, writes y and h; backward reads dy, dh and h,
 # writes dx (= dresidual).
@@ -138,7 +143,7 @@ class Case:
 def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
   """(norm, delayed, transpose) of an FP8-output op ("layer_fp8_delayed_t" ->
   ("layer", True, True); a static-scale op is delayed, no y_t); None for the others."""
-  if op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS:
+  if op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS + FP8_STATIC_STATS_OPS:
     return op.split("_fp8")[0], True, False
   if op not in FP8_OPS:
     return None
@@ -148,7 +153,7 @@ def fp8_variant(op: str) -> tuple[str, bool, bool] | None:
 
 def fp8_static(op: str) -> bool:
   """Whether ``op`` is a static-scale FP8-output op (its step returns y alone)."""
-  return op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS
+  return op in FP8_STATIC_OPS + FP8_STATIC_RES_OPS + FP8_STATIC_STATS_OPS
 
 
 def fp8_input(op: str) -> bool:
