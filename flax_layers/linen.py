@@ -138,17 +138,57 @@ class RMSNorm(nn.Module):
   cast: str = "torch"
 
   @nn.compact
-  def __call__(self, x, residual=None, *, mask=None):
+  def __call__(self, x, residual=None, *, mask=None, post_norm=None):
     """Normalises ``x: [..., N]``; returns the same shape. With ``residual`` (x's
     shape): ``(y, h)``, h = x + residual, y = the norm of h (the fused add).
-    ``mask`` (flax's): NotImplementedError unless None."""
+    ``mask`` (flax's): NotImplementedError unless None.
+
+    ``post_norm`` (with a residual): another ``RMSNorm`` of this module's parent (a
+    bound submodule: declared in its ``setup`` or compact method), configured as this
+    one, applied to x first: ``pre(x, h, post_norm=post)`` returns what ``pre(post(x),
+    h)`` returns, Gemma 2/3's post-norm, residual add and pre-norm in one kernel
+    (``pallas_norm.rms_norm(..., post_norm_scale=)``). post's ``scale`` is read from
+    its variables (created by calling it once at ``init`` if it has not run) and gets
+    its gradient. ValueError for a post_norm without a residual, not this class,
+    unbound, without a scale, or configured otherwise."""
     _check_config(self)
+    extra = {}
+    if post_norm is not None:
+      post_scale = _post_norm_scale(self, post_norm, x, residual)
+      if self.cast == "llama" and self.dtype is not None:
+        post_scale = post_scale.astype(self.dtype)
+      extra = dict(post_norm_scale=post_scale)
     x, (scale,), dtype = _params_and_input(self, x, ("scale",), (self.scale_init,),
                                            (self.use_scale,), residual, mask)
     return _finish(_ops.rms_norm(x, scale, eps=float(self.epsilon), cast=self.cast,
                                  scale_offset=float(self.scale_offset), mode=self.mode,
                                  backend=self.backend, **_axis_args(self),
-                                 **_residual(self, residual)), dtype)
+                                 **_residual(self, residual), **extra), dtype)
+
+
+_POST_NORM_FIELDS = ("epsilon", "dtype", "param_dtype", "use_scale", "scale_offset", "cast",
+                     "backend", "mode", "reduction_axes", "feature_axes", "axis_name",
+                     "axis_index_groups")
+
+
+def _post_norm_scale(pre: RMSNorm, post, x, residual):
+  """post's scale for ``pre(x, residual, post_norm=post)`` (its checks first)."""
+  if residual is None:
+    raise ValueError("post_norm normalises x before the residual add: pass a residual")
+  if not isinstance(post, RMSNorm) or not post.use_scale:
+    raise ValueError(f"post_norm must be a flax_layers.linen.RMSNorm with a scale, got "
+                     f"{type(post).__name__}"
+                     + (" without a scale" if isinstance(post, RMSNorm) else ""))
+  diff = [f for f in _POST_NORM_FIELDS if getattr(post, f) != getattr(pre, f)]
+  if diff:
+    raise ValueError(f"post_norm must be configured as this layer (one kernel runs both "
+                     f"norms); it differs in {diff}")
+  if post.scope is None:
+    raise ValueError("post_norm must be a bound submodule of the calling module (declared "
+                     "in its setup or compact method), not a module built outside it")
+  if post.is_initializing() and not post.has_variable("params", "scale"):
+    post(x)  # creates its params as its own call would (init only)
+  return post.variables["params"]["scale"]
 
 
 class LayerNorm(nn.Module):

@@ -179,3 +179,67 @@ def test_flax_layer_post_norm():
     pre(x, post_norm=post)
   with pytest.raises(ValueError, match="must be a pallas_norm.RMSNorm"):
     pre(x, r, post_norm=nnx.RMSNorm(256, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_linen_layer_post_norm(param_dtype):
+  """Linen: ``pre(x, h, post_norm=self.post)`` inside a parent module is ``pre(post(x),
+  h)``, in one kernel; init creates post's params as its own call would; post's scale
+  gets the gradient of the two calls; the refusals as the NNX layer's."""
+  from flax import linen as nn
+
+  from flax_layers import linen
+
+  make = lambda name, **kw: linen.RMSNorm(  # noqa: E731
+      epsilon=1e-6, cast="gemma", param_dtype=param_dtype,
+      scale_init=nn.initializers.normal(0.3), name=name, **kw)
+
+  class Block(nn.Module):
+    fused: bool
+
+    @nn.compact
+    def __call__(self, x, r):
+      pre, post = make("pre"), make("post")
+      return pre(x, r, post_norm=post) if self.fused else pre(post(x), r)
+
+  x, r, *_ = _inputs(5, 256)
+  v = Block(True).init(jax.random.key(0), x, r)
+  assert jax.tree.structure(v) == jax.tree.structure(
+      Block(False).init(jax.random.key(0), x, r))
+  assert v["params"]["post"]["scale"].dtype == param_dtype
+  y, h = Block(True).apply(v, x, r)
+  y2, h2 = Block(False).apply(v, x, r)
+  _exact_or_ulp(y, y2, y.dtype)
+  _exact_or_ulp(h, h2, h.dtype)
+  assert _pallas_calls(lambda x, r: Block(True).apply(v, x, r), x, r) == 1
+
+  def loss(v, fused):
+    y, h = Block(fused).apply(v, x, r)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(h.astype(jnp.float32))
+
+  g, g2 = jax.grad(lambda v: loss(v, True))(v), jax.grad(lambda v: loss(v, False))(v)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  outside = linen.RMSNorm(epsilon=1e-6, cast="gemma", param_dtype=param_dtype)  # unbound
+
+  class Bad(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x, r):
+      pre = make("pre")
+      if self.kind == "eps":
+        return pre(x, r, post_norm=linen.RMSNorm(epsilon=1e-5, cast="gemma",
+                                                 param_dtype=param_dtype, name="post"))
+      if self.kind == "no_residual":
+        return pre(x, post_norm=make("post"))
+      if self.kind == "flax":
+        return pre(x, r, post_norm=nn.RMSNorm(name="post"))
+      return pre(x, r, post_norm=outside)
+
+  for kind, match in [("eps", r"differs in \['epsilon'\]"), ("no_residual", "pass a residual"),
+                      ("flax", "must be a flax_layers.linen.RMSNorm"),
+                      ("unbound", "bound submodule")]:
+    with pytest.raises(ValueError, match=match):
+      Bad(kind).init(jax.random.key(0), x, r)
