@@ -234,9 +234,13 @@ def _xla(x, scale, bias, y_scale, st: _Fp8Static, residual=None):
   y_t = None
   if st.transpose:
     y_t = jnp.moveaxis(q, -1, 0) if st.yt_lead else q.reshape(-1, n).T
-  if not st.stats:
-    return Fp8Norm(q, y_scale, None, y_t, None, None)
-  return Fp8Norm(q, y_scale, amax, y_t, mean, rstd)
+  return _stats_only_if(Fp8Norm(q, y_scale, amax, y_t, mean, rstd), st)
+
+
+def _stats_only_if(out: Fp8Norm, st: _Fp8Static) -> Fp8Norm:
+  """``out`` (an Fp8Norm of values or of their specs) as the call returns it: amax, mean
+  and rstd None with ``stats=False``."""
+  return out if st.stats else out._replace(amax=None, mean=None, rstd=None)
 
 
 def _pallas(x, scale, bias, y_scale, st: _Fp8Static, rows=(), hidden=(), residual=None):
@@ -363,9 +367,8 @@ def _fp8_plan(mesh, x_shape, x_sharding, st: _Fp8Static):
 def _fp8_out_specs(spec, row_spec, yt_spec, st: _Fp8Static):
   """The outputs' specs: Fp8Norm's (None for its absent fields), then h's (laid out like
   x) with a residual."""
-  stat = (lambda s: s) if st.stats else (lambda s: None)
-  return (spec, P(), stat(P()), yt_spec, stat(row_spec), stat(row_spec)) + (
-      (spec,) if st.residual_dtype else ())
+  specs = _stats_only_if(Fp8Norm(spec, P(), P(), yt_spec, row_spec, row_spec), st)
+  return tuple(specs) + ((spec,) if st.residual_dtype else ())
 
 
 def _flat(out, st: _Fp8Static) -> tuple:
@@ -459,10 +462,10 @@ def _empty(x, y_scale, st: _Fp8Static, residual=None):
   dt = jnp.dtype(st.fp8_dtype)
   amax = jnp.zeros((), _F32)
   yt_shape = (n, *lead) if st.yt_lead else (n, 0)
-  stat = (lambda v: v) if st.stats else (lambda v: None)
-  out = Fp8Norm(jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None
-                else y_scale, stat(amax), jnp.zeros(yt_shape, dt) if st.transpose else None,
-                stat(jnp.zeros(lead, _F32)), stat(jnp.zeros(lead, _F32)))
+  out = _stats_only_if(Fp8Norm(
+      jnp.zeros(x.shape, dt), current_scale(amax, dt) if y_scale is None else y_scale,
+      amax, jnp.zeros(yt_shape, dt) if st.transpose else None, jnp.zeros(lead, _F32),
+      jnp.zeros(lead, _F32)), st)
   return out if residual is None else (out, jnp.zeros(x.shape, st.residual_dtype))
 
 

@@ -254,46 +254,37 @@ def test_rounds_alternate_implementations(tmp_path, monkeypatch):
     cli.main(["--rounds", "0", "--dry-run"])
 
 
-def test_residual_ops_on_cpu(tmp_path, monkeypatch):
-  """The fused residual add ("*_res" ops): only pallas, xla and flax are planned; their
-  bytes model is 4 (fwd) and 8 (fwdbwd) x M*N*itemsize; --check passes for each (six
-  outputs for LayerNorm's fwdbwd: y, h, dx, dresidual, dscale, dbias)."""
+def _cpu_run(tmp_path, monkeypatch, ops, shape, impls, rotations):
+  """The kernel bench's run loop on CPU (interpret mode) with --check: (its plan's
+  (impl, pass) pairs, the rows it wrote)."""
   monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
-  out = tmp_path / "res.json"
-  args = _args("--shapes", "16x256", "--ops", "rms_res,layer_res", "--impls",
-               "pallas,xla,flax,torch,tokamax", "--iters", "2", "--check", "--out", str(out))
+  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", rotations)
+  out = tmp_path / "run.json"
+  args = _args("--shapes", shape, "--ops", ops, "--impls", impls, "--iters", "2", "--check",
+               "--out", str(out))
   plan = bench.build_plan(args)
-  assert {c.impl for c in plan} == {"pallas", "xla", "flax"}
   assert run.run_plan(args, plan) == 0
-  rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == 12
-  for r in rows:
-    assert r["check"] == "ok", r
-    assert r["bytes"] == {"fwd": 4, "fwdbwd": 8}[r["pass"]] * 16 * 256 * 2
-  layer_bwd = [r for r in rows if r["op"] == "layer_res" and r["pass"] == "fwdbwd"][0]
-  assert "dresidual" in layer_bwd["check_detail"] and "dbias" in layer_bwd["check_detail"]
+  return {(c.impl, c.pass_) for c in plan}, json.loads(out.read_text())["rows"]
 
 
-def test_post_norm_op_on_cpu(tmp_path, monkeypatch):
-  """rms_post_res (Gemma's post-norm before the fused residual add): pallas, xla and flax
-  planned; --check passes forward and backward (y, h, dx, dresidual, dscale); the
-  residual's bytes model; its own title."""
-  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 2)
-  out = tmp_path / "post.json"
-  args = _args("--shapes", "8x256", "--ops", "rms_post_res", "--impls",
-               "pallas,xla,flax,torch", "--iters", "2", "--check", "--out", str(out))
-  plan = bench.build_plan(args)
-  assert {c.impl for c in plan} == {"pallas", "xla", "flax"}
-  assert run.run_plan(args, plan) == 0
-  rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == 6
+@pytest.mark.parametrize("ops,m,bwd_op,detail", [
+    ("rms_res,layer_res", 16, "layer_res", "dbias"),
+    ("rms_post_res", 8, "rms_post_res", "dscale")], ids=["res", "post_norm"])
+def test_residual_ops_on_cpu(tmp_path, monkeypatch, ops, m, bwd_op, detail):
+  """The fused residual add ("*_res" ops) and Gemma's post-norm before it
+  (rms_post_res): only pallas, xla and flax are planned; their bytes model is 4 (fwd)
+  and 8 (fwdbwd) x M*N*itemsize; --check passes for each, forward and backward (six
+  outputs for LayerNorm's fwdbwd: y, h, dx, dresidual, dscale, dbias); the post-norm
+  op's own title."""
+  planned, rows = _cpu_run(tmp_path, monkeypatch, ops, f"{m}x256",
+                           "pallas,xla,flax,torch,tokamax", rotations=2)
+  assert {i for i, _ in planned} == {"pallas", "xla", "flax"}
+  assert len(rows) == 6 * len(ops.split(","))
   for r in rows:
     assert r["check"] == "ok", r
-    assert r["bytes"] == {"fwd": 4, "fwdbwd": 8}[r["pass"]] * 8 * 256 * 2
-  bwd = [r for r in rows if r["pass"] == "fwdbwd" and r["impl"] == "pallas"][0]
-  assert "dresidual" in bwd["check_detail"] and "dscale" in bwd["check_detail"]
+    assert r["bytes"] == {"fwd": 4, "fwdbwd": 8}[r["pass"]] * m * 256 * 2
+  bwd = [r for r in rows if r["op"] == bwd_op and r["pass"] == "fwdbwd"][0]
+  assert "dresidual" in bwd["check_detail"] and detail in bwd["check_detail"]
   from pallas_norm.bench import report
   assert report._title("rms_post_res") == "RMSNorm post-norm +residual"
 
@@ -341,53 +332,33 @@ def test_fp8_ops_plan_and_bytes():
     bench.bytes_model(8, 16, 2, "fwdbwd", "rms_fp8")
 
 
-def test_fp8_static_ops_on_cpu(tmp_path, monkeypatch):
-  """rms_fp8_static / layer_fp8_static (W8A8 serving's given scale): the step returns y
-  alone, --check passes on it, the bytes are the delayed op's; not in --ops fp8."""
-  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
-  assert bench_plan.fp8_variant("layer_fp8_static") == ("layer", True, False)
-  assert bench.bytes_model(8, 16, 2, "fwd", "rms_fp8_static") == 3 * 128
-  assert not set(bench_plan.FP8_STATIC_OPS) & set(bench_plan.FP8_OPS)
-  out = tmp_path / "static.json"
-  args = _args("--shapes", "16x256", "--ops", "rms_fp8_static,layer_fp8_static", "--impls",
-               "pallas,xla,flax", "--iters", "2", "--check", "--out", str(out))
-  plan = bench.build_plan(args)
-  assert {c.impl for c in plan} == {"pallas", "xla"} and {c.pass_ for c in plan} == {"fwd"}
-  assert run.run_plan(args, plan) == 0
-  rows = json.loads(out.read_text())["rows"]
+@pytest.mark.parametrize("residual", [False, True], ids=["static", "static_res"])
+def test_fp8_static_ops_on_cpu(tmp_path, monkeypatch, residual):
+  """rms_fp8_static / layer_fp8_static (W8A8 serving's given scale) and *_fp8_static_res
+  (vLLM's fused_add_rms_norm_static_fp8_quant: (x, r) in, y and h out): the step returns
+  y (and h) alone, --check passes on it against the jnp chain; bytes the delayed op's
+  ((itemsize + 1) * M * N, with the residual (3 * itemsize + 1) * M * N); pallas and xla
+  planned, forward only; not in --ops fp8."""
+  sfx = "_res" if residual else ""
+  assert bench_plan.fp8_variant(f"layer_fp8_static{sfx}") == ("layer", True, False)
+  assert bench.bytes_model(8, 16, 2, "fwd", f"rms_fp8_static{sfx}") == (7 if residual else 3) * 128
+  assert not set(bench_plan.FP8_STATIC_OPS + bench_plan.FP8_STATIC_RES_OPS) & set(
+      bench_plan.FP8_OPS)
+  planned, rows = _cpu_run(tmp_path, monkeypatch, f"rms_fp8_static{sfx},layer_fp8_static{sfx}",
+                           "16x256", "pallas,xla,flax", rotations=1)
+  assert planned == {("pallas", "fwd"), ("xla", "fwd")}
   assert len(rows) == 4
   for r in rows:
     assert r["check"] == "ok", r
     assert r["check_detail"].startswith("y:rel=") and "amax" not in r["check_detail"]
-  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], "rms_fp8_static")
+    assert ("h:rel=" in r["check_detail"]) == residual
+  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], f"rms_fp8_static{sfx}")
   x = jnp.ones((16, 256), jnp.bfloat16)
-  y = f(x, jnp.ones((256,), jnp.float32), None)
+  out = f((x, x) if residual else x, jnp.ones((256,), jnp.float32), None)
+  y = out[0] if residual else out
   assert y.shape == (16, 256) and y.dtype == jnp.float8_e4m3fn
-
-
-def test_fp8_static_residual_ops_on_cpu(tmp_path, monkeypatch):
-  """*_fp8_static_res (vLLM's fused_add_rms_norm_static_fp8_quant): (x, r) in, y and h
-  out, checked against the jnp chain; bytes (3 * itemsize + 1) * M * N; pallas and xla
-  planned, forward only."""
-  monkeypatch.setattr(timing, "COPY_BYTES", 1 << 16)
-  monkeypatch.setattr(bench_plan, "MAX_ROTATIONS", 1)
-  assert bench_plan.fp8_variant("rms_fp8_static_res") == ("rms", True, False)
-  assert bench.bytes_model(8, 16, 2, "fwd", "rms_fp8_static_res") == 7 * 128
-  out = tmp_path / "static_res.json"
-  args = _args("--shapes", "8x256", "--ops", "rms_fp8_static_res,layer_fp8_static_res",
-               "--impls", "pallas,xla,flax", "--iters", "2", "--check", "--out", str(out))
-  plan = bench.build_plan(args)
-  assert {c.impl for c in plan} == {"pallas", "xla"} and {c.pass_ for c in plan} == {"fwd"}
-  assert run.run_plan(args, plan) == 0
-  rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == 4
-  for r in rows:
-    assert r["check"] == "ok" and "h:rel=" in r["check_detail"], r
-  f = peers.jax_fn(bench_plan.IMPL_BY_NAME["pallas"], "rms_fp8_static_res")
-  x = jnp.ones((8, 256), jnp.bfloat16)
-  y, h = f((x, x), jnp.ones((256,), jnp.float32), None)
-  assert y.dtype == jnp.float8_e4m3fn and h.dtype == jnp.bfloat16 and float(h[0, 0]) == 2.0
+  if residual:
+    assert out[1].dtype == jnp.bfloat16 and float(out[1][0, 0]) == 2.0
 
 
 @pytest.mark.parametrize("op", ["layer_fp8_t", "rms_fp8_delayed_t"])

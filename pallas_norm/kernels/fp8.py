@@ -1038,17 +1038,18 @@ def _inv(inv):
   return jnp.asarray(inv, _F32).reshape(1)
 
 
-def residual_config(cfg: Fp8Config) -> Fp8Config:
-  """``cfg`` as the delayed kernel runs it with a residual: one program a row block
-  (``_norm_kernel``: no persistent programs, no packed x, no column splits)."""
-  return dataclasses.replace(cfg, num_programs=0, packed=False, column_splits=1)
-
-
 def lean_config(cfg: Fp8Config) -> Fp8Config:
   """``cfg`` as the delayed kernel runs it without ``stats``: one program a row block
   (``_norm_kernel``: no persistent programs, whose amax is their reason, no packed x);
   column splits kept."""
   return dataclasses.replace(cfg, num_programs=0, packed=False)
+
+
+def residual_config(cfg: Fp8Config) -> Fp8Config:
+  """``cfg`` as the delayed kernel runs it with a residual: ``lean_config``'s, and no
+  column splits (each split loads the whole row: h would be stored column_splits
+  times)."""
+  return dataclasses.replace(lean_config(cfg), column_splits=1)
 
 
 def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
