@@ -1,7 +1,8 @@
 """The FP8-output ops with ``stats=False``: static scaling's y alone (W8A8 serving, vLLM's
 ``rms_norm_static_fp8_quant``): the one-pass kernel without the amax, mean and rstd
 outputs. y (y_t, h) bitwise the stats=True op's, at the issue's M in {1, 2, 7, 64, 511};
-the row-block kernel's column-split and chunked paths; the errors before any kernel.
+each path of the one-pass kernels (column splits, chunked rows, persistent, packed); the
+errors before any kernel.
 Interpret mode on CPU; ``make gpu-check`` runs them compiled."""
 
 import jax
@@ -68,30 +69,33 @@ def test_y_alone_is_the_stats_ops_y(op, shape, residual, transpose):
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("cfg", [
-    kfp8.Fp8Config(1, 1024, 4, tile_params=True, column_splits=4),  # split rows
-    kfp8.Fp8Config(2, 256, 4),                                      # chunked rows
-    kfp8.Fp8Config(4, 1024, 4, 3)], ids=["column_splits", "chunked", "persistent"])
-def test_kernel_paths_without_stats(layer, cfg):
-  """fp8_norm_delayed(stats=False) on the row-block kernel's paths (a persistent config
-  runs as lean_config makes it: a row block a program): (y, y_t) alone, y_t y's
-  transpose, y bitwise the stats=True kernel's at the same config."""
+@pytest.mark.parametrize("cfg,transpose", [
+    (kfp8.Fp8Config(1, 1024, 4, tile_params=True, column_splits=4), True),  # split rows
+    (kfp8.Fp8Config(2, 256, 4), True),                                      # chunked rows
+    (kfp8.Fp8Config(4, 1024, 4, 3), True),                                  # persistent
+    (kfp8.Fp8Config(2, 256, 4, 2), False),                    # persistent, chunked rows
+    (kfp8.Fp8Config(2, 1024, 4, 2, packed=True), False)],     # packed bf16 pairs
+    ids=["column_splits", "chunked", "persistent", "persistent_chunked", "packed"])
+def test_kernel_paths_without_stats(layer, cfg, transpose):
+  """fp8_norm_delayed(stats=False) on each path of the one-pass kernels, at the given
+  config (the same kernel as with stats, its stores of mean, rstd and amax left out):
+  (y, y_t) alone, y_t y's transpose, y bitwise the stats=True kernel's."""
   m, n = 5, 1000
   x, _, s, b = _data((m, n), seed=3)
   kw = dict(eps=1e-5, scale_offset=0.0, subtract_mean=layer, fp8_dtype=jnp.float8_e4m3fn,
             interpret=True, config=cfg)
   bias = b if layer else None
-  outs = kfp8.fp8_norm_delayed(x, s, bias, F32(1 / _Y_SCALE), transpose=True,
+  outs = kfp8.fp8_norm_delayed(x, s, bias, F32(1 / _Y_SCALE), transpose=transpose,
                                stats=False, **kw)
   assert len(outs) == 2
   y, y_t = outs
-  full = kfp8.fp8_norm_delayed(x, s, bias, F32(1 / _Y_SCALE), transpose=False,
-                               config=kfp8.lean_config(cfg),
-                               **{k: v for k, v in kw.items() if k != "config"})
+  full = kfp8.fp8_norm_delayed(x, s, bias, F32(1 / _Y_SCALE), transpose=False, **kw)
+  assert len(full) == 5  # y, y_t (None), mean, rstd, amax bits
   np.testing.assert_array_equal(_bits(y), _bits(full[0]))
-  np.testing.assert_array_equal(_bits(y_t), _bits(y).T)
-  assert kfp8.lean_config(cfg).num_programs == 0
-  assert kfp8.lean_config(cfg).column_splits == cfg.column_splits
+  if transpose:
+    np.testing.assert_array_equal(_bits(y_t), _bits(y).T)
+  else:
+    assert y_t is None
 
 
 def test_errors_before_any_kernel():

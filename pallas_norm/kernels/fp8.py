@@ -67,7 +67,7 @@ from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _l
                                          _tile_stats, _where0)
 
 __all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
-           "residual_config", "lean_config",
+           "residual_config",
            "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
@@ -668,6 +668,8 @@ def _chunked_block(rb, x_ref, tile, params, q, amax, *, n, eps, subtract_mean, b
 
 
 def _store_row_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
+  if rstd_ref is None:  # without stats (static scaling's y alone): nothing stored
+    return
   plgpu.store(rstd_ref.at[rows], rstd, mask=row_mask)
   if mean_ref is not None:  # RMSNorm (mean None): Fp8Norm's zeros mean
     plgpu.store(mean_ref.at[rows], jnp.zeros_like(rstd) if mean is None else mean,
@@ -743,9 +745,10 @@ def _row_block_loader(x_ref, *, n, block_m, block_n, stream):
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
-                       row_amax, stream_x, block_m, block_n, num_programs):
+                       row_amax, stream_x, block_m, block_n, num_programs, stats=True):
   """``_norm_kernel`` over row blocks r, r + G, ... (r = program_id(0), G =
-  ``num_programs``), with the amax as one partial a program.
+  ``num_programs``), with the amax as one partial a program; without ``stats`` (static
+  scaling's y alone) no mean, rstd or amax stored, as ``_norm_kernel``'s.
 
   Whole rows (block_n >= N): scale/bias loaded once (``hoist_params``; else once a row
   block), the next row block's x loaded before this one's reductions (its loads in
@@ -756,13 +759,14 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   amax_ref [G] int32 (``reduce_amax``'s input as the row amaxes are).
   """
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat)
+      refs, has_scale, has_bias, fp8_dtype, transpose, subtract_mean, hw_sat,
+      stats=stats)
   m = x_ref.shape[0]
   pid = pl.program_id(0)
   num_steps = (cdiv(m, block_m) - 1 - pid) // num_programs + 1
   tile = functools.partial(_tile_index, m=m, n=n, block_m=block_m, block_n=block_n,
                            rows_in_bounds=True)
-  stats = dict(n=n, eps=eps, subtract_mean=subtract_mean)
+  stat_kw = dict(n=n, eps=eps, subtract_mean=subtract_mean)
   params = functools.partial(_load_params_2d if tile_params else _load_params, scale_ref,
                              bias_ref, scale_offset=scale_offset)
   if cdiv(n, block_n) == 1:
@@ -778,7 +782,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       x_next = load(rb + num_programs)  # the prefetch
       t = tile(rb, 0)
       x = x.astype(_F32)
-      mean, rstd, _ = _tile_stats(x, t[4], **stats)
+      mean, rstd, _ = _tile_stats(x, t[4], **stat_kw)
       if row_amax:  # the row block's amax bits now: a scalar carry
         a = _emit(x, t, mean, rstd, params, q, None, hw_amax)
         amax = jnp.maximum(amax, _amax_out(a, (0, 1)))
@@ -789,18 +793,20 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
 
     init = _carry_init(row_amax, (block_m, block_n), hw_amax)
     amax, _ = lax.fori_loop(0, num_steps, body, (init, load(pid)))
-    amax_ref[pid] = _carry_out(amax, row_amax)
+    if stats:
+      amax_ref[pid] = _carry_out(amax, row_amax)
   else:  # chunked rows: the elementwise carry (row_amax is for whole rows)
     def body(i, amax):
       rb = pid + i * num_programs
       mean, rstd, amax = _chunked_block(rb, x_ref, tile, params, q, amax, block_m=block_m,
-                                        block_n=block_n, hw_amax=hw_amax, **stats)
+                                        block_n=block_n, hw_amax=hw_amax, **stat_kw)
       t = tile(rb, 0)
       _store_row_stats(mean_ref, rstd_ref, t[0], t[2], mean, rstd)
       return amax
 
     amax = lax.fori_loop(0, num_steps, body, _amax_zeros((block_m, block_n), hw_amax))
-    amax_ref[pid] = _amax_out(amax, (0, 1))
+    if stats:
+      amax_ref[pid] = _amax_out(amax, (0, 1))
 
 
 def _unpack_bf16(u):
@@ -845,7 +851,7 @@ def _fp8_pair(hi, lo, inv, fp8_dtype, hw_sat):
 def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    fp8_dtype, transpose, hw_sat, hw_amax, tile_params, hoist_params,
                    row_amax, stream_x, block_m, block_n, num_programs,
-                   packed_params=(False, False)):
+                   packed_params=(False, False), stats=True):
   """``_persistent_kernel``'s whole-row path (``Fp8Config.packed``) over x held as bf16
   pairs: x_ref [M, N / 2] uint32, y_ref (delayed) [M, N / 2] int16 pairs of FP8 values
   (the launcher bitcasts both). Each [block_m, block_n / 2] tile is unpacked into its
@@ -853,10 +859,11 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
   loaded as their even and odd halves, and each pair of y values is quantised into one
   int16 (``_fp8_pair``). Outputs as ``_persistent_kernel``'s, the row sums taken in
   another order (pairs first): on the H100, y's bytes equal but for a few in 10^7, one
-  FP8 ulp apart (benchmarks/fp8_sweep8.py at fd31e12 checks them)."""
+  FP8 ulp apart (benchmarks/fp8_sweep8.py at fd31e12 checks them). Without ``stats``
+  no mean, rstd or amax stored."""
   del transpose, tile_params  # no y_t (the launcher checks); params as [1, N / 2] rows
   x_ref, scale_ref, bias_ref, q, mean_ref, rstd_ref, amax_ref = _norm_refs(
-      refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat)
+      refs, has_scale, has_bias, fp8_dtype, False, subtract_mean, hw_sat, stats=stats)
   m, h = x_ref.shape
   bh = block_n // 2
   pid = pl.program_id(0)
@@ -906,7 +913,8 @@ def _packed_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
   amax, _ = lax.fori_loop(0, num_steps, body,
                           (_carry_init(row_amax, (block_m, bh), hw_amax), load(pid)))
-  amax_ref[pid] = _carry_out(amax, row_amax)
+  if stats:
+    amax_ref[pid] = _carry_out(amax, row_amax)
 
 
 def _quantise_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
@@ -1038,18 +1046,12 @@ def _inv(inv):
   return jnp.asarray(inv, _F32).reshape(1)
 
 
-def lean_config(cfg: Fp8Config) -> Fp8Config:
-  """``cfg`` as the delayed kernel runs it without ``stats``: one program a row block
-  (``_norm_kernel``: no persistent programs, whose amax is their reason, no packed x);
-  column splits kept."""
-  return dataclasses.replace(cfg, num_programs=0, packed=False)
-
-
 def residual_config(cfg: Fp8Config) -> Fp8Config:
-  """``cfg`` as the delayed kernel runs it with a residual: ``lean_config``'s, and no
+  """``cfg`` as the delayed kernel runs it with a residual: one program a row block
+  (``_norm_kernel``, whose loads store h: no persistent programs, no packed x) and no
   column splits (each split loads the whole row: h would be stored column_splits
   times)."""
-  return dataclasses.replace(lean_config(cfg), column_splits=1)
+  return dataclasses.replace(cfg, num_programs=0, packed=False, column_splits=1)
 
 
 def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
@@ -1069,8 +1071,8 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
       (summed in float32), quantises that, and writes h in ``residual_dtype`` (default
       the residual's). The config runs as ``residual_config`` makes it.
     stats: False: y (y_t, h) alone, no mean, rstd or amax written (static scaling's
-      y-only kernel, vLLM's ``rms_norm_static_fp8_quant``); the config runs as
-      ``lean_config`` makes it.
+      y-only kernel, vLLM's ``rms_norm_static_fp8_quant``), on the same config (the
+      row-block, persistent or packed kernel without its stores).
 
   Returns:
     (y [M, N] fp8, y_t [N, M] fp8 or None, mean [M] f32 (zeros for RMSNorm), rstd [M]
@@ -1092,7 +1094,6 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
     h_outs = [out_struct((m, n), jnp.dtype(residual_dtype or residual.dtype), x)]
     extra_statics = dict(has_residual=True)
   if not stats:
-    cfg = lean_config(cfg)
     extra_statics["stats"] = False
   kernel, grid, extra, num_amax = _row_launch(m, n, cfg)
   xp = _packed_x(x, cfg, transpose)  # (its checks first)
