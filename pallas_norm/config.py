@@ -149,6 +149,12 @@ class ForwardConfig:
       rows: no exchange between programs, each reads the row, from L2 but for the
       first; few rows then use that many times more SMs). 1: one program a row block.
       A power of 2, at most ``block_n``; FP8 x (``x_scale``) only at 1.
+    stream_x: ``multi_wave_cached`` and ``static_persistent`` with the row in one tile
+      (Pallas): x (and the residual) loaded with the ``.cg`` cache modifier (L2 only,
+      ``kernels._compat.stream_cache_modifier``: each element is read once), or without
+      (False: L1 and L2, the Triton backend's plain loads; ``.cg`` cost the FP8 kernels
+      up to 11% on the H100, docs/fp8_tuning.md#fp8-packed). A tuned field; the
+      default keeps ``.cg``. Ignored by the other modes and backends.
 
   Raises:
     ValueError: an unknown mode, a block size that is not a power of 2, num_warps not
@@ -168,6 +174,7 @@ class ForwardConfig:
   split_early_publish: bool = False
   hoist_params: bool = False
   column_splits: int = 1
+  stream_x: bool = True
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -412,6 +419,8 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
       mode = entry.mode
       if mode != "multi_wave_cached" or f["block_n"] < n:
         f.pop("hoist_params", None)
+      if mode == "multi_wave_reload" or f["block_n"] < n:
+        f.pop("stream_x", None)
       cfg = ForwardConfig(mode=mode, **f,
                           num_programs=programs if mode == "static_persistent" else 0)
   except (TypeError, ValueError):
@@ -489,7 +498,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
   rows = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= next_power_of_2(m))
   warps = (1, 2, 4, 8, 16, 32)
   if post_norm:
-    return dict(hoist_params=(False, True), block_m=rows, num_warps=warps)
+    return dict(hoist_params=(False, True), block_m=rows, num_warps=warps,
+                stream_x=(True, False))
   per_sm = (1, 2, 3, 4, 6, 8)
   chunks = tuple(c for c in (1024, 2048, 4096, 8192, 16384) if c < bn_full)
   pallas = backend == "pallas"
@@ -544,6 +554,10 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       space.update(split_rows=(False, True), split_lag=(1, 2, 3),
                    split_early_publish=(False, True))
   space.update(block_m=rows, num_warps=warps)
+  whole_row = (mode == "static_persistent" and bn_full <= _CACHED_MAX_BLOCK_N
+               or mode == "multi_wave_cached" and "chunk_n" not in space)
+  if pallas and whole_row:  # a flag: x's loads with .cg or without
+    space["stream_x"] = (True, False)
   return space
 
 

@@ -107,12 +107,15 @@ def _load(ref_at, mask, **kwargs):
   return plgpu.load(ref_at, mask=mask, other=None if mask is None else 0.0, **kwargs)
 
 
-def _load_stream(ref_at, mask, eviction_policy=None):
+def _load_stream(ref_at, mask, eviction_policy=None, stream=True):
   """_load of x (or dy), data read from HBM once a row block: cached in L2 only
   (``_compat.stream_cache_modifier``), unless an L1 ``eviction_policy`` is asked for
-  (ptxas refuses ".cg" with ".evict_last"/".evict_first")."""
+  (ptxas refuses ".cg" with ".evict_last"/".evict_first") or ``stream`` is False (a
+  plain load, L1 and L2: ``ForwardConfig.stream_x``)."""
   if eviction_policy is not None:
     return _load(ref_at, mask, eviction_policy=eviction_policy)
+  if not stream:
+    return _load(ref_at, mask)
   return _load(ref_at, mask, cache_modifier=stream_cache_modifier())
 
 
@@ -226,7 +229,7 @@ def _vector_cols(cols, vec):
   return lax.div(cols, v) * v + lax.rem(cols, v)
 
 
-def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
+def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None, stream=True):
   """The [block_m, block_n] f32 tile x_fp8 * s of an _Fp8 source, as COAT's
   ``_rms_norm_fwd_fused`` does it: the fp8 tile and the [block_m, block_n / G] scale
   tile are loaded, and the tile, viewed as [block_m, block_n / G, G], is multiplied by
@@ -242,27 +245,27 @@ def _dequantise(src: _Fp8, rows, cols, mask, eviction_policy=None):
   if mask is not None:  # the groups of the elements in the mask (G divides N)
     smask = (rows < m)[:, None] & (gcols < n // g)[None, :]
   q = _load_stream(src.x.at[rows[:, None], _vector_cols(cols, src.vector)[None, :]], mask,
-                   eviction_policy)
-  s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy)
+                   eviction_policy, stream)
+  s = _load_stream(src.s.at[rows[:, None], gcols[None, :]], smask, eviction_policy, stream)
   x = q.astype(_F32).reshape(block_m, ng, g) * s[:, :, None]  # [block_m, ng, G] f32
   return x.reshape(block_m, block_n)
 
 
-def _load_x(src, rows, cols, mask, *, first, eviction_policy=None):
+def _load_x(src, rows, cols, mask, *, first, eviction_policy=None, stream=True):
   """The [rows, cols] tile of x (x's dtype), or of x + residual (float32; see _Sum), or
-  of FP8 x dequantised (float32; see _Fp8)."""
+  of FP8 x dequantised (float32; see _Fp8); ``stream``: as ``_load_stream``'s."""
   idx = (rows[:, None], cols[None, :])
   if isinstance(src, _Fp8):
-    return _dequantise(src, rows, cols, mask, eviction_policy)
+    return _dequantise(src, rows, cols, mask, eviction_policy, stream)
   if not isinstance(src, _Sum):
-    return _load_stream(src.at[idx], mask, eviction_policy)
-  x = _load_stream(src.x.at[idx], mask, eviction_policy).astype(_F32)
+    return _load_stream(src.at[idx], mask, eviction_policy, stream)
+  x = _load_stream(src.x.at[idx], mask, eviction_policy, stream).astype(_F32)
   if isinstance(src, _PostSum):  # x's post-norm, rounded to x's dtype, then the add
     n = src.x.shape[1]
     _, rstd, _ = _tile_stats(x, mask, n=n, eps=src.eps, subtract_mean=False)
     w, _ = _load_params(src.p, None, cols, cols < n, src.scale_offset)
     x = _round(_affine(x * rstd[:, None], w, None), src.x.dtype)
-  h = x + _load_stream(src.r.at[idx], mask, eviction_policy).astype(_F32)
+  h = x + _load_stream(src.r.at[idx], mask, eviction_policy, stream).astype(_F32)
   if first:
     plgpu.store(src.h.at[idx], h.astype(src.h.dtype), mask=mask)
   return h
@@ -371,11 +374,12 @@ def _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd):
     plgpu.store(mean_ref.at[rows], mean, mask=row_mask)
 
 
-def _load_row_block(x_ref, rb, *, n, block_m, block_n):
-  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access)."""
+def _load_row_block(x_ref, rb, *, n, block_m, block_n, stream=True):
+  """x tile of row block ``rb`` in x's dtype; rows past M are masked (no memory access);
+  ``stream``: as ``_load_stream``'s."""
   rows, cols, _, _, mask = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                        block_n=block_n)
-  return _load_x(x_ref, rows, cols, mask, first=True)
+  return _load_x(x_ref, rows, cols, mask, first=True, stream=stream)
 
 
 def _mapped_rows(rows, x_rows):
@@ -400,7 +404,7 @@ def _tile_stats(x, mask, *, n, eps, subtract_mean):
 
 
 def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x=None,
-                 x_rows=None):
+                 x_rows=None, stream=True):
   """Normalise row block ``rb`` held as one [block_m, block_n >= N] tile.
 
   ``params()`` gives (w, b), called once the statistics are done: the multi-wave kernel
@@ -409,16 +413,17 @@ def _single_tile(rb, refs, params, *, n, eps, subtract_mean, block_m, block_n, x
   first, against 127 for tokamax's kernel, which loads them last; H200 ncu). The
   persistent kernel passes the values it hoisted. ``x`` is the tile when the caller
   already loaded it (a prefetch); else it is loaded. ``x_rows``: y's rows are logical
-  rows of x (``_mapped_rows``; plain x only), y is [x_rows[3], N].
+  rows of x (``_mapped_rows``; plain x only), y is [x_rows[3], N]. ``stream``: x
+  loaded with ``.cg`` (``ForwardConfig.stream_x``; ``_load_stream``).
   """
   x_ref, y_ref, mean_ref, rstd_ref = refs
   m = x_ref.shape[0] if x_rows is None else x_rows[3]
   rows, cols, row_mask, _, mask = _tile_index(rb, 0, m, n, block_m=block_m, block_n=block_n,
                                               rows_in_bounds=True)
   if x is None and x_rows is not None:
-    x = _load_x(x_ref, _mapped_rows(rows, x_rows), cols, mask, first=True)
+    x = _load_x(x_ref, _mapped_rows(rows, x_rows), cols, mask, first=True, stream=stream)
   elif x is None:
-    x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n)
+    x = _load_row_block(x_ref, rb, n=n, block_m=block_m, block_n=block_n, stream=stream)
   x = x.astype(_F32)  # [block_m, block_n] f32, 0 outside
   mean, rstd, x = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
   w, b = params()
@@ -675,7 +680,7 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
                    block_m, block_n, hoist_params=False, x_rows=None, column_splits=1,
-                   post_norm=False):
+                   post_norm=False, stream_x=True):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size,
@@ -693,7 +698,7 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
     wb = params()
     params = lambda: wb  # noqa: E731
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
-               block_m=block_m, block_n=block_n, x_rows=x_rows)
+               block_m=block_m, block_n=block_n, x_rows=x_rows, stream=stream_x)
 
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -709,7 +714,7 @@ def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        return_residuals, has_residual, cast_dtype, group_size,
-                       block_m, block_n, num_programs):
+                       block_m, block_n, num_programs, stream_x=True):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
@@ -720,7 +725,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
 
     pid = pl.program_id(0)
-    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n)
+    load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n,
+                             stream=stream_x)
 
     def body(i, x):
       rb = pid + i * num_programs
@@ -1235,6 +1241,8 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
     kernel, name = _cached_kernel, "pallas_norm_fwd_cached"
     grid = num_row_blocks * cfg.column_splits
     statics = dict(statics, hoist_params=cfg.hoist_params)
+    if not cfg.stream_x:
+      statics["stream_x"] = False
     if cfg.column_splits > 1:
       statics["column_splits"] = cfg.column_splits
   elif cfg.mode == "multi_wave_reload":
@@ -1242,6 +1250,8 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
   else:
     grid = _persistent_programs(cfg, num_row_blocks)
     statics["num_programs"] = grid
+    if not cfg.stream_x:
+      statics["stream_x"] = False
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
   return pl.pallas_call(
       functools.partial(kernel, **statics),
