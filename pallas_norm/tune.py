@@ -588,7 +588,8 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
     measurer("pallas", dmode).measure([default])
     default_us = measurer("pallas", dmode).times.get(default.config)
   # Every (backend, mode)'s default first; the coordinate search then runs from the
-  # ``search_top`` fastest of them only (the others keep their default's entry).
+  # ``search_top`` fastest of them, and the fastest Pallas one (the others keep their
+  # default's entry).
   starts = []
   for backend in backends:
     if _fp8_out(key) and backend != "pallas":  # the FP8-output ops' tables: Pallas only
@@ -606,11 +607,16 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
       if us is not None:
         starts.append((us, backend, mode, start))
   starts.sort(key=lambda t: t[0])
+  # The Pallas backend's fastest mode is searched whatever its rank: its entry is what
+  # the default backend="pallas" runs (at 512x8192 LayerNorm the two fastest defaults
+  # were the Triton backend's, and the Pallas kernel kept its default, 7.9 us against
+  # Triton's 6.5 at the same tile: h200_2026-11-28_tune_fewrows_b2ed94e.log).
+  first_pallas = next((i for i, t in enumerate(starts) if t[1] == "pallas"), None)
   results = []
   for rank, (_, backend, mode, start) in enumerate(starts):
     meas = measurer(backend, mode)
     # mosaic's launchers pick their own configs; xla has none
-    if rank < search_top and backend not in ("mosaic", "xla"):
+    if (rank < search_top or rank == first_pallas) and backend not in ("mosaic", "xla"):
       # the other backends' and modes' defaults, rebuilt for this one, as more starting
       # points: one field at a time cannot leave a default's basin (a split row of 512
       # columns at 1 warp never reaches another backend's 4096 at 16 warps)
@@ -719,7 +725,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     rounds, min_gain: the coordinate search's rounds and the relative gain a change must
       bring.
     search_top: how many of the (backend, mode) defaults, fastest first, are searched
-      from (the others' entries are their defaults).
+      from (the others' entries are their defaults); the Pallas backend's fastest mode
+      is searched too, whatever its rank (the default backend's entry).
     confirm, confirm_rounds: the fastest ``confirm`` candidates that pass the check, and
       the start, are timed ``confirm_rounds`` more times in turns; the entry is the
       least median, the start unless another beats it by more than ``min_gain``.
@@ -822,7 +829,8 @@ def parser() -> argparse.ArgumentParser:
                  help="finalists a (backend, mode) timed again (default 3)")
   p.add_argument("--confirm-rounds", type=int, default=3)
   p.add_argument("--search-top", type=int, default=2,
-                 help="search from the N fastest (backend, mode) defaults (default 2)")
+                 help="search from the N fastest (backend, mode) defaults (default 2), "
+                      "and from the fastest Pallas one whatever its rank")
   p.add_argument("--budget-s", type=float, default=None)
   p.add_argument("--no-resume", dest="resume", action="store_false")
   p.add_argument("--no-progress", dest="progress", action="store_false")

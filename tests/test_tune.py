@@ -178,6 +178,28 @@ def test_tune_searches_from_the_fastest_defaults_only(tmp_path):
   assert fwd["multi_wave_cached"].fields["num_warps"] == default.num_warps != 2
 
 
+def test_tune_searches_the_fastest_pallas_mode_whatever_its_rank(tmp_path):
+  """search_top=1 with XLA the fastest default: XLA has nothing to search, and the
+  Pallas backend's fastest mode (reload, _timer's) is searched all the same (its entry
+  is what backend="pallas" runs): it moves num_warps to 2; the slower Pallas modes keep
+  their defaults."""
+  calls = []
+  pallas_timer = _timer(calls)
+
+  def timer(cand, exe, arg_sets, iters, skip=0):
+    return 1.0 if cand.entry.backend == "xla" else pallas_timer(cand, exe, arg_sets, iters)
+  path = tune.run(tune.keys_for([(8, 128)], ("rms",), ("fwd",)), out=tmp_path / "cpu.json",
+                  device=CPU, backends=("pallas", "xla"), timer=timer, progress=False,
+                  rounds=1, log=lambda *a: None, search_top=1)
+  fwd = {(e.backend, e.mode): e for e in tuning.Table.load(path).groups[
+      "fwd", "rms", "bfloat16", "bfloat16"]}
+  default = config.forward_config(8, 128, jnp.bfloat16, "multi_wave_cached", CPU,
+                                  tuned=False)
+  assert ("xla", "") in fwd
+  assert fwd["pallas", "multi_wave_reload"].fields["num_warps"] == 2
+  assert fwd["pallas", "multi_wave_cached"].fields["num_warps"] == default.num_warps != 2
+
+
 @pytest.mark.parametrize("start_times,kept", [((1.248, 1.216), True), ((1.3,), False)])
 def test_confirm_keeps_the_start_within_a_timer_step(tmp_path, start_times, kept):
   """A finalist replaces the start only with every confirm time below the start's
