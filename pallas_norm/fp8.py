@@ -561,8 +561,8 @@ def rms_norm_fp8(x, scale=None, *, y_scale=None, fp8_dtype=jnp.float8_e4m3fn,
       ``y_scale``: y (y_t, h) alone, amax, mean and rstd neither computed nor written
       (None in the Fp8Norm): W8A8 serving's static quantisation, whose caller reads y
       alone (vLLM's ``rms_norm_static_fp8_quant``; a kernel's outputs cannot be dropped
-      under jit). Pallas: one program a row block. Rows may be sharded, not the hidden
-      dim.
+      under jit). Pallas: the one-pass kernel on its own config, without those
+      stores. Rows may be sharded, not the hidden dim.
 
   Returns:
     Fp8Norm(y [..., N] fp8_dtype, y_scale () f32, amax () f32, y_t [N, M] fp8_dtype or

@@ -57,8 +57,7 @@ def parser() -> argparse.ArgumentParser:
                       "(and *_fp8_static_res: with the fused residual add) "
                       "(a given y_scale, y alone: W8A8 serving, stats=False; "
                       "*_fp8_static_stats: the same with stats=True, the A/B); FP8 input "
-                      "(x float8_e4m3fn "
-                      "with float32 scales a group of 16, y in --dtype): rms_fp8in,layer_fp8in "
+                      "(x float8_e4m3fn with float32 scales a group of 16, y in --dtype): rms_fp8in,layer_fp8in "
                       "('fp8in' for both), pallas and triton against the jnp chain (xla)")
   p.add_argument("--passes", default="fwd,fwdbwd",
                  help="fwd,fwdbwd (default both); fwdbwd_dep: forward+backward with dy "

@@ -58,8 +58,9 @@ FP8_STATIC_STATS_OPS = ("rms_fp8_static_stats", "layer_fp8_static_stats")
 # scale as both): ours in one kernel outside jax.vjp, XLA's fusion of the jnp, and what
 # flax's Gemma writes (its norm, the add, its norm). The "*_res" bytes model and inputs.
 POST_OPS = ("rms_post_res",)
+# the kernel bench's ops (--sharded: OPS)
 KERNEL_OPS = (OPS + FP8_OPS + FP8_STATIC_OPS + FP8_INPUT_OPS
-              + POST_OPS + FP8_STATIC_RES_OPS + FP8_STATIC_STATS_OPS)  # the kernel bench's (--sharded: OPS)
+              + POST_OPS + FP8_STATIC_RES_OPS + FP8_STATIC_STATS_OPS)
 FP8_DELAYED_SCALE = 8.0 / 448.0  # the "_delayed" ops' y_scale: |y| up to 8 in e4m3fn
 # fwdbwd_dep: forward+backward with dy released only once y exists (peers.fwdbwd_dep; the
 # order of a training step, where dy is a function of y). Opt-in (--passes); same bytes.

@@ -1240,18 +1240,14 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
   if cfg.mode == "multi_wave_cached":
     kernel, name = _cached_kernel, "pallas_norm_fwd_cached"
     grid = num_row_blocks * cfg.column_splits
-    statics = dict(statics, hoist_params=cfg.hoist_params)
-    if not cfg.stream_x:
-      statics["stream_x"] = False
+    statics = dict(statics, hoist_params=cfg.hoist_params, stream_x=cfg.stream_x)
     if cfg.column_splits > 1:
       statics["column_splits"] = cfg.column_splits
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
   else:
     grid = _persistent_programs(cfg, num_row_blocks)
-    statics["num_programs"] = grid
-    if not cfg.stream_x:
-      statics["stream_x"] = False
+    statics.update(num_programs=grid, stream_x=cfg.stream_x)
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
   return pl.pallas_call(
       functools.partial(kernel, **statics),
