@@ -142,7 +142,7 @@ class ForwardConfig:
       added to the program's, at the price of registers held across the reductions
       (which matters only when programs wait for an SM: the default hoists while the
       grid fits one wave, ``cdiv(M, block_m) <= SMs``). Ignored by the other modes
-      (static_persistent always hoists).
+      (static_persistent loads them once a program: ``reload_params``).
     column_splits: ``multi_wave_cached`` with the row in one tile (``block_n >= N``):
       programs a row block, each loading the whole tile for the row statistics and
       storing ``block_n / column_splits`` of its columns (XLA's schedule for few
@@ -155,6 +155,14 @@ class ForwardConfig:
       (False: L1 and L2, the Triton backend's plain loads; ``.cg`` cost the FP8 kernels
       up to 11% on the H100, docs/fp8_tuning.md#fp8-packed). A tuned field; the
       default keeps ``.cg``. Ignored by the other modes and backends.
+    reload_params: ``static_persistent`` with the row in one tile (Pallas): scale/bias
+      loaded for each row block after its statistics (from L2 but for the first), as
+      ``multi_wave_cached`` does, instead of once a program and held in registers
+      across all of its row blocks (False, the default). Fewer registers a thread,
+      more programs a SM: LayerNorm N 8192 at 8 warps, 192 held and 80 reloaded (sm_90
+      ptxas of the kernel's Triton IR, docs/performance.md#few-rows); more L2 reads
+      where a program takes many row blocks. A tuned field. Ignored by the other modes
+      and backends.
 
   Raises:
     ValueError: an unknown mode, a block size that is not a power of 2, num_warps not
@@ -175,6 +183,7 @@ class ForwardConfig:
   hoist_params: bool = False
   column_splits: int = 1
   stream_x: bool = True
+  reload_params: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -421,6 +430,8 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
         f.pop("hoist_params", None)
       if mode == "multi_wave_reload" or f["block_n"] < n:
         f.pop("stream_x", None)
+      if mode != "static_persistent" or f["block_n"] < n:
+        f.pop("reload_params", None)
       cfg = ForwardConfig(mode=mode, **f,
                           num_programs=programs if mode == "static_persistent" else 0)
   except (TypeError, ValueError):
@@ -558,6 +569,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
                or mode == "multi_wave_cached" and "chunk_n" not in space)
   if pallas and whole_row:  # a flag: x's loads with .cg or without
     space["stream_x"] = (True, False)
+  if pallas and whole_row and mode == "static_persistent":
+    space["reload_params"] = (False, True)
   return space
 
 

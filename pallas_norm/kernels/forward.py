@@ -714,15 +714,21 @@ def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                        return_residuals, has_residual, cast_dtype, group_size,
-                       block_m, block_n, num_programs, stream_x=True):
+                       block_m, block_n, num_programs, stream_x=True,
+                       reload_params=False):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
   num_row_blocks = cdiv(x_ref.shape[0], block_m)
   if block_n >= n:
-    # The row fits one tile: load scale/bias once for all of this program's row blocks.
+    # The row fits one tile: load scale/bias once for all of this program's row blocks,
+    # or (reload_params) for each row block after its statistics, as _cached_kernel.
     _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-    w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
+    params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask,
+                               scale_offset)
+    if not reload_params:
+      wb = params()
+      params = lambda: wb  # noqa: E731
 
     pid = pl.program_id(0)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n,
@@ -733,7 +739,7 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
       # Prefetch the next row block before working on this one: its loads are in
       # flight during this block's reductions. Past the last block it is fully masked.
       x_next = load(rb + num_programs)
-      _single_tile(rb, io, lambda: (w, b), n=n, eps=eps, subtract_mean=subtract_mean,
+      _single_tile(rb, io, params, n=n, eps=eps, subtract_mean=subtract_mean,
                    block_m=block_m, block_n=block_n, x=x)
       return x_next
 
@@ -1247,7 +1253,8 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
   else:
     grid = _persistent_programs(cfg, num_row_blocks)
-    statics.update(num_programs=grid, stream_x=cfg.stream_x)
+    statics.update(num_programs=grid, stream_x=cfg.stream_x,
+                   reload_params=cfg.reload_params)
     kernel, name = _persistent_kernel, "pallas_norm_fwd_persistent"
   return pl.pallas_call(
       functools.partial(kernel, **statics),
