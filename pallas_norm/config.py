@@ -538,7 +538,7 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       if pallas:
         space.update(split_rows=(False, True), reload_rows=(False, True),
                      split_lag=(1, 2, 3), split_early_publish=(False, True),
-                     chunk_n=(0, 1024, 2048))
+                     chunk_n=(0, 128, 256, 1024, 2048))
     if pallas and one_tile and m > 1:
       space["fused_reduce"] = (False, True)
     space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)

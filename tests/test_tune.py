@@ -439,6 +439,24 @@ def test_search_space_holds_the_few_row_one_tile_backward():
   assert 16384 not in triton["block_n"] and "fused_reduce" not in triton
 
 
+def test_search_space_chunks_the_split_backwards_tile():
+  """The split-row backward's 512-column split can be walked in chunks below it (the
+  domain's 1024 and 2048 clamp to 512, one tile): an entry's chunk_n 256 is rebuilt as
+  such, 2048 as the whole split."""
+  gpu = config.DeviceInfo("gpu", "some GPU", 132)
+  space = config.search_space("bwd", 512, 16384, gpu, backend="pallas", mode=None,
+                              subtract_mean=True)
+  assert {128, 256} <= set(space["chunk_n"])
+  key = tuning.Key("bwd", "layer", "bfloat16", "bfloat16", 16384, 512)
+  start = tune._default(key, "pallas", None, gpu)
+  assert start.config.split_rows and start.config.block_n == 512
+  for chunk, want in ((256, 256), (2048, 512)):
+    fields = dict(start.entry.fields, chunk_n=chunk)
+    e = tuning.Entry(key, "pallas", "", tuple(sorted(fields.items())))
+    cfg = config.from_entry(e, 512, 16384, gpu, "pallas")
+    assert cfg is not None and cfg.chunk_n == want, (chunk, cfg)
+
+
 def test_cupti_timer_leaves_out_the_forwards_kernels_by_name(monkeypatch):
   """A "bwd" time leaves out one kernel of each of the forward's names, wherever it ran
   (a backward's zero fill can run before the forward); a name missing or no kernel left
