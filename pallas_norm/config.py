@@ -281,11 +281,21 @@ class BackwardConfig:
       stages are one kernel anyway: stage 1's one partial row is the sum.)
     column_block_m, column_block_n: with ``fused_reduce``, the column programs' tile:
       rows summed a step, columns a program (powers of 2).
+    column_splits: for a row in one tile (``block_n >= N``), Pallas backend: programs a
+      row-block group (a power of 2, at most block_n), the forward's
+      ``ForwardConfig.column_splits`` for the backward. Each of a group's programs
+      loads the whole tile for the row sums c1 (and c2), the same reductions as the
+      one-program kernel's, then reloads its ``block_n / column_splits`` columns (from
+      L2 but for the first) and writes their dx and dscale/dbias partials: no exchange
+      between programs, no fill, and few rows spread over that many times more SMs
+      (one row: over ``column_splits`` programs instead of one). 1: a program a group.
+      Not with ``fused_reduce``, ``split_rows``, ``reload_rows``, ``pieces`` or FP8 x.
 
   Raises:
     ValueError: a block size or pieces that are not powers of 2 (pieces decreasing, and
       summing to at most block_n), split_rows with reload_rows (or either with
-      fused_reduce), num_programs < 1, a
+      fused_reduce), column_splits not a power of 2 <= block_n or with any of those
+      (or pieces), num_programs < 1, a
       negative split_lag, or split_early_publish without split_rows and split_lag >= 1.
   """
 
@@ -311,9 +321,16 @@ class BackwardConfig:
   fused_reduce: bool = False
   column_block_m: int = 16
   column_block_n: int = 128
+  column_splits: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "pieces", tuple(self.pieces))
+    cs = self.column_splits
+    if cs < 1 or cs & (cs - 1) or cs > self.block_n:
+      raise ValueError(f"{self.column_splits=} must be a power of 2 <= block_n")
+    if cs > 1 and (self.fused_reduce or self.split_rows or self.reload_rows or self.pieces):
+      raise ValueError("column_splits > 1 is for a row in one tile without fused_reduce, "
+                       "split_rows, reload_rows or pieces")
     if self.prefetch_depth < 1:
       raise ValueError(f"{self.prefetch_depth=} must be >= 1")
     p = self.pieces
@@ -415,6 +432,8 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
       r = int(f.pop("pieces_round", 0))
       pieces = (_binary_pieces(cdiv(n, r) * r) if r and f["block_n"] >= n
                 and cdiv(n, r) * r <= f["block_n"] else ())
+      if f["block_n"] < n:  # the column splits of a row in one tile
+        f.pop("column_splits", None)
       if programs == 1 or not f.get("fused_reduce"):  # one program: stage 1 is the sum
         f["fused_reduce"] = False
         f.pop("column_block_m", None)
@@ -459,9 +478,10 @@ def fits(cfg, n: int, device: DeviceInfo, backend: str) -> bool:
     if cfg.mode == "multi_wave_cached" and bn_full > _CACHED_MAX_BLOCK_N:
       return False
     return True
-  if backend != "pallas" and (cfg.pieces or cfg.reload_rows or cfg.fused_reduce):
+  if backend != "pallas" and (cfg.pieces or cfg.reload_rows or cfg.fused_reduce
+                              or cfg.column_splits > 1):
     return False
-  return cfg.block_n >= n or not (cfg.pieces or cfg.fused_reduce)
+  return cfg.block_n >= n or not (cfg.pieces or cfg.fused_reduce or cfg.column_splits > 1)
 
 
 def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: str,
@@ -544,6 +564,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)
     if pallas and one_tile and m > 1:
       space.update(column_block_n=(32, 64, 128, 256, 512), column_block_m=rows)
+    if pallas and one_tile:  # few rows over more SMs (not with fused_reduce: pruned)
+      space["column_splits"] = (1, 2, 4, 8, 16)
     if pallas and one_tile:
       if subtract_mean:
         space.update(pieces_round=(0, 512, 1024), joint_row_sums=(False, True))

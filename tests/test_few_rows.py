@@ -1,6 +1,7 @@
 """Few rows (decode, sampling, small batches): the one-kernel backward
 (``BackwardConfig.fused_reduce``, backward.py's ``_bwd_fused_kernel``), the backward of
-one stage-1 program (no stage 2), and the forward's ``hoist_params``.
+one stage-1 program (no stage 2), the backward's column splits
+(``BackwardConfig.column_splits``), and the forward's ``hoist_params``.
 
 Oracle: the XLA reference's vjp (``pallas_norm.reference``) in float32, and the
 two-stage backward on the same tile (dx bit for bit: the same row programs; dscale and
@@ -308,6 +309,84 @@ def test_column_splits_errors():
   assert pn_config.fits(cfg, 1000, H200, "pallas")
   assert not pn_config.fits(cfg, 1000, H200, "triton")
 
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("m,n,block_m,num_programs,splits,residual", [
+    (1, 1000, 1, 1, 8, False),  # one row over 8 programs: the sums stored directly
+    (2, 300, 1, 2, 4, True),    # the last of 4 splits of the 512 tile lies past N
+    (7, 1000, 2, 3, 2, True),   # partial row blocks, 3 groups, stage 2
+    (64, 256, 4, 16, 16, False)])
+def test_backward_column_splits_same_bits(m, n, block_m, num_programs, splits, residual,
+                                          layer):
+  """BackwardConfig.column_splits (programs a row-block group, each the whole row's sums
+  and a share of its columns): dx (and dresidual), dscale and dbias within an ulp of
+  their dtype (relative, and of the largest element near 0) of one program a group's
+  (the same reductions in the same order and the same operations, which the compiler
+  may contract otherwise: float32 dresidual at [7, 1000] LayerNorm on CPU), bf16 with the fused residual add's dh and another dresidual dtype;
+  bit for bit on a second run; against the reference's vjp."""
+  x, scale, bias, dy = _inputs(m, n, layer=layer, seed=2)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  mean, rstd = _stats(x, scale, bias, layer)
+  kw = dict(dh=bf(dy[::-1] * 0.5), residual_dtype=jnp.float32) if residual else {}
+  cfg = _cfg(block_m, pn_config.next_power_of_2(n), num_programs, fused=False)
+  base = _run(cfg, bf(x), bf(scale), bf(dy), mean, rstd, layer=layer, **kw)
+  split = _run(dataclasses.replace(cfg, column_splits=splits), bf(x), bf(scale), bf(dy),
+               mean, rstd, layer=layer, **kw)
+  assert len(split) == len(base) == (4 if residual else 3)
+  again = _run(dataclasses.replace(cfg, column_splits=splits), bf(x), bf(scale), bf(dy),
+               mean, rstd, layer=layer, **kw)
+  for a, b, c in zip(base, split, again):
+    assert (a is None) == (b is None)
+    if a is not None:
+      assert a.dtype == b.dtype
+      eps = float(jnp.finfo(a.dtype).eps)
+      a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_allclose(b32, a32, rtol=eps, atol=eps * float(np.abs(a32).max()))
+      np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(c, np.float32))
+  _, pull = jax.vjp(lambda x, s, b: reference.norm(x, s, b, eps=1e-5, scale_offset=0.5,
+                                                   subtract_mean=layer)[0],
+                    bf(x).astype(jnp.float32), bf(scale).astype(jnp.float32), bias)
+  want = pull(bf(dy).astype(jnp.float32))
+  dx = np.asarray(split[0], np.float32) - (np.asarray(kw["dh"], np.float32) if kw else 0)
+  np.testing.assert_allclose(dx, np.asarray(want[0]), rtol=0,
+                             atol=3e-2 * max(1.0, float(np.abs(want[0]).max())))
+
+
+def test_backward_column_splits_errors():
+  """column_splits: a power of 2 up to block_n, not with fused_reduce, split_rows or
+  pieces; a row wider than the tile or FP8 x is refused before a kernel runs; fits()
+  keeps it to the Pallas backend and one-tile rows; the table round trip drops it where
+  the row is chunked; in the Pallas search space of one-tile rows."""
+  for bad in (3, 0, 1024):
+    with pytest.raises(ValueError, match="column_splits"):
+      pn_config.BackwardConfig(1, 512, 4, 1, column_splits=bad)
+  for flags in (dict(fused_reduce=True), dict(split_rows=True), dict(pieces=(256, 128))):
+    with pytest.raises(ValueError, match="column_splits"):
+      pn_config.BackwardConfig(1, 512, 4, 2, column_splits=2, **flags)
+  x = jnp.ones((2, 1000), jnp.float32)
+  with pytest.raises(ValueError, match="column_splits=2 needs the row"):
+    backward.norm_backward(x, x, x[0], None, x[:, 0], has_bias=False, scale_offset=0.0,
+                           subtract_mean=False, interpret=True, scale_dtype=jnp.float32,
+                           config=pn_config.BackwardConfig(1, 512, 4, 1, column_splits=2))
+  cfg = pn_config.BackwardConfig(1, 1024, 4, 1, column_splits=4)
+  assert pn_config.fits(cfg, 1000, H200, "pallas")
+  assert not pn_config.fits(cfg, 1000, H200, "triton")
+  assert not pn_config.fits(dataclasses.replace(cfg, block_n=512), 1000, H200, "pallas")
+  space = pn_config.search_space("bwd", 1, 8192, H200, backend="pallas", mode=None,
+                                 subtract_mean=False)
+  assert space["column_splits"] == (1, 2, 4, 8, 16)
+  assert "column_splits" not in pn_config.search_space("bwd", 1, 8192, H200,
+                                                       backend="triton", mode=None,
+                                                       subtract_mean=False)
+  from pallas_norm import tuning
+  for n, block_n, kept in ((8192, 8192, 4), (65536, 2048, 1)):
+    c = pn_config.BackwardConfig(1, block_n, 4, 1, column_splits=4)
+    key = tuning.Key("bwd", "rms", "bfloat16", "bfloat16", n, 1)
+    e = tuning.Entry(key, "pallas", "",
+                     tuple(sorted(pn_config.entry_fields(c, n, H200.num_sms).items())))
+    got = pn_config.from_entry(e, 1, n, H200, "pallas")
+    assert got is not None and got.column_splits == kept
 
 # ------------------------------------------------- param_cast: the params' cast in-kernel
 

@@ -330,6 +330,52 @@ def _bwd_persistent_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has
                       joint_row_sums=joint_row_sums, reload_scale=reload_scale)
 
 
+def _bwd_column_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, has_bias,
+                             has_dh, has_dres, block_m, block_n, num_programs, splits,
+                             cast=None, group_size=0):
+  """Stage 1 of a row in one tile over ``splits`` programs a row-block group
+  (``BackwardConfig.column_splits``): program p = r * splits + k walks row blocks r,
+  r + G, ... and for each loads the whole [block_m, block_n] tile of x and dy for the
+  row sums c1 (and c2), the same reductions as ``_persistent_columns``'s, then reloads
+  its columns [k * w, (k + 1) * w) (w = block_n / splits; from L2 but for the first
+  load) and writes their dx and adds to their dscale/dbias partials, stored in row r
+  of the partials (the sums themselves with one group). No exchange between programs."""
+  (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
+   dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
+                                         has_dh, has_dres, group_size)
+  m = x_ref.shape[0]
+  pid = pl.program_id(0)
+  r, k = pid // splits, pid % splits
+  tile = functools.partial(_tile_index, k=0, m=m, n=n, block_m=block_m, block_n=block_n)
+  # _chunk_index keeps the column mask whenever block_n > N (a split past N stays masked)
+  split = functools.partial(_chunk_index, i=k, m=m, n=n, block_m=block_m, block_n=block_n,
+                            chunk_n=block_n // splits)
+  _, cols, _, col_mask, _ = tile(0)
+  w = _load_params(scale_ref, None, cols, col_mask, scale_offset)[0]
+  _, cols_k, _, col_mask_k, _ = split(0)
+  w_k = _load_params(scale_ref, None, cols_k, col_mask_k, scale_offset)[0]
+
+  def body(i, accs):
+    rb = r + i * num_programs
+    rows, _, row_mask, _, mask = tile(rb, rows_in_bounds=True)
+    mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
+    x_hat, _, g, _ = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd,
+                              w, cast)
+    c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
+    c2 = jnp.sum(g, axis=1) / n if mean_ref is not None else None
+    mask_k = split(rb, rows_in_bounds=True)[4]
+    x_hat_k, dy_k, g_k, x_hat_w_k = _x_hat_g(
+        *_load_xdy(x_ref, dy_ref, rows, cols_k, mask_k), mask_k, mean, rstd, w_k, cast)
+    _store_dx(dx_ref, rows, cols_k, mask_k, g_k, x_hat_k, c1, c2, rstd)
+    dw_acc, db_acc = accs
+    return dw_acc + jnp.sum(dy_k * x_hat_w_k, axis=0), db_acc + jnp.sum(dy_k, axis=0)
+
+  num_steps = (cdiv(m, block_m) - 1 - r) // num_programs + 1
+  zeros = jnp.zeros((block_n // splits,), _F32)
+  dw_acc, db_acc = lax.fori_loop(0, num_steps, body, (zeros, zeros))
+  _store_partials(dw_ref, db_ref, r, cols_k, col_mask_k, dw_acc, db_acc)
+
+
 def _column_sums(dy_ref, x_ref, mean_ref, rstd_ref, dw_ref, db_ref, c, *, n, block_m,
                  block_n, cast=None):
   """dscale (and dbias) of column strip ``c`` summed over all M rows, block_m rows a
@@ -690,7 +736,8 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
 
   Raises:
     ValueError: ``config.pieces`` that do not cover N, or with ``block_n < N``;
-      ``config.fused_reduce`` with ``block_n < N``; an
+      ``config.fused_reduce`` or ``config.column_splits`` > 1 with ``block_n < N``
+      (column splits also with FP8 x); an
       ``x_scale`` that does not fit x or ``config`` (``forward.fp8_group_size``).
     NotImplementedError: ``split_rows`` with more splits than can surely be resident
       (``cdiv(N, config.block_n) > SMs x config.split_resident_programs(num_warps)``).
@@ -723,6 +770,10 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
   if cfg.fused_reduce and cfg.block_n < n:
     raise ValueError(f"config.fused_reduce needs the row (N={n}) in one tile "
                      f"(block_n={cfg.block_n})")
+  splits = 1 if combine_row_sums is not None else cfg.column_splits
+  if splits > 1 and (chunked or x_scale is not None):
+    raise ValueError(f"config.column_splits={splits} needs the row (N={n}) in one tile "
+                     f"(block_n={cfg.block_n}) and x not FP8")
   # (a shard's row sums, combine_row_sums, take the two-stage pair)
   one_kernel = cfg.fused_reduce and not chunked and g > 1 and bool(param_dtypes)
   if g == 1 or one_kernel:  # the sums themselves, in the parameters' dtypes: no stage 2
@@ -746,6 +797,16 @@ def norm_backward(dy, x, scale, mean, rstd, *, has_bias: bool, scale_offset: flo
         compiler_params=params,
         interpret=interpret,
         name="pallas_norm_bwd_fused",
+    )(*inputs, *tail)
+  elif splits > 1:
+    dx, *parts = pl.pallas_call(
+        functools.partial(_bwd_column_split_kernel, has_bias=has_bias, num_programs=g,
+                          splits=splits, **fused, **statics),
+        out_shape=out_shape,
+        grid=(g * splits,),
+        compiler_params=params,
+        interpret=interpret,
+        name="pallas_norm_bwd_column_split",
     )(*inputs, *tail)
   elif chunked and cfg.split_rows and combine_row_sums is None:
     dx, *parts = _split_stage1(inputs + tail, out_shape, dict(statics, **fused), has_bias,
