@@ -388,6 +388,29 @@ def test_backward_column_splits_errors():
     got = pn_config.from_entry(e, 1, n, H200, "pallas")
     assert got is not None and got.column_splits == kept
 
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_backward_column_splits_lower_to_triton(layer):
+  """The column-split backward lowers for the GPU on a CPU (Pallas's Triton lowering, no
+  GPU): one Triton call of that name, grid groups x splits, with the fused residual add
+  (dh, another dresidual dtype) and cast="llama"."""
+  m, n, splits = 1, 8192, 8
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  cfg = pn_config.BackwardConfig(1, n, 8, 1, column_splits=splits)
+
+  def f(dy, x, scale, mean, rstd, dh):
+    return backward.norm_backward(
+        dy, x, scale, mean if layer else None, rstd, has_bias=layer, scale_offset=0.0,
+        subtract_mean=layer, config=cfg, interpret=False, scale_dtype=bf, bias_dtype=bf,
+        dh=dh, residual_dtype=jnp.float32, cast=("bfloat16", "bfloat16"))
+
+  args = (sds((m, n), bf), sds((m, n), bf), sds((n,), bf), sds((m,), jnp.float32),
+          sds((m,), jnp.float32), sds((m, n), bf))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert "pallas_norm_bwd_column_split" in text and f"grid_x = {splits}" in text
+
 # ------------------------------------------------- param_cast: the params' cast in-kernel
 
 

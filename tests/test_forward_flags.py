@@ -141,3 +141,20 @@ def test_reload_params_loads_and_bits(monkeypatch, layer, residual):
   assert traced[True] and all(traced[True]), traced
   for a, c in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_reload_params_lowers_to_triton(reload):
+  """The persistent forward with either value lowers for the GPU on a CPU (Pallas's
+  Triton lowering, no GPU): one Triton call, LayerNorm with the residual, mean/rstd."""
+  sds = jax.ShapeDtypeStruct
+  cfg = config.ForwardConfig("static_persistent", 1, 8192, 8, 264, reload_params=reload)
+
+  def f(x, r, w, b):
+    return forward.norm_forward(x, w, b, eps=1e-5, scale_offset=0.0, subtract_mean=True,
+                                config=cfg, interpret=False, residual=r)
+
+  args = (sds((512, 8192), jnp.bfloat16), sds((512, 8192), jnp.bfloat16),
+          sds((8192,), jnp.bfloat16), sds((8192,), jnp.bfloat16))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "pallas_norm_fwd_persistent" in text
