@@ -564,9 +564,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     space.update(block_m=rows, num_warps=warps, programs_per_sm=per_sm)
     if pallas and one_tile and m > 1:
       space.update(column_block_n=(32, 64, 128, 256, 512), column_block_m=rows)
-    if pallas and one_tile:  # few rows over more SMs (not with fused_reduce: pruned)
-      space["column_splits"] = (1, 2, 4, 8, 16)
     if pallas and one_tile:
+      space["column_splits"] = (1, 2, 4, 8, 16)  # few rows over more SMs (fused: pruned)
       if subtract_mean:
         space.update(pieces_round=(0, 512, 1024), joint_row_sums=(False, True))
       space.update(prefetch_stats=(False, True), recompute_dx=(False, True),

@@ -677,6 +677,19 @@ def _split_refs(refs, has_scale, has_bias, subtract_mean, return_residuals,
   return x_ref, scale_ref, bias_ref, (x_ref, y_ref, mean_ref, rstd_ref)
 
 
+def _row_params(scale_ref, bias_ref, n, block_n, scale_offset, *, hold):
+  """A loader of a whole-row tile's scale and bias (f32 [block_n] each, or None), which
+  ``_single_tile`` calls after the row's statistics; with ``hold`` they are loaded here
+  and the loader returns them (held in registers from here: ``hoist_params``, or
+  static_persistent's once a program)."""
+  _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
+  params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
+  if not hold:
+    return params
+  wb = params()
+  return lambda: wb
+
+
 def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
                    block_m, block_n, hoist_params=False, x_rows=None, column_splits=1,
@@ -692,11 +705,8 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
                        subtract_mean=subtract_mean, block_m=block_m, block_n=block_n,
                        splits=column_splits, x_rows=x_rows)
     return
-  _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-  params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask, scale_offset)
-  if hoist_params:  # loaded with x (ForwardConfig.hoist_params)
-    wb = params()
-    params = lambda: wb  # noqa: E731
+  params = _row_params(scale_ref, bias_ref, n, block_n, scale_offset,
+                       hold=hoist_params)  # hoisted: loaded with x
   _single_tile(pl.program_id(0), io, params, n=n, eps=eps, subtract_mean=subtract_mean,
                block_m=block_m, block_n=block_n, x_rows=x_rows, stream=stream_x)
 
@@ -723,12 +733,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
   if block_n >= n:
     # The row fits one tile: load scale/bias once for all of this program's row blocks,
     # or (reload_params) for each row block after its statistics, as _cached_kernel.
-    _, cols, _, col_mask, _ = _tile_index(0, 0, 1, n, block_m=1, block_n=block_n)
-    params = functools.partial(_load_params, scale_ref, bias_ref, cols, col_mask,
-                               scale_offset)
-    if not reload_params:
-      wb = params()
-      params = lambda: wb  # noqa: E731
+    params = _row_params(scale_ref, bias_ref, n, block_n, scale_offset,
+                         hold=not reload_params)
 
     pid = pl.program_id(0)
     load = functools.partial(_load_row_block, x_ref, n=n, block_m=block_m, block_n=block_n,
