@@ -416,6 +416,29 @@ def _few_row_seeds(key, backend, mode, device) -> list[Candidate]:
           if c is not None]
 
 
+def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
+  """The table's entries at ``key``'s pass, shape and dtypes, this backend and mode,
+  rebuilt for ``key``: its own from an earlier run (``--no-resume``: a retune starts
+  where the last one ended), and its sibling families' (with or without the bias or the
+  residual; post-norm with post-norm only), whose basin no field-at-a-time move from
+  ``key``'s default may reach. H200, 2026-11-29, the backward at 64x16384: RMSNorm's
+  search stopped at 5.02 us (column_block_n 64, 4 warps), RMSNorm + residual's, a
+  heavier kernel, at 4.32 (column_block_n 256, 8 warps):
+  h200_2026-11-29_tune_bwd_16384_9e56dba.log."""
+  post = _parts(key)["post_norm"]
+  seeds = []
+  for e in entries:
+    k = e.key
+    if ((k.pass_, k.x, k.params, k.n, k.m)
+        != (key.pass_, key.x, key.params, key.n, key.m) or _parts(k)["post_norm"] != post
+        or e.backend != backend or (e.mode or None) != (mode or None)):
+      continue
+    c = _candidate(key, backend, mode, e.fields, device)
+    if c is not None:
+      seeds.append(c)
+  return seeds
+
+
 class _Measurer:
   """Compiles (on a pool) and times candidates of one key and backend/mode; memoised
   by the rebuilt config."""
@@ -558,10 +581,11 @@ def _modes(key: tuning.Key, backend: str) -> tuple:
 def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=None,
              iters: int = 30, workers: int = 1, rounds: int = 2, min_gain: float = 0.01,
              search_top: int = 2, confirm: int = 3, confirm_rounds: int = 3,
-             log=print) -> list[tuning.Entry]:
+             log=print, table=()) -> list[tuning.Entry]:
   """The entries of one key: per backend (and forward mode) the fastest config found
   that passes the check, each with ``default_us`` (the default config of the Pallas
-  backend and the default mode: what the op runs with no table)."""
+  backend and the default mode: what the op runs with no table). ``table``: entries
+  already measured; those at the key's shape seed the search (``_table_seeds``)."""
   timer = timer or cupti_timer
   nbytes = key.m * key.n * jnp.dtype(key.x).itemsize
   r = 1 if device.platform != "gpu" else int(
@@ -624,6 +648,7 @@ def tune_key(key: tuning.Key, device: C.DeviceInfo, *, backends=BACKENDS, timer=
                for _, b, _, other in starts if b not in ("mosaic", "xla")
                and other is not start]
       seeds += _few_row_seeds(key, backend, mode, device)
+      seeds += _table_seeds(key, backend, mode, device, table)
       _coordinate_search(start, key, backend, mode, device, meas, rounds, min_gain,
                          seeds=[c for c in seeds if c is not None])
     ranked = sorted((c for cfg, c in meas.cands.items() if meas.times.get(cfg) is not None),
@@ -764,7 +789,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
                    workers=workers, rounds=rounds, min_gain=min_gain,
                    search_top=search_top, confirm=confirm,
-                   confirm_rounds=confirm_rounds, log=log)
+                   confirm_rounds=confirm_rounds, log=log, table=entries)
     entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
                (key.group, key.n, key.m)] + new
     run_meta = dict(meta, runs=_runs(old_meta, meta, i + 1))

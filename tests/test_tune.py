@@ -541,3 +541,23 @@ def test_few_row_default_seeds_the_search_past_64_rows():
     assert seed.config.block_n == 16384 and not seed.config.split_rows
     assert seed.config.num_programs > 64  # rebuilt for 512 rows, not 64 programs
   assert tune._few_row_seeds(dataclasses.replace(key, m=64), "pallas", None, gpu) == []
+
+
+def test_table_seeds_are_the_keys_and_its_siblings_entries():
+  """The table's entries at the key's pass and shape (its own, and the other families',
+  the bias or the residual aside), rebuilt for the key, seed the search; those of
+  another shape or backend do not."""
+  key = tuning.Key("bwd", "rms", "float32", "float32", 128, 8)
+
+  def entry(k, backend="pallas", **fields):
+    c = tune._candidate(k, backend, None, dict(tune._default(k, "pallas", None, CPU)
+                                               .entry.fields, **fields), CPU)
+    return dataclasses.replace(c.entry, backend=backend)
+  own = entry(key, num_warps=1)
+  sib = entry(dataclasses.replace(key, family="layer_res"), num_warps=2)
+  others = [entry(dataclasses.replace(key, m=16), num_warps=4),
+            entry(dataclasses.replace(key, n=256), num_warps=4),
+            entry(key, backend="triton", num_warps=4)]
+  seeds = tune._table_seeds(key, "pallas", None, CPU, [own, sib, *others])
+  assert [s.config.num_warps for s in seeds] == [1, 2]
+  assert all(s.entry.key == key for s in seeds)  # rebuilt for the key
