@@ -733,7 +733,8 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
         timer=None, iters: int = 30, workers: int | None = None, rounds: int = 2,
         min_gain: float = 0.01, search_top: int = 2, confirm: int = 3,
         confirm_rounds: int = 3, budget_s: float | None = None,
-        resume: bool = True, progress: bool = True, argv=None, log=None) -> pathlib.Path:
+        resume: bool = True, progress: bool = True, argv=None, log=None,
+        seed_tables=()) -> pathlib.Path:
   """Tune ``keys`` (``keys_for``) on this device and merge the entries into the table
   at ``out`` (default: the user's table for this device kind); returns its path.
 
@@ -758,14 +759,20 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     budget_s: stop starting keys after this many seconds (the table keeps what is done).
     resume: skip keys whose entries are already in ``out``.
     progress: a tqdm progress bar over the keys.
+    seed_tables: more tables (paths; another device kind's, say) whose entries at a
+      key's pass and shape seed its search, as ``out``'s own do (``_table_seeds``).
+      A path that does not exist is skipped.
 
   Raises:
-    tuning.TableError: ``out`` exists and is not a table this version reads.
+    tuning.TableError: ``out`` or a seed table exists and is not a table this version
+      reads (raised before any key is timed).
   """
   device = device or C.device_info()
   warnings.filterwarnings("ignore", "pallas_norm: no tuned table")
   path = pathlib.Path(out) if out else tuning.user_path(device.name)
   entries, old_meta = _read(path)
+  seeded = [e for p in seed_tables if pathlib.Path(p).resolve() != path.resolve()
+            for e in _read(pathlib.Path(p))[0]]
   done = {(e.key.group, e.key.n, e.key.m) for e in entries}
   if workers is None:
     workers = (os.cpu_count() or 1) if device.platform == "gpu" else 1
@@ -789,7 +796,7 @@ def run(keys, *, out=None, device: C.DeviceInfo | None = None, backends=BACKENDS
     new = tune_key(key, device, backends=backends, timer=timer, iters=iters,
                    workers=workers, rounds=rounds, min_gain=min_gain,
                    search_top=search_top, confirm=confirm,
-                   confirm_rounds=confirm_rounds, log=log, table=entries)
+                   confirm_rounds=confirm_rounds, log=log, table=entries + seeded)
     entries = [e for e in entries if (e.key.group, e.key.n, e.key.m) !=
                (key.group, key.n, key.m)] + new
     run_meta = dict(meta, runs=_runs(old_meta, meta, i + 1))
@@ -845,6 +852,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--shipped", action="store_true",
                  help="write the package's own table for this GPU "
                       "(pallas_norm/tuning/<device_kind>.json) instead of the user's")
+  p.add_argument("--seed-tables", default="shipped",
+                 help="tables whose entries at a key's pass and shape seed its search "
+                      "(comma-separated paths; 'shipped', the default: every shipped "
+                      "table, of any GPU; 'none'). The output table's own entries "
+                      "always do")
   p.add_argument("--iters", type=int, default=30)
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--rounds", type=int, default=2)
@@ -861,6 +873,16 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", dest="progress", action="store_false")
   p.add_argument("--dry-run", action="store_true", help="list the keys and exit")
   return p
+
+
+def _seed_tables(text: str) -> list[pathlib.Path]:
+  """--seed-tables: 'shipped' (every shipped table), 'none', or comma-separated paths."""
+  text = text.strip()
+  if text == "none":
+    return []
+  if text == "shipped":
+    return tuning.shipped_tables()
+  return [pathlib.Path(p) for p in text.split(",") if p.strip()]
 
 
 def main(argv=None) -> int:
@@ -894,7 +916,7 @@ def main(argv=None) -> int:
              search_top=args.search_top, confirm=args.confirm,
              confirm_rounds=args.confirm_rounds, budget_s=args.budget_s,
              resume=args.resume, progress=args.progress,
-             argv=argv)
+             argv=argv, seed_tables=_seed_tables(args.seed_tables))
   print(f"table: {path}")
   return 0
 

@@ -561,3 +561,26 @@ def test_table_seeds_are_the_keys_and_its_siblings_entries():
   seeds = tune._table_seeds(key, "pallas", None, CPU, [own, sib, *others])
   assert [s.config.num_warps for s in seeds] == [1, 2]
   assert all(s.entry.key == key for s in seeds)  # rebuilt for the key
+
+
+def test_seed_tables_reach_the_search(tmp_path, monkeypatch):
+  """run(seed_tables=): another table's entries (another device's, say) join the
+  output's own as the search's table; a file that is no table is refused before any key
+  is timed; --seed-tables parses 'shipped', 'none' and paths."""
+  keys = tune.keys_for([(8, 128)], ("rms",), ("fwd",))
+  (tmp_path / "a").mkdir()
+  other = _run(tmp_path / "a", keys, [])
+  seen = []
+  monkeypatch.setattr(tune, "tune_key", lambda key, device, **kw: seen.append(kw["table"]) or [])
+  _run(tmp_path, keys, [], seed_tables=[other, tmp_path / "missing.json"])
+  assert seen == [list(tuning.Table.load(other).entries())] and seen[0]
+  bad = tmp_path / "bad.json"
+  bad.write_text("{}")
+  seen.clear()
+  with pytest.raises(tuning.TableError):
+    _run(tmp_path, keys, [], seed_tables=[bad], resume=False)
+  assert seen == []
+  assert tune._seed_tables("none") == []
+  assert tune._seed_tables("shipped") == tuning.shipped_tables()
+  assert any(p.name == "nvidia_h200.json" for p in tuning.shipped_tables())
+  assert tune._seed_tables(f"{bad},{other}") == [bad, other]

@@ -51,7 +51,8 @@ import threading
 import warnings
 
 __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "STEADY_BUCKET", "Key", "Entry", "Table",
-           "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path", "user_dir",
+           "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path", "shipped_tables",
+           "user_dir",
            "user_path", "tables", "lookup", "forced", "context", "clear_cache"]
 
 FORMAT = "pallas_norm.tuning"
@@ -232,6 +233,11 @@ def to_doc(entries, meta: dict) -> dict:
 def shipped_path(kind: str) -> pathlib.Path:
   """The shipped table of a device kind (package data beside this module)."""
   return _HERE / f"{device_slug(kind)}.json"
+
+
+def shipped_tables() -> list[pathlib.Path]:
+  """Every shipped table, of any device kind (sorted by name)."""
+  return sorted(_HERE.glob("*.json"))
 
 
 def user_dir() -> pathlib.Path:
