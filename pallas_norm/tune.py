@@ -911,12 +911,16 @@ def main(argv=None) -> int:
           f"{jax.default_backend()!r}); --dry-run lists the keys", file=sys.stderr)
     return 2
   out = tuning.shipped_path(device.name) if args.shipped else args.out
-  path = run(keys, out=out, device=device, backends=backends, iters=args.iters,
-             workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
-             search_top=args.search_top, confirm=args.confirm,
-             confirm_rounds=args.confirm_rounds, budget_s=args.budget_s,
-             resume=args.resume, progress=args.progress,
-             argv=argv, seed_tables=_seed_tables(args.seed_tables))
+  try:
+    path = run(keys, out=out, device=device, backends=backends, iters=args.iters,
+               workers=args.workers, rounds=args.rounds, min_gain=args.min_gain,
+               search_top=args.search_top, confirm=args.confirm,
+               confirm_rounds=args.confirm_rounds, budget_s=args.budget_s,
+               resume=args.resume, progress=args.progress,
+               argv=argv, seed_tables=_seed_tables(args.seed_tables))
+  except tuning.TableError as e:  # the output or a seed table: before any key is timed
+    print(f"pallas_norm.tune: {e}", file=sys.stderr)
+    return 2
   print(f"table: {path}")
   return 0
 

@@ -563,7 +563,7 @@ def test_table_seeds_are_the_keys_and_its_siblings_entries():
   assert all(s.entry.key == key for s in seeds)  # rebuilt for the key
 
 
-def test_seed_tables_reach_the_search(tmp_path, monkeypatch):
+def test_seed_tables_reach_the_search(tmp_path, monkeypatch, capsys):
   """run(seed_tables=): another table's entries (another device's, say) join the
   output's own as the search's table; a file that is no table is refused before any key
   is timed; --seed-tables parses 'shipped', 'none' and paths."""
@@ -584,3 +584,8 @@ def test_seed_tables_reach_the_search(tmp_path, monkeypatch):
   assert tune._seed_tables("shipped") == tuning.shipped_tables()
   assert any(p.name == "nvidia_h200.json" for p in tuning.shipped_tables())
   assert tune._seed_tables(f"{bad},{other}") == [bad, other]
+  # the command line: the bad table named, exit 2, nothing written
+  monkeypatch.setattr(tune.C, "device_info", lambda: config.DeviceInfo("gpu", "some GPU", 132))
+  out = tmp_path / "t.json"
+  assert tune.main(["--shapes", "8x128", "--out", str(out), "--seed-tables", str(bad)]) == 2
+  assert not out.exists() and seen == [] and "pallas_norm.tune:" in capsys.readouterr().err
