@@ -568,8 +568,10 @@ def test_seed_tables_reach_the_search(tmp_path, monkeypatch, capsys):
   output's own as the search's table; a file that is no table is refused before any key
   is timed; --seed-tables parses 'shipped', 'none' and paths."""
   keys = tune.keys_for([(8, 128)], ("rms",), ("fwd",))
-  (tmp_path / "a").mkdir()
-  other = _run(tmp_path / "a", keys, [])
+  other = tmp_path / "other.json"  # another GPU's table, one entry of the key
+  start = tune._default(keys[0], "pallas", "multi_wave_reload", CPU)
+  tune._write(other, [dataclasses.replace(start.entry, us=1.0)],
+              dict(device_kind="other GPU", num_sms=132))
   seen = []
   monkeypatch.setattr(tune, "tune_key", lambda key, device, **kw: seen.append(kw["table"]) or [])
   _run(tmp_path, keys, [], seed_tables=[other, tmp_path / "missing.json"])
