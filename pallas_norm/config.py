@@ -159,11 +159,10 @@ class ForwardConfig:
       loaded for each row block after its statistics (from L2 but for the first), as
       ``multi_wave_cached`` does, instead of once a program and held in registers
       across all of its row blocks (False, the default). Fewer registers a thread,
-      more programs a SM (H200 ncu, 2026-11-29, LayerNorm 512x8192 at 8 warps: 143 held,
-      1 program a SM; 100 reloaded, 2), more L2 reads where a program takes many row
-      blocks; the best held config was still the faster at 512 x 8192/16384
-      (docs/tuning.md, "On the H200"). A tuned field. Ignored by the other modes and
-      backends.
+      more programs a SM (ncu, LayerNorm 512x8192 at 8 warps: 143 held, 1 program a
+      SM; 100 reloaded, 2), more L2 reads where a program takes many row blocks; where
+      measured, the best held config was still the faster (docs/tuning.md#status-2026-11-29).
+      A tuned field. Ignored by the other modes and backends.
 
   Raises:
     ValueError: an unknown mode, a block size that is not a power of 2, num_warps not
