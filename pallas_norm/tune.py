@@ -83,8 +83,13 @@ POST_FAMILIES = ("rms_res_post",)
 TUNED_PASSES = ("fwd", "fwd_stats", "bwd")
 # The FP8-output kernels (rms_norm_fp8 / layer_norm_fp8; families rms and layer): delayed
 # scaling's one pass with and without y_t; current scaling's statistics pass and its
-# quantise pass with and without y_t (each timed in the op, the other kernel as it is).
-FP8_PASSES = ("fp8_delayed", "fp8_delayed_t", "fp8_stats", "fp8_quantise", "fp8_quantise_t")
+# quantise pass with and without y_t (each timed in the op, the other kernel as it is);
+# "fp8_static", delayed scaling's one pass writing y alone (``stats=False``: W8A8
+# serving's static-scale norm), whose kernel drops the stores the "fp8_delayed" entry
+# was timed with (H200, 2026-11-29, 1x8192: RMSNorm's y alone 1.54 us on that entry
+# against 1.25 on the default, h200_2026-11-29_fp8_tuned_vs_untuned_n8192_cd0bdd0.json).
+FP8_PASSES = ("fp8_delayed", "fp8_delayed_t", "fp8_stats", "fp8_quantise", "fp8_quantise_t",
+              "fp8_static")
 _FP8_TOL = 0.07  # an FP8 value that rounds the other way moves by up to 1/8
 BACKENDS = ("pallas", "triton", "mosaic", "xla")
 _TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
@@ -146,7 +151,8 @@ def _fp8(key: tuning.Key) -> bool:
 def _op(key: tuning.Key, backend: str, mode: str | None):
   """f(x, scale, bias, residual, x_scale) -> the op's output (y, or (y, h)); FP8 x
   (x_scale not None) gives y in the params' dtype; an FP8-output key: the Fp8Norm of
-  rms_norm_fp8 / layer_norm_fp8 (delayed scaling with y_scale 8/448)."""
+  rms_norm_fp8 / layer_norm_fp8 (delayed scaling with y_scale 8/448; "fp8_static": with
+  ``stats=False``)."""
   import pallas_norm
   p = _parts(key)
   if _fp8_out(key):
@@ -154,11 +160,13 @@ def _op(key: tuning.Key, backend: str, mode: str | None):
     ys = jnp.float32(8.0 / 448.0) if kernel == "delayed" else None
     op = pallas_norm.layer_norm_fp8 if p["subtract_mean"] else pallas_norm.rms_norm_fp8
     extra = (lambda b: (b,)) if p["subtract_mean"] else (lambda b: ())
+    stats = _fp8_stats(key)
 
     def f8(x, s, b, r, xs):  # with a residual family: (Fp8Norm, h)
       del xs
       res = {} if r is None else dict(residual=r)
-      return op(x, s, *extra(b), y_scale=ys, transpose=transpose, backend=backend, **res)
+      return op(x, s, *extra(b), y_scale=ys, transpose=transpose, backend=backend,
+                stats=stats, **res)
     return f8
   kw = dict(mode=mode, backend=backend, cast="llama" if p["llama"] else "torch")
   if _fp8(key):
@@ -304,7 +312,15 @@ def _fp8_out(key: tuning.Key) -> bool:
 def _fp8_kernel(key: tuning.Key) -> tuple[str, bool]:
   """(kernels/fp8.py's kernel name, transpose) of an FP8-output key."""
   name = key.pass_[len("fp8_"):]
+  if name == "static":  # the delayed kernel, y alone (_fp8_stats)
+    return "delayed", False
   return name.removesuffix("_t"), name.endswith("_t")
+
+
+def _fp8_stats(key: tuning.Key) -> bool:
+  """Whether an FP8-output key's op also writes amax, mean and rstd (all but
+  "fp8_static")."""
+  return key.pass_ != "fp8_static"
 
 
 def _entry(key, backend, mode, cfg, device) -> tuning.Entry:
@@ -363,7 +379,7 @@ def _default(key, backend, mode, device) -> Candidate | None:
     cfg = kfp8.fp8_config(key.m, key.n, jnp.dtype(key.x), kernel=kernel,
                           subtract_mean=p["subtract_mean"], transpose=transpose,
                           interpret=interpret, param_dtype=jnp.dtype(key.params),
-                          tuned=False, residual=p["residual"])
+                          tuned=False, residual=p["residual"], stats=_fp8_stats(key))
     flags = ()
     if kernel == "delayed" and transpose:
       flags = (("separate", kfp8.transpose_separately(interpret)),)
@@ -416,6 +432,9 @@ def _few_row_seeds(key, backend, mode, device) -> list[Candidate]:
           if c is not None]
 
 
+_SEED_PASSES = {"fp8_static": ("fp8_static", "fp8_delayed")}
+
+
 def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   """The table's entries at ``key``'s pass, shape and dtypes, this backend and mode,
   rebuilt for ``key``: its own from an earlier run (``--no-resume``: a retune starts
@@ -424,13 +443,15 @@ def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   ``key``'s default may reach. H200, 2026-11-29, the backward at 64x16384: RMSNorm's
   search stopped at 5.02 us (column_block_n 64, 4 warps), RMSNorm + residual's, a
   heavier kernel, at 4.32 (column_block_n 256, 8 warps):
-  h200_2026-11-29_tune_bwd_16384_9e56dba.log."""
+  h200_2026-11-29_tune_bwd_16384_9e56dba.log. An "fp8_static" key (y alone) is seeded
+  by the "fp8_delayed" entries too: the same kernel with the stores of its statistics."""
   post = _parts(key)["post_norm"]
+  passes = _SEED_PASSES.get(key.pass_, (key.pass_,))
   seeds = []
   for e in entries:
     k = e.key
-    if ((k.pass_, k.x, k.params, k.n, k.m)
-        != (key.pass_, key.x, key.params, key.n, key.m) or _parts(k)["post_norm"] != post
+    if (k.pass_ not in passes or (k.x, k.params, k.n, k.m) != (key.x, key.params, key.n, key.m)
+        or _parts(k)["post_norm"] != post
         or e.backend != backend or (e.mode or None) != (mode or None)):
       continue
     c = _candidate(key, backend, mode, e.fields, device)

@@ -359,6 +359,42 @@ def test_tune_fp8_output_passes(tmp_path):
 
 
 @pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
+def test_tune_fp8_static_pass(tmp_path):
+  """"fp8_static" (y alone, stats=False) is tuned on the op it names and seeded by the
+  "fp8_delayed" entry of its shape; kernels/fp8.py reads it for stats=False calls only,
+  and falls back to the "fp8_delayed" entry where the table has no "fp8_static" one."""
+  from pallas_norm.kernels import fp8 as kfp8
+
+  def timer(cand, exe, arg_sets, iters, skip=0):  # y alone best at 1 warp, stats at 2
+    best = 1 if cand.entry.key.pass_ == "fp8_static" else 2
+    return 10.0 + abs(cand.entry.fields["num_warps"] - best)
+  keys = tune.keys_for([(16, 256)], ("rms",), ("fp8_delayed", "fp8_static"))
+  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
+                  backends=("pallas",), timer=timer, progress=False, rounds=1,
+                  log=lambda *a: None)
+  table = tuning.Table.load(path)
+  (d,) = table.groups["fp8_delayed", "rms", "bfloat16", "bfloat16"]
+  (st,) = table.groups["fp8_static", "rms", "bfloat16", "bfloat16"]
+  assert (d.fields["num_warps"], st.fields["num_warps"]) == (2, 1)
+  seeds = tune._table_seeds(st.key, "pallas", None, CPU, [d])
+  assert [c.config[0].num_warps for c in seeds] == [2] and seeds[0].entry.key == st.key
+  tuning.clear_cache()
+  kw = dict(kernel="delayed", interpret=True, param_dtype=jnp.bfloat16)
+  assert kfp8.fp8_config(16, 256, jnp.bfloat16, stats=False, **kw).num_warps == 1
+  assert kfp8.fp8_config(16, 256, jnp.bfloat16, **kw).num_warps == 2
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((16, 256)), jnp.bfloat16)
+  s = jnp.ones((256,), jnp.bfloat16)
+  ys = jnp.float32(8 / 448)
+  y_alone = pallas_norm.rms_norm_fp8(x, s, y_scale=ys, stats=False, interpret=True)
+  full = pallas_norm.rms_norm_fp8(x, s, y_scale=ys, interpret=True)
+  np.testing.assert_array_equal(np.asarray(y_alone.y, np.float32),
+                                np.asarray(full.y, np.float32))
+  tune._write(path, [d], dict(device_kind="cpu", num_sms=CPU.num_sms))
+  tuning.clear_cache()
+  assert kfp8.fp8_config(16, 256, jnp.bfloat16, stats=False, **kw).num_warps == 2
+
+
+@pytest.mark.cpu_only  # the tables of the "cpu" device kind, interpret mode
 def test_tune_fp8_residual_family(tmp_path):
   """The static-scale FP8 op with residual= (family rms_res, pass fp8_delayed): its row
   block kernel's tile and warps are searched (no persistent programs, no packing) and

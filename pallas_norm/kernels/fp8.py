@@ -277,32 +277,42 @@ _CPU_MIN_BLOCK_M = 64  # interpret mode runs programs one after another: fewer o
 
 # ------------------------------------------------------------------------ tables
 # The FP8-output kernels' tuned configs (pallas_norm.tuning; the tuner's keys
-# "fp8_stats", "fp8_delayed", "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t"): an
+# "fp8_stats", "fp8_delayed", "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t", and
+# "fp8_static": the delayed kernel without y_t writing y alone, ``stats=False``): an
 # entry holds Fp8Config's fields (num_programs as programs_per_sm, 0: a row block a
 # program), and for "fp8_delayed_t" ``separate`` (transpose_separately's choice), for
 # the quantise keys ``bottom_up`` (quantise_bottom_up's).
 FP8_FLAGS = ("separate", "bottom_up")
 
 
-def table_pass(kernel: str, transpose: bool) -> str:
-  """The tables' pass of an FP8 kernel ("stats" has no y_t)."""
+def table_pass(kernel: str, transpose: bool, stats: bool = True) -> str:
+  """The tables' pass of an FP8 kernel ("stats" has no y_t; "delayed" without y_t and
+  without ``stats``, y alone: "fp8_static")."""
+  if kernel == "delayed" and not transpose and not stats:
+    return "fp8_static"
   return f"fp8_{kernel}" + ("_t" if transpose and kernel != "stats" else "")
 
 
 def _tuned_entry(kernel: str, m: int, n: int, dtype, subtract_mean: bool,
-                 transpose: bool, param_dtype, interpret: bool, residual: bool = False):
+                 transpose: bool, param_dtype, interpret: bool, residual: bool = False,
+                 stats: bool = True):
   """The tables' entry for this FP8 kernel call, or None (interpret mode: the CPU's
-  tables only). ``residual``: the fused residual add's family ("rms_res", "layer_res")."""
+  tables only). ``residual``: the fused residual add's family ("rms_res", "layer_res").
+  Without ``stats`` (y alone): the "fp8_static" entry, else the "fp8_delayed" one (the
+  same kernel with its stores of mean, rstd and amax)."""
   from pallas_norm import config as _config
   from pallas_norm import tuning
   device = device_info()
   if interpret != (device.platform != "gpu"):
     return None  # compiled from a CPU or interpreted on a GPU: no table of that device
-  key = _config.table_key(table_pass(kernel, transpose), m, n, dtype,
-                          subtract_mean=subtract_mean, param_dtype=param_dtype,
-                          residual=residual)
-  found = tuning.lookup(key, device.name, backend="pallas", gpu=device.platform == "gpu")
-  return None if found is None else found[0]
+  for pass_ in dict.fromkeys((table_pass(kernel, transpose, stats),
+                              table_pass(kernel, transpose))):
+    key = _config.table_key(pass_, m, n, dtype, subtract_mean=subtract_mean,
+                            param_dtype=param_dtype, residual=residual)
+    found = tuning.lookup(key, device.name, backend="pallas", gpu=device.platform == "gpu")
+    if found is not None:
+      return found[0]
+  return None
 
 
 def fp8_entry_fields(cfg: Fp8Config, num_sms: int, m: int | None = None,
@@ -426,7 +436,7 @@ _FP8_COLUMN_SPLITS = 8
 def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
                subtract_mean: bool = False, transpose: bool = False,
                interpret: bool = False, param_dtype=None, tuned: bool = True,
-               residual: bool = False) -> Fp8Config:
+               residual: bool = False, stats: bool = True) -> Fp8Config:
   """The launch config of ``kernel`` ("delayed", "stats" or "quantise") for x [M, N]:
   the tuning tables' entry for the call (``tuned``; ``fp8_from_entry``), else the
   default below.
@@ -450,6 +460,9 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
   family ("rms_res" / "layer_res"), else this function's config without it; either as
   ``residual_config`` makes it (one program a row block).
 
+  ``stats`` False ("delayed" without y_t: y alone, static scaling's): the tables'
+  "fp8_static" entry first, then the "fp8_delayed" one (``_tuned_entry``).
+
   Raises:
     ValueError: an unknown kernel name.
   """
@@ -457,15 +470,16 @@ def fp8_config(m: int, n: int, dtype=jnp.bfloat16, *, kernel: str,
     raise ValueError(f"{kernel=} is not an FP8 kernel; valid: {KERNELS}")
   if residual:
     e = tuned and _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype,
-                               interpret, residual=True)
+                               interpret, residual=True, stats=stats)
     cfg = fp8_from_entry(e, m, n, dtype, transpose, interpret) if e else None
     if cfg is None:
       cfg = fp8_config(m, n, dtype, kernel=kernel, subtract_mean=subtract_mean,
                        transpose=transpose, interpret=interpret, param_dtype=param_dtype,
-                       tuned=tuned)
+                       tuned=tuned, stats=stats)
     return residual_config(cfg)
   if tuned:
-    e = _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype, interpret)
+    e = _tuned_entry(kernel, m, n, dtype, subtract_mean, transpose, param_dtype, interpret,
+                     stats=stats)
     cfg = None if e is None else fp8_from_entry(e, m, n, dtype, transpose, interpret)
     if cfg is not None:
       return cfg
@@ -1087,7 +1101,7 @@ def fp8_norm_delayed(x, scale, bias, inv, *, eps: float, scale_offset: float,
   cfg = config or fp8_config(m, n, x.dtype, kernel="delayed", subtract_mean=subtract_mean,
                              transpose=transpose, interpret=interpret,
                              param_dtype=_param_dtype(scale, bias),
-                             residual=residual is not None)
+                             residual=residual is not None, stats=stats)
   h_outs, extra_statics = [], {}
   if residual is not None:
     cfg = residual_config(cfg)

@@ -10,7 +10,8 @@ for the forward, one mode):
   key     pass      "fwd" (the forward alone), "fwd_stats" (the forward that also writes
                     mean/rstd: under ``jax.vjp``), "bwd" (the backward, both stages),
                     or an FP8-output kernel: "fp8_stats", "fp8_delayed",
-                    "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t"
+                    "fp8_delayed_t", "fp8_quantise", "fp8_quantise_t", "fp8_static"
+                    (delayed scaling's y alone: ``stats=False``, no y_t)
           family    "rms" or "layer", then "_res" with ``residual=``, "_llama" with
                     ``cast="llama"``, "_post" with ``post_norm_scale=`` ("rms_res_post":
                     the one-kernel forward, "fwd" only)
@@ -57,7 +58,7 @@ __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "STEADY_BUCKET", "Key", "
 FORMAT = "pallas_norm.tuning"
 VERSION = 1
 PASSES = ("fwd", "fwd_stats", "bwd", "fp8_stats", "fp8_delayed", "fp8_delayed_t",
-          "fp8_quantise", "fp8_quantise_t")
+          "fp8_quantise", "fp8_quantise_t", "fp8_static")
 # Upper bounds of the M buckets (1 row; decode and small batches; training); M above the
 # last is bucket len(M_BUCKETS).
 M_BUCKETS = (1, 8, 64, 512, 4096, 32768, 262144)
