@@ -419,7 +419,19 @@ def _few_row_seeds(key, backend, mode, device) -> list[Candidate]:
   The one-tile backward of N' 16384 is the default up to 64 rows only, and the many-row
   default's split row cannot reach it one field at a time (block_n and split_rows at
   once). H200, 2026-11-29, RMSNorm 512x16384: the seed with fused_reduce 36.0 us against
-  the split's 19.9 (h200_2026-11-29_tune_bwd16384_a41d150.log)."""
+  the split's 19.9 (h200_2026-11-29_tune_bwd16384_a41d150.log).
+  Below ``_FEW_ROWS_WIDE_MIN_M`` rows of the backward (where N' 16384 is a split row by
+  default), the one-tile default of that many rows over 4, 8 and 16 column splits
+  (``column_splits``, without ``fused_reduce``): three fields from the split row, so the
+  search never timed it at 1x16384 (h200_2026-11-29_tune_bwd_1row_9e56dba.log)."""
+  if key.pass_ == "bwd" and key.m < C._FEW_ROWS_WIDE_MIN_M:
+    wide = _default(dataclasses.replace(key, m=C._FEW_ROWS_WIDE_MIN_M), backend, mode,
+                    device)
+    if wide is None:
+      return []
+    fields = dict(wide.entry.fields, fused_reduce=False)
+    return [c for c in (_candidate(key, backend, mode, dict(fields, column_splits=cs),
+                                   device) for cs in (4, 8, 16)) if c is not None]
   if key.m <= C._FEW_ROWS_M:
     return []
   few = _default(dataclasses.replace(key, m=C._FEW_ROWS_M), backend, mode, device)

@@ -579,6 +579,18 @@ def test_few_row_default_seeds_the_search_past_64_rows():
   assert tune._few_row_seeds(dataclasses.replace(key, m=64), "pallas", None, gpu) == []
 
 
+def test_one_row_backward_is_seeded_with_the_one_tile_column_splits():
+  """Below 8 rows of N' 16384 the backward's default is a split row; the one-tile
+  kernel over 4, 8 and 16 column splits seeds its search (three fields away)."""
+  gpu = config.DeviceInfo("gpu", "NVIDIA H200", 132)
+  key = tuning.Key("bwd", "rms", "bfloat16", "bfloat16", 16384, 1)
+  assert tune._default(key, "pallas", None, gpu).config.split_rows
+  seeds = tune._few_row_seeds(key, "pallas", None, gpu)
+  assert [(c.config.block_n, c.config.column_splits, c.config.split_rows) for c in seeds] == [
+      (16384, 4, False), (16384, 8, False), (16384, 16, False)]
+  assert tune._few_row_seeds(dataclasses.replace(key, m=8), "pallas", None, gpu) == []
+
+
 def test_table_seeds_are_the_keys_and_its_siblings_entries():
   """The table's entries at the key's pass and shape (its own, and the other families',
   the bias or the residual aside), rebuilt for the key, seed the search; those of
