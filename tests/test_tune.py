@@ -43,6 +43,13 @@ def _run(tmp_path, keys, calls, **kw):
                   timer=_timer(calls), progress=False, rounds=1, log=lambda *a: None, **kw)
 
 
+def _run_user(tmp_path, keys, timer):
+  """``keys`` tuned with ``timer`` into the user's table of the "cpu" device kind
+  (tmp_path/user, where the tests' PALLAS_NORM_TUNING_DIR points), which the ops read."""
+  return tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU, backends=("pallas",),
+                  timer=timer, progress=False, rounds=1, log=lambda *a: None)
+
+
 def _spy(monkeypatch):
   """The configs the launchers were called with."""
   seen = {"fwd": [], "bwd": []}
@@ -340,9 +347,7 @@ def test_tune_fp8_output_passes(tmp_path):
     f = cand.entry.fields
     return 10.0 + abs(f["num_warps"] - 2) + (0.0 if f.get("separate") else 1.0)
   keys = tune.keys_for([(16, 256)], ("rms",), ("fp8_delayed", "fp8_delayed_t"))
-  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
-                  backends=("pallas",), timer=timer, progress=False, rounds=1,
-                  log=lambda *a: None)
+  path = _run_user(tmp_path, keys, timer)
   table = tuning.Table.load(path)
   (t,) = table.groups["fp8_delayed_t", "rms", "bfloat16", "bfloat16"]
   assert t.fields["separate"] is True and t.fields["num_warps"] == 2
@@ -369,9 +374,7 @@ def test_tune_fp8_static_pass(tmp_path):
     best = 1 if cand.entry.key.pass_ == "fp8_static" else 2
     return 10.0 + abs(cand.entry.fields["num_warps"] - best)
   keys = tune.keys_for([(16, 256)], ("rms",), ("fp8_delayed", "fp8_static"))
-  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
-                  backends=("pallas",), timer=timer, progress=False, rounds=1,
-                  log=lambda *a: None)
+  path = _run_user(tmp_path, keys, timer)
   table = tuning.Table.load(path)
   (d,) = table.groups["fp8_delayed", "rms", "bfloat16", "bfloat16"]
   (st,) = table.groups["fp8_static", "rms", "bfloat16", "bfloat16"]
@@ -405,9 +408,7 @@ def test_tune_fp8_residual_family(tmp_path):
   def timer(cand, exe, arg_sets, iters, skip=0):
     return 10.0 + abs(cand.entry.fields["num_warps"] - 2)
   keys = tune.keys_for([(16, 256)], ("rms_res",), ("fp8_delayed", "fp8_stats"))
-  path = tune.run(keys, out=tmp_path / "user" / "cpu.json", device=CPU,
-                  backends=("pallas",), timer=timer, progress=False, rounds=1,
-                  log=lambda *a: None)
+  path = _run_user(tmp_path, keys, timer)
   table = tuning.Table.load(path)
   assert set(table.groups) == {("fp8_delayed", "rms_res", "bfloat16", "bfloat16")}
   (e,) = table.groups["fp8_delayed", "rms_res", "bfloat16", "bfloat16"]
