@@ -156,11 +156,10 @@ def _op(key: tuning.Key, backend: str, mode: str | None):
   import pallas_norm
   p = _parts(key)
   if _fp8_out(key):
-    kernel, transpose = _fp8_kernel(key)
+    kernel, transpose, stats = _fp8_kernel(key)
     ys = jnp.float32(8.0 / 448.0) if kernel == "delayed" else None
     op = pallas_norm.layer_norm_fp8 if p["subtract_mean"] else pallas_norm.rms_norm_fp8
     extra = (lambda b: (b,)) if p["subtract_mean"] else (lambda b: ())
-    stats = _fp8_stats(key)
 
     def f8(x, s, b, r, xs):  # with a residual family: (Fp8Norm, h)
       del xs
@@ -309,18 +308,15 @@ def _fp8_out(key: tuning.Key) -> bool:
   return key.pass_ in FP8_PASSES
 
 
-def _fp8_kernel(key: tuning.Key) -> tuple[str, bool]:
-  """(kernels/fp8.py's kernel name, transpose) of an FP8-output key."""
-  name = key.pass_[len("fp8_"):]
-  if name == "static":  # the delayed kernel, y alone (_fp8_stats)
-    return "delayed", False
-  return name.removesuffix("_t"), name.endswith("_t")
-
-
-def _fp8_stats(key: tuning.Key) -> bool:
-  """Whether an FP8-output key's op also writes amax, mean and rstd (all but
-  "fp8_static")."""
-  return key.pass_ != "fp8_static"
+def _fp8_kernel(key: tuning.Key) -> tuple[str, bool, bool]:
+  """(kernels/fp8.py's kernel name, transpose, stats) of an FP8-output key: the first
+  call whose ``table_pass`` is the key's pass ("fp8_static": the delayed kernel without
+  y_t and without stats, y alone)."""
+  from pallas_norm.kernels import fp8 as kfp8
+  for call in itertools.product(kfp8.KERNELS, (False, True), (True, False)):
+    if kfp8.table_pass(*call) == key.pass_:
+      return call
+  raise ValueError(f"{key.pass_!r} is not an FP8-output pass")
 
 
 def _entry(key, backend, mode, cfg, device) -> tuning.Entry:
@@ -336,7 +332,7 @@ def _entry(key, backend, mode, cfg, device) -> tuning.Entry:
 def _fp8_rebuild(e: tuning.Entry, device):
   """(Fp8Config, flags) of an FP8-output entry for its key's shape, or None."""
   from pallas_norm.kernels import fp8 as kfp8
-  kernel, transpose = _fp8_kernel(e.key)
+  _, transpose, _ = _fp8_kernel(e.key)
   cfg = kfp8.fp8_from_entry(e, e.key.m, e.key.n, jnp.dtype(e.key.x), transpose,
                             device.platform != "gpu")
   if cfg is not None and _parts(e.key)["residual"]:  # what the residual variant runs
@@ -374,12 +370,12 @@ def _default(key, backend, mode, device) -> Candidate | None:
   params = None if key.params == key.x else jnp.dtype(key.params)
   if _fp8_out(key):
     from pallas_norm.kernels import fp8 as kfp8
-    kernel, transpose = _fp8_kernel(key)
+    kernel, transpose, stats = _fp8_kernel(key)
     interpret = device.platform != "gpu"
     cfg = kfp8.fp8_config(key.m, key.n, jnp.dtype(key.x), kernel=kernel,
                           subtract_mean=p["subtract_mean"], transpose=transpose,
                           interpret=interpret, param_dtype=jnp.dtype(key.params),
-                          tuned=False, residual=p["residual"], stats=_fp8_stats(key))
+                          tuned=False, residual=p["residual"], stats=stats)
     flags = ()
     if kernel == "delayed" and transpose:
       flags = (("separate", kfp8.transpose_separately(interpret)),)
@@ -444,9 +440,6 @@ def _few_row_seeds(key, backend, mode, device) -> list[Candidate]:
           if c is not None]
 
 
-_SEED_PASSES = {"fp8_static": ("fp8_static", "fp8_delayed")}
-
-
 def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   """The table's entries at ``key``'s pass, shape and dtypes, this backend and mode,
   rebuilt for ``key``: its own from an earlier run (``--no-resume``: a retune starts
@@ -455,10 +448,14 @@ def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   ``key``'s default may reach. H200, 2026-11-29, the backward at 64x16384: RMSNorm's
   search stopped at 5.02 us (column_block_n 64, 4 warps), RMSNorm + residual's, a
   heavier kernel, at 4.32 (column_block_n 256, 8 warps):
-  h200_2026-11-29_tune_bwd_16384_9e56dba.log. An "fp8_static" key (y alone) is seeded
-  by the "fp8_delayed" entries too: the same kernel with the stores of its statistics."""
+  h200_2026-11-29_tune_bwd_16384_9e56dba.log. An FP8-output key is seeded by the
+  entries of every pass its kernel call looks up (``kernels/fp8.table_passes``: an
+  "fp8_static" key by the "fp8_delayed" ones too)."""
   post = _parts(key)["post_norm"]
-  passes = _SEED_PASSES.get(key.pass_, (key.pass_,))
+  passes = (key.pass_,)
+  if _fp8_out(key):
+    from pallas_norm.kernels import fp8 as kfp8
+    passes = kfp8.table_passes(*_fp8_kernel(key))
   seeds = []
   for e in entries:
     k = e.key

@@ -66,8 +66,8 @@ from pallas_norm.kernels.forward import (_affine, _chunk_index, _chunk_stats, _l
                                          _load_params, _load_tile, _Sum, _tile_index,
                                          _tile_stats, _where0)
 
-__all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass", "fp8_norm_delayed", "fp8_stats", "fp8_quantise",
-           "residual_config",
+__all__ = ["Fp8Config", "fp8_config", "fp8_entry_fields", "fp8_from_entry", "table_pass",
+           "table_passes", "fp8_norm_delayed", "fp8_stats", "fp8_quantise", "residual_config",
            "fp8_tile_amax", "reduce_amax"]
 
 _F32 = jnp.float32
@@ -293,6 +293,14 @@ def table_pass(kernel: str, transpose: bool, stats: bool = True) -> str:
   return f"fp8_{kernel}" + ("_t" if transpose and kernel != "stats" else "")
 
 
+def table_passes(kernel: str, transpose: bool, stats: bool = True) -> tuple[str, ...]:
+  """The tables' passes whose entries fit an FP8 kernel call, first choice first: its
+  own (``table_pass``), then, for y alone ("fp8_static"), "fp8_delayed": the same
+  kernel timed with the stores of mean, rstd and amax."""
+  return tuple(dict.fromkeys((table_pass(kernel, transpose, stats),
+                              table_pass(kernel, transpose))))
+
+
 def _tuned_entry(kernel: str, m: int, n: int, dtype, subtract_mean: bool,
                  transpose: bool, param_dtype, interpret: bool, residual: bool = False,
                  stats: bool = True):
@@ -305,8 +313,7 @@ def _tuned_entry(kernel: str, m: int, n: int, dtype, subtract_mean: bool,
   device = device_info()
   if interpret != (device.platform != "gpu"):
     return None  # compiled from a CPU or interpreted on a GPU: no table of that device
-  for pass_ in dict.fromkeys((table_pass(kernel, transpose, stats),
-                              table_pass(kernel, transpose))):
+  for pass_ in table_passes(kernel, transpose, stats):
     key = _config.table_key(pass_, m, n, dtype, subtract_mean=subtract_mean,
                             param_dtype=param_dtype, residual=residual)
     found = tuning.lookup(key, device.name, backend="pallas", gpu=device.platform == "gpu")

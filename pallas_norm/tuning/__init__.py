@@ -53,7 +53,8 @@ import warnings
 
 __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "STEADY_BUCKET", "Key", "Entry", "Table",
            "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path",
-           "shipped_tables", "user_dir", "user_path", "tables", "lookup", "forced", "context", "clear_cache"]
+           "shipped_tables", "user_dir", "user_path", "tables", "lookup", "forced", "context",
+           "clear_cache"]
 
 FORMAT = "pallas_norm.tuning"
 VERSION = 1
