@@ -554,10 +554,10 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
     one_tile = bn_full <= (_FEW_ROWS_MAX_BLOCK_N if pallas else _BWD_SINGLE_TILE_MAX)
     if bn_full > _BWD_SINGLE_TILE_MAX:
       # Pallas's split row also at 128 and 256 columns a split (fewer row groups at the
-      # same programs a SM: fewer dscale partials). On the H200 they lose (512x16384,
-      # 1 warp: 128 / 256 / 512 columns 37.0 / 23.7 / 20.5 us, RMSNorm;
-      # h200_2026-11-29_tune_bwd_512x16384_d36f12e.log); a GPU with other SM counts
-      # and occupancy may differ, and they cost the search two candidates.
+      # same programs a SM: fewer dscale partials). Where timed they lost (RMSNorm
+      # 512x16384, 1 warp: 128 / 256 / 512 columns 37.0 / 23.7 / 20.5 us,
+      # h200_2026-11-29_tune_bwd_512x16384_d36f12e.log); the search keeps them (two
+      # candidates a key) for GPUs of other SM counts and occupancy.
       narrow = (128, 256) if pallas else ()
       space["block_n"] = (tuple(c for c in narrow + (512,) + chunks if c < bn_full)
                           + ((bn_full,) if one_tile else ()))
