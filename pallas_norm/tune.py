@@ -450,7 +450,11 @@ def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   heavier kernel, at 4.32 (column_block_n 256, 8 warps):
   h200_2026-11-29_tune_bwd_16384_9e56dba.log. An FP8-output key is seeded by the
   entries of every pass its kernel call looks up (``kernels/fp8.table_passes``: an
-  "fp8_static" key by the "fp8_delayed" ones too)."""
+  "fp8_static" key by the "fp8_delayed" ones too). And the key's own family's entries
+  in its M bucket at half and twice its N, which the lookup never serves it (another
+  N', ``tuning.padded_width``) but which may hold a better tile than its default (H200,
+  2026-11-29: RMSNorm + residual's forward at 16384x16384, 531 us with the 8192x8192
+  entry rebuilt, 591 with the default; steady_tuned_vs_untuned_a5624e7.log)."""
   post = _parts(key)["post_norm"]
   passes = (key.pass_,)
   if _fp8_out(key):
@@ -459,7 +463,11 @@ def _table_seeds(key, backend, mode, device, entries) -> list[Candidate]:
   seeds = []
   for e in entries:
     k = e.key
-    if (k.pass_ not in passes or (k.x, k.params, k.n, k.m) != (key.x, key.params, key.n, key.m)
+    same_shape = (k.n, k.m) == (key.n, key.m)
+    neighbour = (k.family == key.family and k.n in (key.n // 2, key.n * 2)
+                 and tuning.m_bucket(k.m) == tuning.m_bucket(key.m))
+    if (k.pass_ not in passes or (k.x, k.params) != (key.x, key.params)
+        or not (same_shape or neighbour)
         or _parts(k)["post_norm"] != post
         or e.backend != backend or (e.mode or None) != (mode or None)):
       continue

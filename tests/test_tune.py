@@ -594,8 +594,9 @@ def test_one_row_backward_is_seeded_with_the_one_tile_column_splits():
 
 def test_table_seeds_are_the_keys_and_its_siblings_entries():
   """The table's entries at the key's pass and shape (its own, and the other families',
-  the bias or the residual aside), rebuilt for the key, seed the search; those of
-  another shape or backend do not."""
+  the bias or the residual aside), and its own family's at N/2 and 2N in its M bucket,
+  rebuilt for the key, seed the search; those of another shape, family or backend do
+  not."""
   key = tuning.Key("bwd", "rms", "float32", "float32", 128, 8)
 
   def entry(k, backend="pallas", **fields):
@@ -604,11 +605,13 @@ def test_table_seeds_are_the_keys_and_its_siblings_entries():
     return dataclasses.replace(c.entry, backend=backend)
   own = entry(key, num_warps=1)
   sib = entry(dataclasses.replace(key, family="layer_res"), num_warps=2)
+  wider = entry(dataclasses.replace(key, n=256, m=5), num_warps=8)  # own family, 2N
   others = [entry(dataclasses.replace(key, m=16), num_warps=4),
-            entry(dataclasses.replace(key, n=256), num_warps=4),
+            entry(dataclasses.replace(key, n=512), num_warps=4),
+            entry(dataclasses.replace(key, n=256, family="layer"), num_warps=4),
             entry(key, backend="triton", num_warps=4)]
-  seeds = tune._table_seeds(key, "pallas", None, CPU, [own, sib, *others])
-  assert [s.config.num_warps for s in seeds] == [1, 2]
+  seeds = tune._table_seeds(key, "pallas", None, CPU, [own, sib, wider, *others])
+  assert [s.config.num_warps for s in seeds] == [1, 2, 8]
   assert all(s.entry.key == key for s in seeds)  # rebuilt for the key
 
 

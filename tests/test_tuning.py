@@ -1,7 +1,7 @@
 """Tuning as data (issue #57): the tables' lookup (pallas_norm.tuning) and the config
 glue (config.table_key, entry_fields, from_entry, fits), on CPU.
 
-  lookup       the nearest point (N by log distance within a factor of 2, then the M
+  lookup       the nearest point (N by log distance within N's padded width, then the M
                bucket only, then N_e >= N, then the larger M_e), the smallest us there,
                the backend= / mode= filters, the key's group;
   sources      the user's table before the shipped one; PALLAS_NORM_TUNING all /
@@ -123,18 +123,22 @@ def _default(device=CPU, m=16, n=256, **kw):
 
 
 def test_nearest_n_by_log_distance():
-  near, far = _entry(n=1024, us=9.0), _entry(n=4096, us=1.0)
+  near, far = _entry(n=2560, us=9.0), _entry(n=4096, us=1.0)
   t = _table(far, near)
-  # |log2 1536 - log2 1024| = 0.58 < |log2 4096 - log2 1536| = 1.42, whatever the us
-  assert t.nearest(tuning.Key("fwd", "rms", "bfloat16", "none", 1536, 16)) == near
-  assert t.nearest(tuning.Key("fwd", "rms", "bfloat16", "none", 3000, 16)) == far
+  # |log2 2600 - log2 2560| = 0.02 < |log2 4096 - log2 2600| = 0.66, whatever the us
+  assert t.nearest(tuning.Key("fwd", "rms", "bfloat16", "none", 2600, 16)) == near
+  assert t.nearest(tuning.Key("fwd", "rms", "bfloat16", "none", 3600, 16)) == far
 
 
-def test_n_beyond_a_factor_of_2_is_no_match():
+def test_an_entry_serves_its_padded_width_only():
+  """N' (the next power of 2) is the kernels' tile width: an entry serves the N of its
+  own N' and no other, however near (8192's one tile at 16384 spills)."""
   t = _table(_entry(n=2048))
   key = lambda n: tuning.Key("fwd", "rms", "bfloat16", "none", n, 16)
-  assert t.nearest(key(4096)) is not None and t.nearest(key(1024)) is not None
-  assert t.nearest(key(4097)) is None and t.nearest(key(1023)) is None
+  assert t.nearest(key(2048)) is not None and t.nearest(key(1025)) is not None
+  assert t.nearest(key(2049)) is None and t.nearest(key(1024)) is None
+  assert [tuning.padded_width(n) for n in (1, 2, 3, 1024, 1025, 5120)] == [
+      1, 2, 4, 1024, 2048, 8192]
 
 
 def test_own_m_bucket_then_wider_n_then_larger_m():
@@ -148,16 +152,16 @@ def test_own_m_bucket_then_wider_n_then_larger_m():
   # from 4097 rows up one bucket (STEADY_BUCKET)
   assert t.nearest(key(256, 4097)) == big and t.nearest(key(256, 10 ** 6)) == big
   # the same log distance either side: N_e >= N first, wherever it sits in the table
-  lo, hi = _entry(n=512, us=1.0), _entry(n=2048, us=5.0)
+  lo, hi = _entry(n=576, us=1.0), _entry(n=1024, us=5.0)  # 768 = sqrt(576 * 1024)
   for t in (_table(lo, hi), _table(hi, lo)):
-    assert t.nearest(key(1024, 16)) == hi
+    assert t.nearest(key(768, 16)) == hi
   # the same point but for M_e within one bucket (9..64): the larger M_e
   m16, m64 = _entry(m=16, us=1.0), _entry(m=64, us=5.0)
   for t in (_table(m16, m64), _table(m64, m16)):
     assert t.nearest(key(256, 32)) == m64
   # another bucket is never taken, even at the same N
-  t = _table(_entry(n=256, m=1, us=7.0), _entry(n=384, m=16, us=1.0))
-  assert t.nearest(key(256, 16)).key.n == 384
+  t = _table(_entry(n=256, m=1, us=7.0), _entry(n=200, m=16, us=1.0))
+  assert t.nearest(key(256, 16)).key.n == 200
 
 
 def test_smallest_us_at_the_point_and_the_filters():
@@ -165,7 +169,7 @@ def test_smallest_us_at_the_point_and_the_filters():
   cached = _entry(mode="multi_wave_cached", us=4.0)
   triton = _entry(backend="triton", mode="multi_wave_cached", us=3.0)
   untimed = _entry(backend="mosaic", mode="multi_wave_cached", us=None)
-  elsewhere = _entry(n=512, us=0.5)  # faster, but not the nearest point
+  elsewhere = _entry(n=200, us=0.5)  # faster, but not the nearest point
   t = _table(untimed, reload_, elsewhere, cached, triton)
   key = tuning.Key("fwd", "rms", "bfloat16", "none", 256, 16)
   assert t.nearest(key) == triton
@@ -174,9 +178,11 @@ def test_smallest_us_at_the_point_and_the_filters():
   assert t.nearest(key, backend="pallas", mode="multi_wave_reload") == reload_
   assert t.nearest(key, backend="mosaic") == untimed
   assert t.nearest(key, mode="static_persistent") is None
-  # the filters apply before the nearest point: elsewhere is the only reload at 512
-  assert t.nearest(tuning.Key("fwd", "rms", "bfloat16", "none", 512, 16),
-                   mode="multi_wave_reload") == elsewhere
+  # the filters apply before the nearest point: at 220 elsewhere (200) is nearest, but
+  # the only cached entries are at 256
+  near = tuning.Key("fwd", "rms", "bfloat16", "none", 220, 16)
+  assert t.nearest(near) == elsewhere
+  assert t.nearest(near, backend="pallas", mode="multi_wave_cached") == cached
 
 
 @pytest.mark.parametrize("field,value", [
@@ -249,7 +255,7 @@ def test_forced_entries_answer_first():
     assert tuning.context() != before
     assert _fwd() == config.from_entry(forced, 16, 256, CPU, "pallas")
     assert _fwd(n=200) == config.from_entry(forced, 16, 200, CPU, "pallas")  # nearest
-    # beyond the forced entries' reach (a factor of 2): the tables as usual
+    # beyond the forced entries' reach (another N'): the tables as usual
     assert _fwd(n=2048) == config.from_entry(wide, 16, 2048, CPU, "pallas")
   assert tuning.context() == before
   assert _fwd() == config.from_entry(_entry(), 16, 256, CPU, "pallas")
@@ -635,7 +641,7 @@ def test_an_entry_that_is_the_default_at_its_point_means_the_default(pass_):
       return config.backward_config(m, n, jnp.bfloat16, H200, tuned=tuned)
     return config.forward_config(m, n, jnp.bfloat16, "static_persistent", H200,
                                  return_residuals=False, tuned=tuned)
-  at, there = (512, 16384), (512, 8192)
+  at, there = (512, 16384), (512, 12288)  # one N' (the lookup's reach)
   own = _as_entry(default(*at), pass_, *at, H200)
   assert config.from_entry(own, *there, H200, "pallas") != default(*there)  # the hazard
   _write_table(_user(), H200.name, own)

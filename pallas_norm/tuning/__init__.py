@@ -24,9 +24,12 @@ for the forward, one mode):
 
 Lookup (``lookup``), with no timing: the user's table, then the shipped one. In a table,
 the entries of the same pass, family and dtypes (and backend and mode where the caller
-fixed them) with N_e within a factor of 2 of N (``MAX_N_RATIO``: a table measured at
-other widths says nothing of this one) and M_e in M's bucket (``m_bucket``; all M above
-4096 are one bucket, ``STEADY_BUCKET``: a config tuned for one wave of few rows says
+fixed them) with N_e of N's padded width N' (``padded_width``, the next power of 2: the
+kernels' tiles are N' wide, and a tile tuned at one N' says nothing of another; H200,
+2026-11-29: LayerNorm's fwd+bwd at 16384x16384 took 8063 us with the 8192x8192
+entries rebuilt for it, 872 with the default:
+benchmarks/results/h200_2026-11-29_steady_tuned_vs_untuned_a5624e7.log) and M_e in M's
+bucket (``m_bucket``; all M above 4096 are one bucket, ``STEADY_BUCKET``: a config tuned for one wave of few rows says
 nothing of many waves, nor the reverse); of those the nearest point: the smallest
 |log2 N - log2 N_e|, then N_e >= N before N_e < N, then the larger M_e; at that point
 (N_e, M_e) the smallest ``us``.
@@ -52,7 +55,7 @@ import threading
 import warnings
 
 __all__ = ["FORMAT", "VERSION", "PASSES", "M_BUCKETS", "STEADY_BUCKET", "Key", "Entry", "Table",
-           "TableError", "MAX_N_RATIO", "m_bucket", "device_slug", "shipped_path",
+           "TableError", "padded_width", "m_bucket", "device_slug", "shipped_path",
            "shipped_tables", "user_dir", "user_path", "tables", "lookup", "forced", "context",
            "clear_cache"]
 
@@ -63,7 +66,6 @@ PASSES = ("fwd", "fwd_stats", "bwd", "fp8_stats", "fp8_delayed", "fp8_delayed_t"
 # Upper bounds of the M buckets (1 row; decode and small batches; training); M above the
 # last is bucket len(M_BUCKETS).
 M_BUCKETS = (1, 8, 64, 512, 4096, 32768, 262144)
-MAX_N_RATIO = 2.0  # the farthest an entry's N may be from the looked-up N (either way)
 # An entry applies in its own M bucket only; from this bucket up (more than 4096 rows:
 # many waves, the steady state) the buckets are one.
 STEADY_BUCKET = 5
@@ -72,6 +74,12 @@ _HERE = pathlib.Path(__file__).parent
 
 class TableError(ValueError):
   """A table that cannot be used: not JSON, another format or version, a bad entry."""
+
+
+def padded_width(n: int) -> int:
+  """N' = the next power of 2 of ``n`` (at least 1): the width of the kernels' row tile,
+  and the widths one table entry serves."""
+  return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def m_bucket(m: int) -> int:
@@ -206,12 +214,11 @@ class Table:
   def nearest(self, key: Key, backend: str | None = None,
               mode: str | None = None) -> Entry | None:
     """The entry for ``key`` by the module docstring's rule, or None."""
-    lim = math.log2(MAX_N_RATIO) + 1e-9
-    b = _bucket(key.m)
+    b, w = _bucket(key.m), padded_width(key.n)
     cands = [e for e in self.groups.get(key.group, ())
              if (backend is None or e.backend == backend)
              and (mode is None or e.mode == mode)
-             and abs(math.log2(e.key.n / key.n)) <= lim and _bucket(e.key.m) == b]
+             and padded_width(e.key.n) == w and _bucket(e.key.m) == b]
     if not cands:
       return None
     ln = math.log2(key.n)
