@@ -490,7 +490,9 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
   """The tables' config for this call (``from_entry``), or None: no entry, or it does
   not fit. An entry measured at another shape that is its (backend, mode)'s default
   there (the tuner kept the default) gives this shape's default of that mode: it says
-  "the default", not "this tile" (measured: docs/tuning.md, "The lookup")."""
+  "the default", not "this tile" (measured: docs/tuning.md, "The lookup"); one that is
+  the default there, its mode too, gives this shape's default, mode and all, where the
+  caller left ``mode`` open."""
   key = table_key(pass_, m, n, dtype, subtract_mean=subtract_mean, residual=residual,
                   llama=llama, param_dtype=param_dtype, post_norm=post_norm)
   found = _tuning.lookup(key, device.name, backend=backend, mode=mode,
@@ -503,15 +505,22 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
               param_dtype=param_dtype, llama=llama, tuned=False)
     if pass_ != "bwd":
       kw.update(return_residuals=pass_ == "fwd_stats", post_norm=post_norm)
-    def default_at(m, n):
+    def default_at(m, n, mode_=None):
       try:
         if pass_ == "bwd":
           return backward_config(m, n, dtype, device, **kw)
-        return forward_config(m, n, dtype, e.mode or None, device, **kw)
+        return forward_config(m, n, dtype, mode_, device, **kw)
       except (ValueError, NotImplementedError):
         return None
-    if from_entry(e, e.key.m, e.key.n, device, backend) == default_at(e.key.m, e.key.n):
+    own = from_entry(e, e.key.m, e.key.n, device, backend)
+    # the default, its mode included, where the caller left the mode open: at 8192x5120
+    # the 8192x8192 RMSNorm entry (the default there, static_persistent) as that mode's
+    # default ran 9% slower than 5120's own default, multi_wave_cached (H200,
+    # 2026-11-29, h200_2026-11-29_steady_tuned_vs_untuned_71ea8e7.log)
+    if mode is None and pass_ != "bwd" and own == default_at(e.key.m, e.key.n):
       return default_at(m, n)
+    if own == default_at(e.key.m, e.key.n, e.mode or None):
+      return default_at(m, n, e.mode or None)
   return from_entry(e, m, n, device, backend)
 
 

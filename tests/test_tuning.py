@@ -632,6 +632,21 @@ def test_wheel_carries_the_tables(tmp_path):
   assert list(tuning.Table.from_doc(doc).entries()) == [dummy]
 
 
+def test_an_entry_that_is_the_whole_default_means_the_default_mode_too():
+  """An entry equal to the default at its point, its mode included, gives another N of
+  its N' that N's default with its own mode when the caller leaves the mode open (the
+  mode's default where the caller fixed it)."""
+  at, there = (8192, 8192), (8192, 5120)
+  fwd = lambda mn, mode=None, tuned=False: config.forward_config(
+      *mn, jnp.bfloat16, mode, H200, return_residuals=False, tuned=tuned)
+  here = fwd(at)
+  assert fwd(there).mode != here.mode  # the premise: the default's mode differs
+  _write_table(_user(), H200.name, _as_entry(here, "fwd", *at, H200))
+  tuning.clear_cache()
+  assert fwd(there, tuned=True) == fwd(there)
+  assert fwd(there, here.mode, tuned=True) == fwd(there, here.mode)
+
+
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 def test_an_entry_that_is_the_default_at_its_point_means_the_default(pass_):
   """An entry equal to the default at its own (M, N) gives, at another N of its reach,
