@@ -153,8 +153,13 @@ class ForwardConfig:
       (Pallas): x (and the residual) loaded with the ``.cg`` cache modifier (L2 only,
       ``kernels._compat.stream_cache_modifier``: each element is read once), or without
       (False: L1 and L2, the Triton backend's plain loads; ``.cg`` cost the FP8 kernels
-      up to 11% on the H100, docs/fp8_tuning.md#fp8-packed). A tuned field; the
-      default keeps ``.cg``. Ignored by the other modes and backends.
+      up to 11% on the H100, docs/fp8_tuning.md#fp8-packed). The chunked rows of
+      ``multi_wave_reload`` and ``static_persistent`` (Pallas, not split over
+      programs): both passes with ``.cg``, or (False) with the L1 eviction hints,
+      evict_last in the statistics pass and evict_first in the reload (the Triton
+      backend's reload, whose residual forward took 15% less time at 16384x16384 on an
+      H200: docs/tuning.md, "At a5624e7-ac9bf24"). A tuned field; the default keeps
+      ``.cg``. Ignored by the other kernels and backends.
     reload_params: ``static_persistent`` with the row in one tile (Pallas): scale/bias
       loaded for each row block after its statistics (from L2 but for the first), as
       ``multi_wave_cached`` does, instead of once a program and held in registers
@@ -447,8 +452,8 @@ def from_entry(entry: _tuning.Entry, m: int, n: int, device: DeviceInfo, backend
       mode = entry.mode
       if mode != "multi_wave_cached" or f["block_n"] < n:
         f.pop("hoist_params", None)
-      if mode == "multi_wave_reload" or f["block_n"] < n:
-        f.pop("stream_x", None)
+      if (mode == "multi_wave_cached" and f["block_n"] < n) or f.get("split_rows"):
+        f.pop("stream_x", None)  # the split-row kernels ignore it
       if mode != "static_persistent" or f["block_n"] < n:
         f.pop("reload_params", None)
       cfg = ForwardConfig(mode=mode, **f,
@@ -594,6 +599,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       space["column_splits"] = (1, 2, 4, 8, 16)
   elif mode == "multi_wave_reload":
     space.update(block_n=chunks or (bn_full,), num_stages=(1, 2))
+    if pallas:  # .cg, or the eviction hints of the Triton backend's reload
+      space["stream_x"] = (True, False)
   elif mode == "static_persistent":
     whole = (bn_full,) if bn_full <= _CACHED_MAX_BLOCK_N else ()
     space.update(block_n=whole + chunks, programs_per_sm=per_sm)
@@ -603,7 +610,7 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
   space.update(block_m=rows, num_warps=warps)
   whole_row = (mode == "static_persistent" and bn_full <= _CACHED_MAX_BLOCK_N
                or mode == "multi_wave_cached" and "chunk_n" not in space)
-  if pallas and whole_row:  # a flag: x's loads with .cg or without
+  if pallas and (whole_row or mode == "static_persistent"):  # x's loads: .cg or not
     space["stream_x"] = (True, False)
   if pallas and whole_row and mode == "static_persistent":
     space["reload_params"] = (False, True)

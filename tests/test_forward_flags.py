@@ -4,7 +4,10 @@ where the mode ignores it, and gives the same bits either way.
 
 ForwardConfig.stream_x: multi_wave_cached and static_persistent load x, and the
 residual, with the ``.cg`` cache modifier (the default) or without (a plain load: the
-Triton backend's); the loads' modifier is read from the kernel's trace.
+Triton backend's); the chunked rows (multi_wave_reload, chunked static_persistent) with
+``.cg`` or with the eviction hints (evict_last, then evict_first in the reload: the
+Triton backend's reload); the loads' modifier and hint are read from the kernel's
+trace.
 
 ForwardConfig.reload_params: static_persistent loads scale/bias once a program and
 holds them across its row blocks (the default), or loads them for each row block after
@@ -31,13 +34,15 @@ def _space(mode, m=64, n=4096, backend="pallas", **kw):
 
 
 def test_search_space():
-  """In the Pallas search of the whole-row modes (and the post-norm kernel); not in
-  the Triton backend's, the reload mode's, or past the whole-row tile."""
+  """In the Pallas search of every mode (and the post-norm kernel); not in the Triton
+  backend's, or in the split-row cached kernel's."""
   assert _space("multi_wave_cached")["stream_x"] == (True, False)
   assert _space("static_persistent")["stream_x"] == (True, False)
+  assert _space("static_persistent", n=65536)["stream_x"] == (True, False)  # chunked
+  assert _space("multi_wave_reload")["stream_x"] == (True, False)
   assert _space("multi_wave_cached", post_norm=True)["stream_x"] == (True, False)
-  assert "stream_x" not in _space("multi_wave_reload")
   assert "stream_x" not in _space("multi_wave_cached", backend="triton")
+  assert "stream_x" not in _space("multi_wave_reload", backend="triton")
   assert "stream_x" not in _space("multi_wave_cached", n=65536)  # the split-row kernel
 
 
@@ -52,8 +57,9 @@ def test_search_space_reload_params():
 @pytest.mark.parametrize("field,value,mode,n,kept", [
     ("stream_x", False, "multi_wave_cached", 8192, True),
     ("stream_x", False, "static_persistent", 8192, True),
-    ("stream_x", False, "multi_wave_reload", 8192, False),
-    ("stream_x", False, "static_persistent", 65536, False),
+    ("stream_x", False, "multi_wave_reload", 8192, True),
+    ("stream_x", False, "static_persistent", 65536, True),
+    ("stream_x", False, "multi_wave_cached", 65536, False),
     ("reload_params", True, "static_persistent", 8192, True),
     ("reload_params", True, "multi_wave_cached", 8192, False),
     ("reload_params", True, "static_persistent", 65536, False)])
@@ -61,6 +67,7 @@ def test_table_round_trip(field, value, mode, n, kept):
   """entry_fields -> Entry -> from_entry keeps the flag where the mode reads it (whole
   rows), and gives the default where it does not."""
   block_n = min(n, 8192) if mode != "static_persistent" or n <= 8192 else 16384
+  block_n = 4096 if mode == "multi_wave_reload" else block_n  # chunks
   cfg = config.ForwardConfig(mode, 1, block_n, 8, 132 if mode == "static_persistent" else 0,
                              **{field: value})
   key = tuning.Key("fwd", "layer", "bfloat16", "bfloat16", n, 512)
@@ -77,7 +84,7 @@ def modifiers(monkeypatch):
   load = forward._load
 
   def spy(ref_at, mask, **kw):
-    seen.append(kw.get("cache_modifier"))
+    seen.append(kw.get("cache_modifier") or kw.get("eviction_policy"))
     return load(ref_at, mask, **kw)
 
   monkeypatch.setattr(forward, "_load", spy)
@@ -107,6 +114,51 @@ def test_loads_and_bits(modifiers, mode, residual):
     assert cg >= (2 if residual else 1) if stream else cg == 0, (stream, modifiers)
   for a, c in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+@pytest.mark.parametrize("mode", ["multi_wave_reload", "static_persistent"])
+@pytest.mark.parametrize("residual", [False, True], ids=["x", "x+residual"])
+def test_chunked_rows_loads_and_bits(modifiers, mode, residual):
+  """Rows of 1000 in chunks of 256: stream_x=True, every load of x (and the residual)
+  with .cg; False, none with it, the statistics pass's evict_last and the reload's
+  evict_first instead. y, mean, rstd (and h) bitwise equal."""
+  k = jax.random.split(jax.random.key(2), 4)
+  m, n = 7, 1000
+  x = jax.random.normal(k[0], (m, n), jnp.bfloat16)
+  r = jax.random.normal(k[1], (m, n), jnp.bfloat16) if residual else None
+  w, b = (1 + 0.1 * jax.random.normal(k[2], (n,)), 0.1 * jax.random.normal(k[3], (n,)))
+  outs, loads = {}, {}
+  for stream in (True, False):
+    del modifiers[:]
+    cfg = config.ForwardConfig(mode, 2, 256, 4, 3 if mode == "static_persistent" else 0,
+                               stream_x=stream)
+    outs[stream] = forward.norm_forward(x, w, b, eps=1e-5, scale_offset=0.0,
+                                        subtract_mean=True, config=cfg, interpret=True,
+                                        residual=r)
+    loads[stream] = list(modifiers)
+  per_pass = 4 * (2 if residual else 1)  # 4 chunks a pass, x (and r)
+  assert loads[True].count(".cg") == 2 * per_pass, loads[True]
+  assert ".cg" not in loads[False], loads[False]
+  assert loads[False].count("evict_last") == loads[False].count("evict_first") == per_pass
+  for a, c in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_reload_stream_x_lowers_to_triton(stream):
+  """The reload forward with either value lowers for the GPU on a CPU (Pallas's Triton
+  lowering, no GPU): LayerNorm with the residual, mean/rstd."""
+  sds = jax.ShapeDtypeStruct
+  cfg = config.ForwardConfig("multi_wave_reload", 1, 4096, 16, stream_x=stream)
+
+  def f(x, r, w, b):
+    return forward.norm_forward(x, w, b, eps=1e-5, scale_offset=0.0, subtract_mean=True,
+                                config=cfg, interpret=False, residual=r)
+
+  args = (sds((512, 16384), jnp.bfloat16), sds((512, 16384), jnp.bfloat16),
+          sds((16384,), jnp.bfloat16), sds((16384,), jnp.bfloat16))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "pallas_norm_fwd_reload" in text
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])

@@ -468,23 +468,29 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
 
 
 def _chunked_rows(rb, refs, scale_ref, bias_ref, *, n, eps, scale_offset, subtract_mean,
-                  block_m, block_n):
-  """Normalise row block ``rb`` in block_n chunks: statistics pass, then reload pass."""
+                  block_m, block_n, stream=True):
+  """Normalise row block ``rb`` in block_n chunks: statistics pass, then reload pass.
+  ``stream`` (``ForwardConfig.stream_x``): both passes load x (and the residual) with
+  ``.cg``; False: with the L1 eviction hints instead, evict_last in the statistics pass
+  and evict_first in the reload (the Triton backend's and the backward's reload)."""
   x_ref, y_ref, mean_ref, rstd_ref = refs
   chunks = dict(n=n, block_m=block_m, block_n=block_n)
-  mean, acc = _chunk_stats(rb, x_ref, subtract_mean=subtract_mean, **chunks)
+  mean, acc = _chunk_stats(rb, x_ref, subtract_mean=subtract_mean,
+                           eviction_policy=None if stream else "evict_last", **chunks)
   rstd = lax.rsqrt(acc / n + _F32(eps))  # [block_m]
   _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd,
-                   scale_offset=scale_offset, **chunks)
+                   scale_offset=scale_offset,
+                   eviction_policy=None if stream else "evict_first", **chunks)
   rows, _, row_mask, _, _ = _tile_index(rb, 0, x_ref.shape[0], n, block_m=block_m,
                                         block_n=block_n, rows_in_bounds=True)
   _store_stats(mean_ref, rstd_ref, rows, row_mask, mean, rstd)
 
 
-def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n):
+def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n, eviction_policy=None):
   """Pass 1 over row block ``rb`` in block_n chunks: (mean [block_m] f32 or None,
   acc [block_m] f32), acc the sum of squares (RMSNorm) or M2 = sum((x - mean)^2)
-  (LayerNorm, per-chunk (mean, M2) pairs combined with Chan et al.'s update)."""
+  (LayerNorm, per-chunk (mean, M2) pairs combined with Chan et al.'s update).
+  ``eviction_policy``: x's loads with that L1 hint instead of ``.cg``."""
   m = x_ref.shape[0]
   num_chunks = cdiv(n, block_n)
   tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
@@ -493,10 +499,12 @@ def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n):
   def stats_body(k, carry):
     mean, acc = carry  # [block_m] f32: running mean (LayerNorm) and M2 / sum of squares
     rows, cols, _, _, mask = tile(k)
-    # Cached in L2 only (".cg"), like pass 2's reload: with the L1 eviction hints of
-    # before (evict_last here, evict_first there), which ptxas refuses with ".cg",
-    # RMSNorm 16384^2 took 288.0 us against 275.2 (H200, load_cg.txt).
-    x = _load_tile(x_ref, rows, cols, mask, first=True)
+    # Cached in L2 only (".cg"), like pass 2's reload, by default: with the L1 eviction
+    # hints (evict_last here, evict_first there), which ptxas refuses with ".cg",
+    # RMSNorm 16384^2 took 288.0 us against 275.2 (H200, load_cg.txt); the hints stay a
+    # tuned alternative (stream_x=False), as the Triton backend's reload uses them.
+    x = _load_x(x_ref, rows, cols, mask, first=True,
+                eviction_policy=eviction_policy).astype(_F32)
     if not subtract_mean:
       # acc is [block_m, block_n]: squares are summed across the row once, after the
       # last chunk, not once a chunk.
@@ -527,9 +535,10 @@ def _chunk_stats(rb, x_ref, *, n, subtract_mean, block_m, block_n):
 
 
 def _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd, *, n, scale_offset,
-                     block_m, block_n):
+                     block_m, block_n, eviction_policy=None):
   """Pass 2 over row block ``rb``: reload each chunk, normalise with the row's ``mean``
-  (None for RMSNorm) and ``rstd`` ([block_m] f32) and store y."""
+  (None for RMSNorm) and ``rstd`` ([block_m] f32) and store y; ``eviction_policy`` as
+  ``_chunk_stats``'."""
   m = x_ref.shape[0]
   num_chunks = cdiv(n, block_n)
   tile = functools.partial(_tile_index, rb, m=m, n=n, block_m=block_m, block_n=block_n,
@@ -539,7 +548,8 @@ def _chunk_normalise(rb, x_ref, y_ref, scale_ref, bias_ref, mean, rstd, *, n, sc
     # Walk the chunks backwards: the last ones read by pass 1 are the likeliest to
     # still be in L2.
     rows, cols, _, col_mask, mask = tile(num_chunks - 1 - j)
-    x = _load_tile(x_ref, rows, cols, mask)
+    x = _load_x(x_ref, rows, cols, mask, first=False,
+                eviction_policy=eviction_policy).astype(_F32)
     if mean is not None:
       x = x - mean[:, None]
     w, b = _load_params(scale_ref, bias_ref, cols, col_mask, scale_offset)
@@ -713,13 +723,13 @@ def _cached_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bi
 
 def _reload_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
                    return_residuals, has_residual, cast_dtype, group_size,
-                   block_m, block_n):
+                   block_m, block_n, stream_x=True):
   x_ref, scale_ref, bias_ref, io = _split_refs(refs, has_scale, has_bias, subtract_mean,
                                                return_residuals, has_residual, cast_dtype,
                                                group_size)
   _chunked_rows(pl.program_id(0), io, scale_ref, bias_ref, n=n, eps=eps,
                 scale_offset=scale_offset, subtract_mean=subtract_mean,
-                block_m=block_m, block_n=block_n)
+                block_m=block_m, block_n=block_n, stream=stream_x)
 
 
 def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -755,7 +765,8 @@ def _persistent_kernel(*refs, n, eps, scale_offset, subtract_mean, has_scale, ha
     @pl.loop(pl.program_id(0), num_row_blocks, step=num_programs)
     def _row_block(rb):
       _chunked_rows(rb, io, scale_ref, bias_ref, n=n, eps=eps, scale_offset=scale_offset,
-                    subtract_mean=subtract_mean, block_m=block_m, block_n=block_n)
+                    subtract_mean=subtract_mean, block_m=block_m, block_n=block_n,
+                    stream=stream_x)
 
 
 def _split_kernel(x_ref, *refs, n, eps, scale_offset, subtract_mean, has_scale, has_bias,
@@ -1257,6 +1268,7 @@ def _whole_rows_forward(inputs, outs, statics, cfg: ForwardConfig, num_row_block
       statics["column_splits"] = cfg.column_splits
   elif cfg.mode == "multi_wave_reload":
     kernel, grid, name = _reload_kernel, num_row_blocks, "pallas_norm_fwd_reload"
+    statics = dict(statics, stream_x=cfg.stream_x)
   else:
     grid = _persistent_programs(cfg, num_row_blocks)
     statics.update(num_programs=grid, stream_x=cfg.stream_x,
