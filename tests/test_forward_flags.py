@@ -144,23 +144,6 @@ def test_chunked_rows_loads_and_bits(modifiers, mode, residual):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_reload_stream_x_lowers_to_triton(stream):
-  """The reload forward with either value lowers for the GPU on a CPU (Pallas's Triton
-  lowering, no GPU): LayerNorm with the residual, mean/rstd."""
-  sds = jax.ShapeDtypeStruct
-  cfg = config.ForwardConfig("multi_wave_reload", 1, 4096, 16, stream_x=stream)
-
-  def f(x, r, w, b):
-    return forward.norm_forward(x, w, b, eps=1e-5, scale_offset=0.0, subtract_mean=True,
-                                config=cfg, interpret=False, residual=r)
-
-  args = (sds((512, 16384), jnp.bfloat16), sds((512, 16384), jnp.bfloat16),
-          sds((16384,), jnp.bfloat16), sds((16384,), jnp.bfloat16))
-  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1 and "pallas_norm_fwd_reload" in text
-
-
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 @pytest.mark.parametrize("residual", [False, True], ids=["x", "x+residual"])
 def test_reload_params_loads_and_bits(monkeypatch, layer, residual):
@@ -195,12 +178,19 @@ def test_reload_params_loads_and_bits(monkeypatch, layer, residual):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
 
 
-@pytest.mark.parametrize("reload", [False, True])
-def test_reload_params_lowers_to_triton(reload):
-  """The persistent forward with either value lowers for the GPU on a CPU (Pallas's
+@pytest.mark.parametrize("cfg,name", [
+    (config.ForwardConfig("static_persistent", 1, 8192, 8, 264, reload_params=False),
+     "persistent"),
+    (config.ForwardConfig("static_persistent", 1, 8192, 8, 264, reload_params=True),
+     "persistent"),
+    (config.ForwardConfig("multi_wave_reload", 1, 4096, 16, stream_x=True), "reload"),
+    (config.ForwardConfig("multi_wave_reload", 1, 4096, 16, stream_x=False), "reload")],
+    ids=["hold-params", "reload-params", "reload-cg", "reload-evict"])
+def test_flags_lower_to_triton(cfg, name):
+  """The forward with either value of reload_params (persistent, the row in one tile)
+  and of stream_x (reload, 4096-wide chunks) lowers for the GPU on a CPU (Pallas's
   Triton lowering, no GPU): one Triton call, LayerNorm with the residual, mean/rstd."""
   sds = jax.ShapeDtypeStruct
-  cfg = config.ForwardConfig("static_persistent", 1, 8192, 8, 264, reload_params=reload)
 
   def f(x, r, w, b):
     return forward.norm_forward(x, w, b, eps=1e-5, scale_offset=0.0, subtract_mean=True,
@@ -209,4 +199,4 @@ def test_reload_params_lowers_to_triton(reload):
   args = (sds((512, 8192), jnp.bfloat16), sds((512, 8192), jnp.bfloat16),
           sds((8192,), jnp.bfloat16), sds((8192,), jnp.bfloat16))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1 and "pallas_norm_fwd_persistent" in text
+  assert text.count("__gpu$xla.gpu.triton") == 1 and f"pallas_norm_fwd_{name}" in text
