@@ -68,11 +68,24 @@ DEFAULT_SHAPES = ((4096, 1024), (4096, 4096), (4096, 8192), (8192, 5120), (32768
                   (16384, 16384), (4096, 65536), (1024, 262144), (8192, 2048),
                   (8192, 4096), (8192, 8192), (1, 4096), (8, 4096), (64, 4096),
                   (512, 4096), (1, 2048), (64, 8192))
-# The shipped tables' grid: every M bucket at these widths (M x N at most 2**26
-# elements), the larger M first (a partial table then serves training first).
+# The shipped tables' grid: every M bucket at these widths, the larger M first (a
+# partial table then serves training first): the M of TABLE_MS up to 4096 at every
+# width, 32768 where M x N is at most 2**26 elements, and past it a shape of the steady
+# bucket (more than 4096 rows, tuning.STEADY_BUCKET: the training sizes), the kernel
+# bench's where it has one (2026-11-29: N >= 4096 had no training-size key here).
 TABLE_NS = (1024, 2048, 4096, 8192, 16384, 65536)
 TABLE_MS = (32768, 4096, 512, 64, 8, 1)
-TABLE_SHAPES = tuple((m, n) for m in TABLE_MS for n in TABLE_NS if m * n <= 1 << 26)
+_TABLE_STEADY = ((8192, 4096), (8192, 8192), (16384, 16384), (8192, 65536))
+
+
+def _table_shapes() -> tuple[tuple[int, int], ...]:
+  top = tuning.M_BUCKETS[tuning.STEADY_BUCKET - 1]  # 4096: the last bucket of few waves
+  shapes = {(m, n) for m in TABLE_MS for n in TABLE_NS if m <= top or m * n <= 1 << 26}
+  shapes.update(_TABLE_STEADY)
+  return tuple(sorted(shapes, key=lambda s: (-s[0], s[1])))
+
+
+TABLE_SHAPES = _table_shapes()
 PRESETS = {"bench": DEFAULT_SHAPES, "table": TABLE_SHAPES}
 FAMILIES = ("rms", "layer", "rms_res", "layer_res", "rms_llama", "layer_llama",
             "rms_res_post")

@@ -643,3 +643,14 @@ def test_seed_tables_reach_the_search(tmp_path, monkeypatch, capsys):
   out = tmp_path / "t.json"
   assert tune.main(["--shapes", "8x128", "--out", str(out), "--seed-tables", str(bad)]) == 2
   assert not out.exists() and seen == [] and "pallas_norm.tune:" in capsys.readouterr().err
+
+
+def test_table_preset_covers_every_m_bucket_at_every_width():
+  """make tune's grid (--preset table): at each width of TABLE_NS a shape in each M
+  bucket, the steady one (training sizes) included; the larger M first."""
+  for n in tune.TABLE_NS:
+    got = {min(tuning.m_bucket(m), tuning.STEADY_BUCKET) for m, k in tune.TABLE_SHAPES
+           if k == n}
+    assert got == set(range(tuning.STEADY_BUCKET + 1)), (n, got)
+  ms = [m for m, _ in tune.TABLE_SHAPES]
+  assert ms == sorted(ms, reverse=True) and len(set(tune.TABLE_SHAPES)) == len(ms)
