@@ -66,8 +66,9 @@ MODES = ("multi_wave_reload", "multi_wave_cached", "static_persistent")
 
 
 def next_power_of_2(n: int) -> int:
-  """Smallest power of 2 >= ``n`` (1 for n <= 1)."""
-  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+  """Smallest power of 2 >= ``n`` (1 for n <= 1): N', the tiles' padded row width, which
+  is also the widths a table entry serves (``tuning.padded_width``)."""
+  return _tuning.padded_width(n)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -157,9 +158,9 @@ class ForwardConfig:
       ``multi_wave_reload`` and ``static_persistent`` (Pallas, not split over
       programs): both passes with ``.cg``, or (False) with the L1 eviction hints,
       evict_last in the statistics pass and evict_first in the reload (the Triton
-      backend's reload, whose residual forward took 15% less time at 16384x16384 on an
-      H200: docs/tuning.md, "At a5624e7-ac9bf24"). A tuned field; the default keeps
-      ``.cg``. Ignored by the other kernels and backends.
+      backend's reload, which took less time with the residual add at 16384x16384:
+      docs/tuning.md, "At a5624e7-ac9bf24"). A tuned field; the default keeps ``.cg``.
+      Ignored by the other kernels and backends.
     reload_params: ``static_persistent`` with the row in one tile (Pallas): scale/bias
       loaded for each row block after its statistics (from L2 but for the first), as
       ``multi_wave_cached`` does, instead of once a program and held in registers
@@ -518,11 +519,10 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
       except (ValueError, NotImplementedError):
         return None
     own = from_entry(e, e.key.m, e.key.n, device, backend)
-    # the default, its mode included, where the caller left the mode open: at 8192x5120
-    # the 8192x8192 RMSNorm entry (the default there, static_persistent) as that mode's
-    # default ran 9% slower than 5120's own default, multi_wave_cached (H200,
-    # 2026-11-29, h200_2026-11-29_steady_tuned_vs_untuned_71ea8e7.log)
-    if mode is None and pass_ != "bwd" and own == default_at(e.key.m, e.key.n):
+    # the default, its mode included, where the caller left the mode open (8192x5120
+    # ran the 8192x8192 default's mode 9% slower than its own: docs/tuning.md, "The
+    # lookup"); the backward has no mode, so both tests below are one there
+    if mode is None and own == default_at(e.key.m, e.key.n):
       return default_at(m, n)
     if own == default_at(e.key.m, e.key.n, e.mode or None):
       return default_at(m, n, e.mode or None)
@@ -570,8 +570,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       # Pallas's split row also at 128 and 256 columns a split (fewer row groups at the
       # same programs a SM: fewer dscale partials). Where timed they lost (RMSNorm
       # 512x16384, 1 warp: 128 / 256 / 512 columns 37.0 / 23.7 / 20.5 us,
-      # h200_2026-11-29_tune_bwd_512x16384_d36f12e.log); the search keeps them (two
-      # candidates a key) for GPUs of other SM counts and occupancy.
+      # docs/tuning.md, "At d36f12e"); the search keeps them (two candidates a key)
+      # for GPUs of other SM counts and occupancy.
       narrow = (128, 256) if pallas else ()
       space["block_n"] = (tuple(c for c in narrow + (512,) + chunks if c < bn_full)
                           + ((bn_full,) if one_tile else ()))
@@ -599,8 +599,6 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
       space["column_splits"] = (1, 2, 4, 8, 16)
   elif mode == "multi_wave_reload":
     space.update(block_n=chunks or (bn_full,), num_stages=(1, 2))
-    if pallas:  # .cg, or the eviction hints of the Triton backend's reload
-      space["stream_x"] = (True, False)
   elif mode == "static_persistent":
     whole = (bn_full,) if bn_full <= _CACHED_MAX_BLOCK_N else ()
     space.update(block_n=whole + chunks, programs_per_sm=per_sm)
@@ -610,8 +608,8 @@ def search_space(pass_: str, m: int, n: int, device: DeviceInfo, *, backend: str
   space.update(block_m=rows, num_warps=warps)
   whole_row = (mode == "static_persistent" and bn_full <= _CACHED_MAX_BLOCK_N
                or mode == "multi_wave_cached" and "chunk_n" not in space)
-  if pallas and (whole_row or mode == "static_persistent"):  # x's loads: .cg or not
-    space["stream_x"] = (True, False)
+  if pallas and (whole_row or mode != "multi_wave_cached"):  # x's loads: .cg or not
+    space["stream_x"] = (True, False)  # (not read by the split-row cached kernel)
   if pallas and whole_row and mode == "static_persistent":
     space["reload_params"] = (False, True)
   return space

@@ -29,8 +29,8 @@ kernels' tiles are N' wide, and a tile tuned at one N' says nothing of another; 
 2026-11-29: LayerNorm's fwd+bwd at 16384x16384 took 8063 us with the 8192x8192
 entries rebuilt for it, 872 with the default:
 benchmarks/results/h200_2026-11-29_steady_tuned_vs_untuned_a5624e7.log) and M_e in M's
-bucket (``m_bucket``; all M above 4096 are one bucket, ``STEADY_BUCKET``: a config tuned for one wave of few rows says
-nothing of many waves, nor the reverse); of those the nearest point: the smallest
+bucket (``m_bucket``; all M above 4096 are one bucket, ``STEADY_BUCKET``: a config tuned
+for one wave of few rows says nothing of many waves, nor the reverse); of those the nearest point: the smallest
 |log2 N - log2 N_e|, then N_e >= N before N_e < N, then the larger M_e; at that point
 (N_e, M_e) the smallest ``us``.
 ``config.py`` re-validates the entry for the actual shape and takes its default where
