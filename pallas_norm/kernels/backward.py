@@ -336,9 +336,9 @@ def _bwd_column_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, h
   """Stage 1 of a row in one tile over ``splits`` programs a row-block group
   (``BackwardConfig.column_splits``): program p = r * splits + k walks row blocks r,
   r + G, ... and for each loads the whole [block_m, block_n] tile of x and dy for the
-  row sums c1 (and c2), the same reductions as ``_persistent_columns``'s, then reloads
-  its columns [k * w, (k + 1) * w) (w = block_n / splits; from L2 but for the first
-  load) and writes their dx and adds to their dscale/dbias partials, stored in row r
+  row sums c1 (and c2), the same reductions as ``_persistent_columns``'s, and (issued
+  before those sums) reloads its columns [k * w, (k + 1) * w) (w = block_n / splits;
+  from L2 but for the first load), then writes their dx and adds to their dscale/dbias partials, stored in row r
   of the partials (the sums themselves with one group). No exchange between programs."""
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
@@ -361,11 +361,13 @@ def _bwd_column_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, h
     mean, rstd = _row_stats(mean_ref, rstd_ref, rows, row_mask)
     x_hat, _, g, _ = _x_hat_g(*_load_xdy(x_ref, dy_ref, rows, cols, mask), mask, mean, rstd,
                               w, cast)
+    mask_k = split(rb, rows_in_bounds=True)[4]
+    # the share's x and dy loaded before the row sums, their latency under the row's
+    # (forward._column_split_tile)
+    xdy_k = _load_xdy(x_ref, dy_ref, rows, cols_k, mask_k)
     c1 = jnp.sum(x_hat * g, axis=1) / n  # [block_m]
     c2 = jnp.sum(g, axis=1) / n if mean_ref is not None else None
-    mask_k = split(rb, rows_in_bounds=True)[4]
-    x_hat_k, dy_k, g_k, x_hat_w_k = _x_hat_g(
-        *_load_xdy(x_ref, dy_ref, rows, cols_k, mask_k), mask_k, mean, rstd, w_k, cast)
+    x_hat_k, dy_k, g_k, x_hat_w_k = _x_hat_g(*xdy_k, mask_k, mean, rstd, w_k, cast)
     _store_dx(dx_ref, rows, cols_k, mask_k, g_k, x_hat_k, c1, c2, rstd)
     dw_acc, db_acc = accs
     return dw_acc + jnp.sum(dy_k * x_hat_w_k, axis=0), db_acc + jnp.sum(dy_k, axis=0)

@@ -438,7 +438,8 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
   (rb, k) of a row block's ``splits``), XLA's few-row schedule: the program loads the
   whole [block_m, block_n >= N] tile for the row statistics (the same reductions as
   ``_single_tile``'s, so the same bits; y from the same operations, which the compiler
-  may contract otherwise: within an ulp of y's dtype), then reloads its w columns,
+  may contract otherwise: within an ulp of y's dtype) and reloads its w columns (that
+  load issued before the statistics),
   loads only their scale/bias and stores only their y (and, with a residual, h).
   Split k = 0 stores mean/rstd. No exchange between programs: a row block's splits
   each read its row from L2, so few rows spread over ``splits`` times as many SMs.
@@ -456,8 +457,11 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
   w, b = _load_params(scale_ref, bias_ref, cols_k, col_mask_k, scale_offset)
   x_rows_phys = _mapped_rows(rows, x_rows)
   x = _load_x(x_ref, x_rows_phys, cols, mask, first=False).astype(_F32)
-  mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
+  # the share's load before the reduction, its latency under the row's: the same bits,
+  # 0.97-1.08x the load after it in 36 cells of 1-8 rows (faster in 24, none slower
+  # than 3%: H200, 2026-11-29, benchmarks/results/h200_2026-11-29_split_load_first_f7ca074.*)
   xk = _load_x(x_ref, x_rows_phys, cols_k, mask_k, first=True).astype(_F32)
+  mean, rstd, _ = _tile_stats(x, mask, n=n, eps=eps, subtract_mean=subtract_mean)
   if subtract_mean:
     xk = xk - mean[:, None]
   y = _affine(xk * rstd[:, None], w, b, y_ref)
