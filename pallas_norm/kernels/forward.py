@@ -438,9 +438,9 @@ def _column_split_tile(rb, k, refs, scale_ref, bias_ref, *, n, eps, scale_offset
   (rb, k) of a row block's ``splits``), XLA's few-row schedule: the program loads the
   whole [block_m, block_n >= N] tile for the row statistics (the same reductions as
   ``_single_tile``'s, so the same bits; y from the same operations, which the compiler
-  may contract otherwise: within an ulp of y's dtype) and reloads its w columns (that
-  load issued before the statistics),
-  loads only their scale/bias and stores only their y (and, with a residual, h).
+  may contract otherwise: within an ulp of y's dtype) and reloads its w columns (a
+  load issued before the statistics), loads only their scale/bias and stores only
+  their y (and, with a residual, h).
   Split k = 0 stores mean/rstd. No exchange between programs: a row block's splits
   each read its row from L2, so few rows spread over ``splits`` times as many SMs.
   ``x_rows`` as in ``_single_tile``."""
