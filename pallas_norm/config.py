@@ -519,13 +519,13 @@ def _tuned(pass_: str, m: int, n: int, dtype, device: DeviceInfo, *, backend: st
       except (ValueError, NotImplementedError):
         return None
     own = from_entry(e, e.key.m, e.key.n, device, backend)
-    # the default, its mode included, where the caller left the mode open (8192x5120
-    # ran the 8192x8192 default's mode 9% slower than its own: docs/tuning.md, "The
-    # lookup"); the backward has no mode, so both tests below are one there
-    if mode is None and own == default_at(e.key.m, e.key.n):
-      return default_at(m, n)
-    if own == default_at(e.key.m, e.key.n, e.mode or None):
-      return default_at(m, n, e.mode or None)
+    # first the default, its mode included, where the caller left the mode open
+    # (8192x5120 ran the 8192x8192 default's mode 9% slower than its own:
+    # docs/tuning.md, "The lookup"); then the entry mode's default (the backward has
+    # no mode: one test)
+    for mode_ in dict.fromkeys(([None] if mode is None else []) + [e.mode or None]):
+      if own == default_at(e.key.m, e.key.n, mode_):
+        return default_at(m, n, mode_)
   return from_entry(e, m, n, device, backend)
 
 

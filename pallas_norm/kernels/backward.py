@@ -338,8 +338,9 @@ def _bwd_column_split_kernel(*refs, n, scale_offset, subtract_mean, has_scale, h
   r + G, ... and for each loads the whole [block_m, block_n] tile of x and dy for the
   row sums c1 (and c2), the same reductions as ``_persistent_columns``'s, and (issued
   before those sums) reloads its columns [k * w, (k + 1) * w) (w = block_n / splits;
-  from L2 but for the first load), then writes their dx and adds to their dscale/dbias partials, stored in row r
-  of the partials (the sums themselves with one group). No exchange between programs."""
+  from L2 but for the first load), then writes their dx and adds to their dscale/dbias
+  partials, stored in row r of the partials (the sums themselves with one group). No
+  exchange between programs."""
   (dy_ref, x_ref, scale_ref, mean_ref, rstd_ref, _,
    dx_ref, dw_ref, db_ref) = _split_refs(refs, has_scale, has_bias, subtract_mean, 0,
                                          has_dh, has_dres, group_size)
